@@ -8,6 +8,17 @@ import torch
 
 import extractor
 from extractor import MIXERS, Config, Transformer, causal_fir
+import collections
+import contextlib
+import hashlib
+import http.server
+import json
+import os
+import socket
+import threading
+import time
+import numpy as np
+import prepare_data
 
 # =============================================================================
 # extractor.py: every mixer against its equations written as literal loops (float64)
@@ -324,3 +335,494 @@ def test_sequence_longer_than_block_size_is_refused():
     model = tiny_model("me", l=8)
     with pytest.raises(ValueError, match="exceeds block_size l=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- prepare_data.py
+# Fixture books are made-up text in real-shaped Project Gutenberg wrappers, served by a loopback
+# HTTP server on a free port; no network.
+
+
+
+_PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
+_PD_SYLLABLES = ['ka', 'lo', 'mi', 'ren', 'tho', 'va', 'quil', 'sa', 'ne', 'dor', 'bri', 'el',
+                 'fen', 'u', 'ya', 'zo', 'pe', 'gra', 'ish', 'om', 'tü', 'ça', 'wy', 'har']
+
+
+def _pd_body(seed, n_sentences=220):
+    """Deterministic made-up prose: a title line, chapters, dialogue, a few non-ASCII letters."""
+    rng = random.Random(seed)
+    words = [''.join(rng.choice(_PD_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(200)]
+    title = ' '.join(rng.choice(words) for _ in range(3)).upper()
+    lines, para = [f'THE TALE OF {title}', '', f'by {rng.choice(words).title()}', '', ''], []
+    for s in range(n_sentences):
+        if s % 60 == 0:
+            lines += ['', f'CHAPTER {s // 60 + 1}.', '']
+        sentence = ' '.join(rng.choice(words) for _ in range(rng.randint(4, 14)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice(['.', '.', '!', '?', ';', '--'])
+        if rng.random() < 0.2:
+            sentence = f'\u201c{sentence}\u201d said {rng.choice(words).title()}.'
+        para.append(sentence)
+        if rng.random() < 0.15:
+            text = ' '.join(para)
+            while len(text) > 70:  # wrap like a Gutenberg text
+                cut = text.rfind(' ', 0, 70)
+                lines.append(text[:cut])
+                text = text[cut + 1:]
+            lines += [text, '']
+            para = []
+    lines += [' '.join(para), '', 'THE END']
+    return '\n'.join(lines) + '\n'
+
+
+_PD_LICENCE = """\
+Updated editions will replace the previous one--the old editions will be renamed.
+
+START: FULL LICENSE
+
+THE FULL PROJECT GUTENBERG LICENSE
+PLEASE READ THIS BEFORE YOU DISTRIBUTE OR USE THIS WORK
+
+Section 1. General Terms of Use and Redistributing Project Gutenberg-tm electronic works
+Project Gutenberg-tm is synonymous with the free distribution of electronic works.
+Most people start at our website which has the main PG search facility: www.gutenberg.org
+"""
+
+
+def _pd_wrap(kind, book_id, title, body):
+    """body inside a header and footer of the given historical shape; returns the raw bytes."""
+    up = title.upper()
+    if kind == 'the':  # current shape
+        text = (f'The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere '
+                f'in the United States and\nmost other parts of the world at no cost.\n\nTitle: {title}\n\n'
+                f'Release date: May 1, 2001 [eBook #{book_id}]\n\nLanguage: English\n\n'
+                f'*** START OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n{body}\n\n\n'
+                f'*** END OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n' + _PD_LICENCE)
+        return text.encode('utf-8')
+    if kind == 'this':  # 2000s shape: THIS, a producer credit, the "End of ..." line split over two
+        text = (f'Project Gutenberg\u2019s {title}, by Somebody\n\nThis eBook is for the use of anyone anywhere'
+                f' at no cost and with\nalmost no restrictions whatsoever.\n\nTitle: {title}\n\n'
+                f'Posting Date: June 25, 2008 [EBook #{book_id}]\nCharacter set encoding: UTF-8\n\n'
+                f'*** START OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n\nProduced by Some Volunteers and'
+                ' the Online Distributed\nProofreading Team at http://www.pgdp.net\n\n\n\n\n'
+                f'{body}\n\n\n\n\nEnd of the Project Gutenberg EBook of {title}, by\nSomebody Else\n\n'
+                f'*** END OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n***** This file should be named '
+                f'{book_id}.txt or {book_id}.zip *****\n\n' + _PD_LICENCE)
+        return b'\xef\xbb\xbf' + text.replace('\n', '\r\n').encode('utf-8')  # BOM and CRLF
+    if kind == 'split':  # markers split over lines
+        text = (f'The Project Gutenberg EBook of {title}\n\nTitle: {title}\n\n'
+                f'***START OF THE PROJECT GUTENBERG EBOOK A RATHER LONG AND\nWINDING {up}***\n\n'
+                'Note: Project Gutenberg also has an HTML version of this\n      file which includes the '
+                'original illustrations.\n      (http://www.gutenberg.net/dirs/1/2/3/123-h.zip)\n\n\n'
+                f'{body}\n\n*** END OF THE PROJECT\nGUTENBERG EBOOK A RATHER LONG AND WINDING {up} ***\n\n'
+                + _PD_LICENCE)
+        return text.encode('utf-8')
+    if kind == 'small_print':  # 1990s shape: no START marker, licence ends "*END*THE SMALL PRINT!"
+        text = (f'The Project Gutenberg Etext of {title}\n\nPlease take a look at the important information in'
+                ' this header.\n\n**Welcome To The World of Free Plain Vanilla Electronic Texts**\n\n'
+                f'Release Date: January, 2002  [Etext #{book_id}]\n\n**The Legal Small Print**\n\n'
+                '***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n'
+                'Why is this \u201cSmall Print!\u201d statement here?  You know: lawyers.\n'
+                'ABOUT PROJECT GUTENBERG-TM ETEXTS\n'
+                '*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n\n\n'
+                'This etext was prepared by A Scanner, typed and\nproofread by A Reader.\n\n\n\n'
+                f'{body}\n\n\nEnd of The Project Gutenberg Etext of {title}\nby Somebody\n\n')
+        return text.encode('cp1252')  # an old Windows file: not valid UTF-8
+    if kind == 'none':  # no Project Gutenberg markers at all: kept whole
+        return body.encode('utf-8')
+    raise ValueError(kind)
+
+
+# (ebook id, title, wrapper shape); ids are made up
+_PD_BOOKS = [(9001, 'Mossy Dell', 'the'), (9002, 'The Brass Kite', 'this'), (9003, 'Oddly Far', 'split'),
+             (9004, 'Quince Hall', 'small_print'), (9005, 'Plain Thing', 'none'), (9006, 'Lark Rise', 'the'),
+             (9007, 'Tin Fern', 'this')]
+_PD_BODIES = {i: _pd_body(i) for i, _, _ in _PD_BOOKS}
+_PD_RAW = {i: _pd_wrap(kind, i, title, _PD_BODIES[i]) for i, title, kind in _PD_BOOKS}
+
+
+def _pd_books_tsv(path, books=_PD_BOOKS):
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write('rank\tid\ttitle\tauthor\n')
+        for rank, (i, title, _) in enumerate(books, 1):
+            f.write(f'{rank}\t{i}\t{title}\tSomebody\n')
+    return str(path)
+
+
+class _PdServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # clients that gave up (timeout fault) make writes fail; that is expected
+
+
+class _PdHandler(http.server.BaseHTTPRequestHandler):
+    """Serves server.files; server.faults[path] is a list of faults used up one per request:
+    '500', '404', 'html' (an HTML page), 'timeout' (answer after server.delay s), 'truncate' (half
+    the promised bytes)."""
+
+    def do_GET(self):
+        srv = self.server
+        with srv.lock:
+            srv.log.append((self.path, self.headers.get('User-Agent', '')))
+            faults = srv.faults.get(self.path)
+            fault = faults.pop(0) if faults else None
+        body = srv.files.get(self.path)
+        if fault == 'html':
+            body = b'<!DOCTYPE html>\n<html><body>Please complete the check.</body></html>\n'
+        if fault == 'timeout':
+            time.sleep(srv.delay)
+        if fault == '500':
+            self.send_error(500)
+        elif fault == '404' or body is None:
+            self.send_error(404)
+        else:
+            self.send_response(200)
+            self.send_header('Content-Type', 'text/plain; charset=utf-8')
+            self.send_header('Content-Length', str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[:len(body) // 2] if fault == 'truncate' else body)
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _pd_serve(raws, all_paths=True):
+    """A loopback server with every book at gutenberg.org's three paths (or only the first)."""
+    srv = _PdServer(('127.0.0.1', 0), _PdHandler)
+    srv.lock, srv.log, srv.faults, srv.delay = threading.Lock(), [], {}, 1.0
+    patterns = prepare_data.URL_PATTERNS if all_paths else prepare_data.URL_PATTERNS[:1]
+    srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in patterns}
+    srv.url = f'http://127.0.0.1:{srv.server_address[1]}'
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _pd_run(data_dir, *extra, books_tsv, mirror=None):
+    """prepare_data.main with fast network settings; returns its exit status."""
+    argv = ['--data_dir', str(data_dir), '--books', books_tsv, '--vocab_size', str(_PD_VOCAB),
+            '--pause', '0', '--timeout', '0.5', '--retries', '2', '--backoff', '0.01']
+    if mirror:
+        argv += ['--mirror', mirror]
+    return prepare_data.main(argv + list(extra))
+
+
+def _pd_outputs(data_dir):
+    names = ['train.bin', 'val.bin', 'tokenizer.tiktoken', 'meta.json']
+    return {n: open(os.path.join(data_dir, n), 'rb').read() for n in names}
+
+
+def _pd_leftovers(root):
+    """Temp files anywhere under root (a half-written file would show up as one)."""
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith('.tmp')]
+
+
+@pytest.fixture(autouse=True)
+def _pd_no_proxy(monkeypatch):
+    monkeypatch.setenv('no_proxy', '127.0.0.1,localhost')  # a user's proxy must not see loopback
+
+
+@pytest.fixture(scope='module')
+def pd_clean(tmp_path_factory):
+    """One run against a clean server: (data_dir, books.tsv, server url)."""
+    root = tmp_path_factory.mktemp('pd_clean')
+    tsv = _pd_books_tsv(root / 'books.tsv')
+    with pytest.MonkeyPatch.context() as mp, _pd_serve(_PD_RAW) as srv:
+        mp.setenv('no_proxy', '127.0.0.1,localhost')
+        assert _pd_run(root / 'data', books_tsv=tsv, mirror=srv.url) == 0
+        url = srv.url
+    return root / 'data', tsv, url
+
+
+def test_pd_strip_keeps_body_and_drops_licence():
+    for book_id, title, kind in _PD_BOOKS:
+        body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(_PD_RAW[book_id]))
+        assert body == _PD_BODIES[book_id], (book_id, kind)
+        assert (warning is not None) == (kind == 'none'), (book_id, kind)
+        raw_lines = prepare_data.decode_book(_PD_RAW[book_id]).replace('\r\n', '\n').split('\n')
+        body_lines = set(_PD_BODIES[book_id].split('\n'))
+        wrapper = [ln for ln in raw_lines if ln.strip() and ln not in body_lines]
+        assert kind == 'none' or len(wrapper) > 5  # the fixture really has a header and licence
+        kept = [ln for ln in wrapper if ln in body.split('\n')]
+        assert kept == [], (book_id, kind, kept)
+        assert 'gutenberg' not in body.lower() and 'small print' not in body.lower()
+
+
+def test_pd_decode_utf8_bom_and_cp1252():
+    assert prepare_data.decode_book('\ufeffcaf\u00e9 \u201cx\u201d'.encode('utf-8')) == 'caf\u00e9 \u201cx\u201d'
+    assert prepare_data.decode_book('caf\u00e9 \u201cx\u201d'.encode('cp1252')) == 'caf\u00e9 \u201cx\u201d'
+
+
+def test_pd_clean_run_outputs(pd_clean):
+    data_dir, _, url = pd_clean
+    meta = json.load(open(data_dir / 'meta.json'))
+    ids = [i for i, _, _ in _PD_BOOKS]
+    assert meta['vocab_size'] == _PD_VOCAB and meta['source'] == url
+    assert sorted(meta['train_books'] + meta['val_books']) == sorted(ids)
+    assert set(meta['train_books']).isdisjoint(meta['val_books']) and meta['val_books']
+    enc = prepare_data.load_tokenizer(data_dir)
+    assert enc.n_vocab == _PD_VOCAB and enc.eot_token == _PD_VOCAB - 1
+    assert enc.decode([enc.eot_token]) == '<|endoftext|>'
+    for split in ('train', 'val'):
+        tokens = np.memmap(data_dir / f'{split}.bin', dtype=np.uint16, mode='r')
+        assert len(tokens) == meta[f'{split}_tokens']
+        books = [i for i in ids if i in meta[f'{split}_books']]  # in list order
+        expected = ''.join(_PD_BODIES[i] + '<|endoftext|>' for i in books)
+        assert enc.decode(tokens.tolist()) == expected
+        assert int(tokens.max()) == enc.eot_token and (tokens == enc.eot_token).sum() == len(books)
+    lines = open(data_dir / 'tokenizer.tiktoken', 'rb').read().splitlines()
+    assert len(lines) == _PD_VOCAB - 1 and len({ln.split()[0] for ln in lines}) == _PD_VOCAB - 1
+    assert hashlib.sha256(open(data_dir / 'tokenizer.tiktoken', 'rb').read()).hexdigest() == meta['tokenizer_sha256']
+    assert sorted(os.listdir(data_dir / 'raw')) == sorted(f'{i}.txt' for i in ids)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ['train.bin', 'meta.json', 'raw/9001.txt']:  # written via temp files, normal modes
+        assert os.stat(data_dir / name).st_mode & 0o777 == 0o666 & ~umask
+    for i in ids:
+        assert open(data_dir / 'raw' / f'{i}.txt', 'rb').read() == _PD_RAW[i]
+
+
+def _pd_record_sleeps(monkeypatch):
+    """Record the main thread's time.sleep calls (the server's threads sleep for real)."""
+    calls, real_sleep = [], time.sleep
+
+    def sleep(s):
+        if threading.current_thread() is threading.main_thread():
+            calls.append(s)
+        real_sleep(s)
+    monkeypatch.setattr(time, 'sleep', sleep)
+    return calls
+
+
+def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, monkeypatch):
+    clean_dir, tsv, _ = pd_clean
+    sleeps = _pd_record_sleeps(monkeypatch)
+    with _pd_serve(_PD_RAW) as srv:
+        first, second = prepare_data.URL_PATTERNS[:2]
+        srv.faults = {first.format(id=9001): ['500', '500'], first.format(id=9002): ['timeout'],
+                      first.format(id=9003): ['404'], first.format(id=9004): ['truncate'],
+                      first.format(id=9005): ['html']}
+        assert _pd_run(tmp_path / 'data', books_tsv=tsv, mirror=srv.url) == 0
+        paths = collections.Counter(p for p, _ in srv.log)
+        agents = {a for _, a in srv.log}
+    assert all(not f for f in srv.faults.values())  # every fault was served
+    assert paths[first.format(id=9001)] == 3 and paths[first.format(id=9002)] == 2
+    assert paths[first.format(id=9003)] == 1 and paths[second.format(id=9003)] == 1
+    assert paths[first.format(id=9004)] == 2 and paths[first.format(id=9006)] == 1
+    assert paths[first.format(id=9005)] == 1 and paths[second.format(id=9005)] == 1  # HTML is no book
+    assert agents == {prepare_data.USER_AGENT}
+    # backoff 0.01 s doubling: 9001 waits twice, 9002 and 9004 once; --pause 0 between books
+    assert sorted(s for s in sleeps if s) == [0.01, 0.01, 0.01, 0.02]
+    got, want = _pd_outputs(tmp_path / 'data'), _pd_outputs(clean_dir)
+    meta_got, meta_want = json.loads(got.pop('meta.json')), json.loads(want.pop('meta.json'))
+    assert got == want  # train.bin, val.bin, tokenizer: byte for byte
+    meta_got.pop('source'), meta_want.pop('source')  # the two servers have different ports
+    assert meta_got == meta_want
+    assert _pd_leftovers(tmp_path) == []
+
+
+def test_pd_second_run_uses_cache_and_is_identical(pd_clean, tmp_path, monkeypatch):
+    _, tsv, _ = pd_clean
+    sleeps = _pd_record_sleeps(monkeypatch)
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(tmp_path / 'data', '--pause', '0.05', books_tsv=tsv, mirror=srv.url) == 0
+        assert sleeps == [0.05] * (len(_PD_BOOKS) - 1)  # a pause between downloads
+        first = _pd_outputs(tmp_path / 'data')
+        n_requests = len(srv.log)
+        assert _pd_run(tmp_path / 'data', '--pause', '0.05', books_tsv=tsv, mirror=srv.url) == 0
+        assert len(srv.log) == n_requests == len(_PD_BOOKS)  # nothing fetched twice
+        assert len(sleeps) == len(_PD_BOOKS) - 1  # and no pauses for cached books
+    assert _pd_outputs(tmp_path / 'data') == first
+
+
+def test_pd_source_dir_gives_the_same_result(pd_clean, tmp_path):
+    clean_dir, tsv, _ = pd_clean
+    src = tmp_path / 'src'
+    os.makedirs(src)
+    for n, (i, _, _) in enumerate(_PD_BOOKS):  # both naming styles
+        (src / (f'{i}.txt' if n % 2 else f'pg{i}.txt')).write_bytes(_PD_RAW[i])
+    assert _pd_run(tmp_path / 'data', '--source', str(src), books_tsv=tsv) == 0
+    got, want = _pd_outputs(tmp_path / 'data'), _pd_outputs(clean_dir)
+    for name in ('train.bin', 'val.bin', 'tokenizer.tiktoken'):
+        assert got[name] == want[name]
+
+
+def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path):
+    _, tsv, _ = pd_clean
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        _pd_run(tmp_path / 'data', '--timeout', '30', books_tsv=tsv, mirror=f'http://127.0.0.1:{port}')
+    # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
+    assert time.time() - t0 < 10
+    msg = str(e.value)
+    assert 'could not download' in msg and 'ebook 9001' in msg and '--mirror' in msg and '--source' in msg
+    assert 'not tried' in msg and 'Traceback' not in msg
+    first_book = [ln for ln in msg.split('\n') if 'ebook 9001' in ln][0]
+    assert first_book.count('http://') == 1  # an unreachable host: its other paths are not tried
+    assert os.listdir(tmp_path / 'data' / 'raw') == [] and not os.path.exists(tmp_path / 'data' / 'train.bin')
+    assert _pd_leftovers(tmp_path) == []
+
+
+def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path):
+    _, tsv, _ = pd_clean
+    raws = {i: r for i, r in _PD_RAW.items() if i != 9003}
+    with _pd_serve(raws) as srv:
+        with pytest.raises(SystemExit) as e:
+            _pd_run(tmp_path / 'data', books_tsv=tsv, mirror=srv.url)
+        failed = [ln for ln in str(e.value).split('\n') if ln.startswith('  ebook')]
+        assert len(failed) == 1 and 'ebook 9003' in failed[0] and 'HTTP 404' in failed[0]
+        assert sorted(os.listdir(tmp_path / 'data' / 'raw')) == sorted(f'{i}.txt' for i in raws)
+        assert not os.path.exists(tmp_path / 'data' / 'train.bin')
+        srv.files.update({p.format(id=9003): _PD_RAW[9003] for p in prepare_data.URL_PATTERNS})
+        n_requests = len(srv.log)
+        assert _pd_run(tmp_path / 'data', books_tsv=tsv, mirror=srv.url) == 0
+        assert [p for p, _ in srv.log[n_requests:]] == [prepare_data.URL_PATTERNS[0].format(id=9003)]
+
+
+def test_pd_tokenizer_round_trips_arbitrary_unicode(pd_clean):
+    enc = prepare_data.load_tokenizer(pd_clean[0])
+    rng = random.Random(0)
+    ranges = [(0x20, 0x7e), (0xa0, 0x24f), (0x300, 0x36f), (0x590, 0x6ff), (0x4e00, 0x9fff),
+              (0xac00, 0xd7a3), (0x1f300, 0x1faff), (0x10000, 0x10ffff)]
+    samples = ['', ' ', '\n\n\t \r\n', 'e\u0301\u0302 a\u0308', '\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f44d\U0001f3fd',
+               '\u4f60\u597d\uff0c\u4e16\u754c\u3002', '\u00a0\u3000x', '<|endoftext|>', "don't 123 4567 ...!!"]
+    for _ in range(200):
+        lo, hi = rng.choice(ranges)
+        chars = [chr(c) for c in (rng.randint(lo, hi) for _ in range(rng.randint(1, 40)))
+                 if not 0xd800 <= c <= 0xdfff]
+        samples.append(''.join(chars))
+        samples.append(bytes(rng.randrange(256) for _ in range(60)).decode('utf-8', errors='replace'))
+    samples.append(_PD_BODIES[9001])
+    for s in samples:
+        ids = enc.encode_ordinary(s)
+        assert enc.decode(ids) == s
+        assert all(0 <= t < enc.eot_token for t in ids)  # text never turns into <|endoftext|>
+
+
+def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path):
+    _, tsv, _ = pd_clean
+    src = tmp_path / 'src'
+    os.makedirs(src)
+    for i, _, _ in _PD_BOOKS:
+        (src / f'{i}.txt').write_bytes(_PD_RAW[i])
+    data = tmp_path / 'data'
+    for vocab in (_PD_VOCAB, 300):  # the same path, a new file: no cached ranks may survive
+        assert _pd_run(data, '--source', str(src), '--vocab_size', str(vocab), books_tsv=tsv) == 0
+        enc = prepare_data.load_tokenizer(data)
+        assert enc.n_vocab == vocab and enc.eot_token == vocab - 1
+        assert enc.decode(enc.encode_ordinary(_PD_BODIES[9002])) == _PD_BODIES[9002]
+    tok = data / 'tokenizer.tiktoken'
+    tok.write_bytes(tok.read_bytes().replace(b' 298\n', b' 297\n'))
+    with pytest.raises(SystemExit, match='meta.json'):
+        prepare_data.load_tokenizer(data)
+    os.remove(data / 'meta.json')
+    with pytest.raises(SystemExit, match='damaged'):
+        prepare_data.load_tokenizer(data)
+    with pytest.raises(SystemExit, match='run `python prepare_data.py'):
+        prepare_data.load_tokenizer(tmp_path / 'nowhere')
+
+
+def _pd_naive_bpe(word_counts, n_tokens):
+    """Reference trainer: recount every pair before every merge."""
+    vocab = [bytes([b]) for b in range(256)]
+    ids = {t: i for i, t in enumerate(vocab)}
+    words = collections.Counter({tuple(w.encode('utf-8')): c for w, c in word_counts.items()})
+    while len(vocab) < n_tokens:
+        pairs = collections.Counter()
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] += c
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merged = vocab[best[0]] + vocab[best[1]]
+        if merged not in ids:
+            ids[merged] = len(vocab)
+            vocab.append(merged)
+        new, merged_words = ids[merged], collections.Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if w[i:i + 2] == best:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged_words[tuple(out)] += c
+        words = merged_words
+    return vocab
+
+
+def test_pd_incremental_bpe_matches_full_recount():
+    for seed, alphabet in enumerate(['ab', 'abc', 'abcde', 'xyz\u00e9\u4e00']):
+        rng = random.Random(seed)
+        words = collections.Counter(''.join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+                                    for _ in range(400))
+        vocab = prepare_data.train_bpe(words, 256 + 60, log_every=0)
+        assert vocab == _pd_naive_bpe(words, 256 + 60)
+        assert len(set(vocab)) == len(vocab) == 256 + 60
+    words = prepare_data.count_words([_PD_BODIES[9001]])
+    assert prepare_data.train_bpe(words, 256 + 80, log_every=0) == _pd_naive_bpe(words, 256 + 80)
+
+
+def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
+    rng = random.Random(1)
+    ids = rng.sample(range(1, 60000), 100)
+    texts = ['x' * rng.randint(20_000, 600_000) for _ in ids]
+    train, val = prepare_data.split_books(ids, texts, 0.05)
+    assert sorted(train + val) == list(range(100)) and not set(train) & set(val)
+    share = sum(len(texts[i]) for i in val) / sum(map(len, texts))
+    assert 0.05 <= share < 0.05 + max(map(len, texts)) / sum(map(len, texts))
+    # the split depends on the books, not on their order in the list
+    order = list(range(100))
+    rng.shuffle(order)
+    train2, val2 = prepare_data.split_books([ids[i] for i in order], [texts[i] for i in order], 0.05)
+    assert sorted(ids[order[i]] for i in val2) == sorted(ids[i] for i in val)
+
+
+def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path):
+    _, tsv, _ = pd_clean
+    bad = tmp_path / 'bad.tsv'
+    bad.write_text('rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\televen\tOops\tX\n')
+    cases = [(['--books', str(bad)], 'line 3'),
+             (['--books', tsv, '--mirror', 'http://127.0.0.1:9', '--data_dir', str(bad)], 'check --data_dir'),
+             (['--books', tsv, '--vocab_size', '70000'], 'uint16'),
+             (['--books', tsv, '--source', str(tmp_path / 'nowhere')], 'not a folder'),
+             (['--books', tsv, '--mirror', 'ftp://example'], 'http'),
+             (['--books', tsv, '--source', str(tmp_path)], 'not found in --source')]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as e:
+            prepare_data.main(['--data_dir', str(tmp_path / 'data')] + argv)  # argv's own wins
+        msg = str(e.value)
+        assert msg.startswith('prepare_data.py: error: ') and words in msg, (argv, msg)
+    assert not os.path.exists(tmp_path / 'data' / 'train.bin')
+
+
+def test_pd_refuses_an_implausibly_short_book(pd_clean, tmp_path):
+    _, tsv, _ = pd_clean
+    src = tmp_path / 'src'
+    os.makedirs(src)
+    for i, title, kind in _PD_BOOKS:
+        body = 'A short error page.\n' if i == 9006 else _PD_BODIES[i]
+        (src / f'{i}.txt').write_bytes(_pd_wrap(kind, i, title, body))
+    with pytest.raises(SystemExit, match='ebook 9006 .* characters'):
+        _pd_run(tmp_path / 'data', '--source', str(src), books_tsv=tsv)
+    assert not os.path.exists(tmp_path / 'data' / 'train.bin')
+
+
+def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path):
+    _, tsv, _ = pd_clean
+    src = tmp_path / 'src'
+    os.makedirs(src)
+    for i, _, _ in _PD_BOOKS:
+        (src / f'{i}.txt').write_bytes(_PD_RAW[i])
+    with pytest.raises(SystemExit, match='smaller --vocab_size'):
+        _pd_run(tmp_path / 'data', '--source', str(src), '--vocab_size', '60000', books_tsv=tsv)
