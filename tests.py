@@ -19,6 +19,18 @@ import threading
 import time
 import numpy as np
 import prepare_data
+import csv as _tr_csv
+import http.server as _tr_http
+import json as _tr_json
+import os as _tr_os
+import signal as _tr_signal
+import subprocess as _tr_subprocess
+import sys as _tr_sys
+import threading as _tr_threading
+import numpy as _tr_np
+import plot as _tr_plot
+import sample as _tr_sample
+import train as _tr_train
 
 # =============================================================================
 # extractor.py: every mixer against its equations written as literal loops (float64)
@@ -826,3 +838,327 @@ def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path):
         (src / f'{i}.txt').write_bytes(_PD_RAW[i])
     with pytest.raises(SystemExit, match='smaller --vocab_size'):
         _pd_run(tmp_path / 'data', '--source', str(src), '--vocab_size', '60000', books_tsv=tsv)
+
+
+# =============================================================================
+# train.py, sample.py, plot.py: data order, resume, logging, plots, bad inputs, DDP, end to end
+
+
+
+
+_TR_ROOT = _tr_os.path.dirname(_tr_os.path.abspath(__file__))
+_TR_TINY = ["--n_layer", "2", "--n_embd", "32", "--n_hidden", "64", "--block_size", "16", "--batch_size", "8",
+            "--n_head", "4", "--eval_batches", "2", "--log_interval", "5"]
+
+
+def _tr_make_data(path, vocab=64, n_words=5000, seed=0):
+    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json), from made-up 'words':
+    fixed random token strings, so that there is something to learn."""
+    rng = _tr_np.random.default_rng(seed)
+    words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
+    ids = _tr_np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(_tr_np.uint16)
+    _tr_os.makedirs(path, exist_ok=True)
+    cut = int(0.9 * len(ids))
+    ids[:cut].tofile(_tr_os.path.join(path, "train.bin"))
+    ids[cut:].tofile(_tr_os.path.join(path, "val.bin"))
+    with open(_tr_os.path.join(path, "meta.json"), "w") as f:
+        _tr_json.dump({"vocab_size": vocab}, f)
+    return str(path)
+
+
+def _tr_log(run_dir):
+    with open(_tr_os.path.join(run_dir, "log.csv"), newline="") as f:
+        return list(_tr_csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def tr_data(tmp_path_factory):
+    return _tr_make_data(tmp_path_factory.mktemp("trdata") / "data")
+
+
+def test_train_batch_order_is_a_seeded_permutation_per_epoch():
+    n, b = 50, 8
+    per_epoch = n // b
+    epoch0 = torch.cat([_tr_train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch)])
+    epoch1 = torch.cat([_tr_train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
+    assert len(set(epoch0.tolist())) == per_epoch * b  # no start repeats within an epoch
+    assert 0 <= epoch0.min() and epoch0.max() < n
+    assert not torch.equal(epoch0, epoch1)             # a new permutation for the next epoch
+    assert torch.equal(_tr_train.batch_starts(2, n, b, 3), _tr_train.batch_starts(2, n, b, 3))
+    assert not torch.equal(_tr_train.batch_starts(0, n, b, 3), _tr_train.batch_starts(0, n, b, 4))
+
+
+def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
+    seen = {}
+    real_get_batch = _tr_train.get_batch
+
+    def recording(run):
+        def get_batch(data, starts, block_size, device):
+            x, y = real_get_batch(data, starts, block_size, device)
+            seen.setdefault(run, []).append((x.clone(), y.clone()))
+            return x, y
+        return get_batch
+    runs = {"sa": ["--mixer", "sa", "--seed", "1", "--dropout", "0.1"],
+            "me": ["--mixer", "me", "--seed", "2", "--dropout", "0.0"],
+            "other_data_seed": ["--mixer", "me", "--data_seed", "99"]}
+    for run, flags in runs.items():
+        monkeypatch.setattr(_tr_train, "get_batch", recording(run))
+        rc = _tr_train.main(_TR_TINY + flags + ["--data_dir", tr_data, "--out_dir", str(tmp_path / run),
+                                                 "--max_iters", "6", "--eval_interval", "3"])
+        assert rc == 0
+    assert len(seen["sa"]) == len(seen["me"]) > 6  # 6 training batches plus the validation batches
+    for (xa, ya), (xm, ym) in zip(seen["sa"], seen["me"]):
+        assert torch.equal(xa, xm) and torch.equal(ya, ym)
+        assert torch.equal(xa[:, 1:], ya[:, :-1])  # y is x shifted by one token
+    assert not torch.equal(seen["sa"][0][0], seen["other_data_seed"][0][0])
+    # the validation windows are the same at every evaluation (batches 4-5 and 8-9 of the calls)
+    assert torch.equal(seen["sa"][3][0], seen["sa"][8][0])
+
+
+def _tr_train_loss_column(run_dir):
+    rows = _tr_log(run_dir)
+    assert [int(r["iter"]) for r in rows] == list(range(1, len(rows) + 1))  # no gaps, no duplicates
+    return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
+
+
+def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
+    flags = _TR_TINY + ["--mixer", "sa", "--dropout", "0.1", "--data_dir", tr_data, "--eval_interval", "4",
+                        "--ckpt_interval", "3"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert _tr_train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
+    assert _tr_train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
+    with open(_tr_os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
+        f.write("7,1.0,,0.001,1.0,1.0\n8,2.")
+    # resumed with only --out_dir and --max_iters: every other setting comes from the checkpoint
+    assert _tr_train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
+    loss_full, val_full = _tr_train_loss_column(full)
+    loss_part, val_part = _tr_train_loss_column(part)
+    assert len(loss_full) == 14 and loss_part == loss_full  # the same strings: the same floats, to the bit
+    assert val_part["4"] == val_full["4"] and val_part["12"] == val_full["12"]
+    ckpt = torch.load(_tr_os.path.join(part, "ckpt.pt"), weights_only=True)
+    assert ckpt["iter"] == 14 and ckpt["config"]["mixer"] == "sa" and ckpt["data_order"]["next_batch"] == 14
+
+
+def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
+    flags = _TR_TINY + ["--mixer", "me", "--dropout", "0.1", "--data_dir", tr_data, "--eval_interval", "100",
+                        "--ckpt_interval", "100", "--max_iters", "10"]
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    assert _tr_train.main(flags + ["--out_dir", full]) == 0
+    real_get_batch, calls = _tr_train.get_batch, []
+
+    def interrupting(data, starts, block_size, device):
+        calls.append(1)
+        if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
+            _tr_os.kill(_tr_os.getpid(), _tr_signal.SIGINT)
+        return real_get_batch(data, starts, block_size, device)
+    monkeypatch.setattr(_tr_train, "get_batch", interrupting)
+    assert _tr_train.main(flags + ["--out_dir", cut]) == 130
+    assert torch.load(_tr_os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
+    monkeypatch.setattr(_tr_train, "get_batch", real_get_batch)
+    assert _tr_train.main(flags + ["--out_dir", cut, "--resume"]) == 0
+    assert _tr_train_loss_column(cut)[0] == _tr_train_loss_column(full)[0]
+
+
+def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
+    runs = []
+    for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
+        run = str(tmp_path / f"{m}-{layers}")
+        assert _tr_train.main(_TR_TINY + ["--mixer", m, "--n_layer", layers, "--data_dir", tr_data,
+                                          "--out_dir", run, "--max_iters", "12", "--eval_interval", "6"]) == 0
+        runs.append(run)
+    out = capsys.readouterr().out
+    assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
+    rows = _tr_log(runs[0])
+    assert list(rows[0]) == ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
+    assert len(rows) == 12 and [r["val_loss"] != "" for r in rows].count(True) == 2
+    assert all(float(r["lr"]) == 1e-3 and float(r["tokens_per_s"]) > 0 for r in rows)
+    ckpt = torch.load(_tr_os.path.join(runs[0], "ckpt.pt"), weights_only=True)
+    assert {"model", "optimizer", "config", "args", "iter", "rng", "scaler"} <= set(ckpt)
+    for path in [_tr_os.path.join(r, "loss.png") for r in runs]:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    outs = {k: str(tmp_path / f"{k}.png") for k in ("medians", "raw", "sweep")}
+    assert _tr_plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
+    assert _tr_plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
+    assert _tr_plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
+    for path in outs.values():
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert all(_tr_os.path.basename(r) in table for r in runs)
+    # the printed median is the median of the last window of the logged costs
+    last4 = sorted(float(r["train_loss"]) for r in rows[-4:])
+    assert f"{(last4[1] + last4[2]) / 2:.4f}" in table
+
+
+def test_plot_window_medians():
+    loss = _tr_np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
+    ends, med = _tr_plot.window_medians(loss, 3)
+    assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
+
+
+@pytest.mark.parametrize("case", ["unknown mixer", "missing data", "n_head", "negative", "other config",
+                                  "existing run", "token beyond vocab", "resume nothing", "bad batch"])
+def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    base = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out_dir, "--max_iters", "2"]
+    if case in ("other config", "existing run"):
+        assert _tr_train.main(base) == 0
+        capsys.readouterr()
+    if case == "token beyond vocab":
+        bad = _tr_make_data(tmp_path / "bad", vocab=64)
+        with open(_tr_os.path.join(bad, "meta.json"), "w") as f:
+            _tr_json.dump({"vocab_size": 32}, f)
+        base = base + ["--data_dir", bad]
+    argv = base + {"unknown mixer": ["--mixer", "nope"], "missing data": ["--data_dir", str(tmp_path / "none")],
+                   "n_head": ["--n_embd", "30", "--n_head", "4", "--mixer", "sa"], "negative": ["--n_layer", "-2"],
+                   "other config": ["--resume", "--n_layer", "3"], "existing run": [], "token beyond vocab": [],
+                   "resume nothing": ["--resume"], "bad batch": ["--batch_size", "0"]}[case]
+    before = sorted(_tr_os.listdir(out_dir)) if _tr_os.path.isdir(out_dir) else None
+    rc = _tr_train.main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
+    key = {"unknown mixer": "nope", "missing data": "prepare_data", "n_head": "n_head", "negative": "n_layer",
+           "other config": "n_layer", "existing run": "--resume", "token beyond vocab": "vocab_size",
+           "resume nothing": "no checkpoint", "bad batch": "batch_size"}[case]
+    assert key in err
+    after = sorted(_tr_os.listdir(out_dir)) if _tr_os.path.isdir(out_dir) else None
+    assert after == before  # nothing written, nothing half-written
+
+
+def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
+    r = _tr_subprocess.run([_tr_sys.executable, "train.py", "--mixer", "sa", "--n_embd", "30", "--n_head", "4",
+                            "--data_dir", str(tmp_path / "missing")], cwd=_TR_ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_train_help_lists_every_config_field_with_its_symbol(capsys):
+    assert _tr_train.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    import dataclasses
+    fields = [f.name for f in dataclasses.fields(_tr_train.Config) if f.name != "vocab_size"]
+    for name in fields:
+        assert f"--{name}" in text
+    for symbol in ("l:", "d:", "c:", "m:", "n:", "p:"):
+        assert symbol in text
+
+
+def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
+    """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
+    whole global batch, as in one process."""
+    flags = _TR_TINY + ["--mixer", "sa", "--dropout", "0", "--data_dir", tr_data, "--max_iters", "6",
+                        "--eval_interval", "3", "--ckpt_interval", "3", "--device", "cpu"]
+    env = {**_tr_os.environ, "OMP_NUM_THREADS": "1"}
+    r = _tr_subprocess.run([_tr_sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=2", "train.py"] + flags + ["--out_dir", str(tmp_path / "ddp")],
+                           cwd=_TR_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _tr_train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
+    ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
+    assert len(ddp) == len(one) == 6
+    for a, b in zip(ddp, one):
+        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-5
+        assert (a["val_loss"] == "") == (b["val_loss"] == "")
+        if a["val_loss"]:
+            assert abs(float(a["val_loss"]) - float(b["val_loss"])) < 1e-5
+    ckpt = torch.load(str(tmp_path / "ddp" / "ckpt.pt"), weights_only=True)
+    assert len(ckpt["rng"]) == 2  # each rank's dropout stream, for resuming
+
+
+# ---- end to end: fixture books on a loopback server -> prepare_data -> train sa and me -> sample
+
+_TR_WORDS = ("the a little old fox owl hen miller baker lantern river garden moon kettle meadow sang found "
+             "carried laughed whispered wandered over under beside quickly softly bright green silver "
+             "morning evening and but so then once upon time there was who").split()
+
+
+def _tr_book(book_id, n_sentences, seed):
+    """A made-up book inside Project-Gutenberg-shaped header and footer lines."""
+    rng = _tr_np.random.default_rng(seed)
+    sentences = []
+    for _ in range(n_sentences):
+        words = [_TR_WORDS[i] for i in rng.integers(0, len(_TR_WORDS), size=rng.integers(5, 12))]
+        sentences.append(" ".join(words).capitalize() + ".")
+    body = "\n\n".join(" ".join(sentences[i:i + 5]) for i in range(0, len(sentences), 5))
+    return (f"The Project Gutenberg eBook of Made-up Tales {book_id}\n\nTitle: Made-up Tales {book_id}\n"
+            f"Author: Nobody\n\n*** START OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n\n"
+            f"{body}\n\n\n*** END OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n"
+            "Updated editions will replace the previous one.\n")
+
+
+@pytest.fixture(scope="module")
+def tr_mirror(tmp_path_factory):
+    books = {101: _tr_book(101, 900, 1), 102: _tr_book(102, 900, 2), 103: _tr_book(103, 300, 3)}
+    pages = {f"/cache/epub/{i}/pg{i}.txt": text.encode() for i, text in books.items()}
+
+    class Handler(_tr_http.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = pages.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+    server = _tr_http.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    _tr_threading.Thread(target=server.serve_forever, daemon=True).start()
+    tsv = tmp_path_factory.mktemp("trbooks") / "books.tsv"
+    tsv.write_text("rank\tid\ttitle\tauthor\n" + "".join(f"{r}\t{i}\tMade-up Tales {i}\tNobody\n"
+                                                        for r, i in enumerate(books, 1)))
+    yield f"http://127.0.0.1:{server.server_address[1]}", str(tsv)
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tr_prepared(tr_mirror, tmp_path_factory):
+    import prepare_data
+    mirror, books = tr_mirror
+    data = str(tmp_path_factory.mktemp("trprep") / "data")
+    assert prepare_data.main(["--data_dir", data, "--mirror", mirror, "--books", books, "--vocab_size", "300",
+                              "--pause", "0", "--min_chars", "1000"]) in (0, None)
+    return data
+
+
+def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
+    """A byte-level token may hold part of a UTF-8 character: nothing is printed until it is whole."""
+    from prepare_data import load_tokenizer
+    enc = load_tokenizer(tr_prepared)
+    text = "é€ ok"
+    ids = [enc.encode_single_token(bytes([c])) for c in text.encode("utf-8")]  # one token per byte
+
+    class FakeModel:
+        def generate_stream(self, idx, max_new_tokens, **kw):
+            for i in ids[:max_new_tokens]:
+                yield torch.tensor([[i]])
+    args = _tr_sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
+    _tr_sample.stream(FakeModel(), None, enc, args)
+    assert capsys.readouterr().out == text + "\n"
+
+
+def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, capsys, monkeypatch):
+    data = tr_prepared
+    monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
+    for mixer in ("sa", "me"):
+        assert _tr_train.main(["--mixer", mixer, "--data_dir", data, "--n_layer", "2", "--n_embd", "32",
+                               "--n_hidden", "64", "--block_size", "32", "--batch_size", "16", "--n_head", "4",
+                               "--max_iters", "40", "--eval_interval", "20", "--eval_batches", "2",
+                               "--lr", "3e-3"]) == 0
+        loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
+        assert len(loss) == 40 and _tr_np.mean(loss[-5:]) < _tr_np.mean(loss[:5]) - 0.5  # the loss falls
+    capsys.readouterr()
+    prompt = "Once upon a time there was"
+    assert _tr_sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
+    first = capsys.readouterr()
+    assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
+    assert _tr_sample.main(["--out_dir", "out/me", "--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0
+    assert capsys.readouterr().out == first.out  # the seed makes it reproducible
+    long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
+    assert _tr_sample.main(["--out_dir", "out/sa-4", "--prompt", long_prompt, "--max_new_tokens", "5",
+                            "--num_samples", "2"]) == 0
+    res = capsys.readouterr()
+    assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
+    assert _tr_sample.main(["--out_dir", "out/nothing"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no checkpoint" in err
