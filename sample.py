@@ -13,6 +13,7 @@ import sys
 import torch
 
 from extractor import Config, Transformer
+from train import pick_device
 
 
 def fail(msg):
@@ -80,16 +81,7 @@ def main(argv=None):
     try:
         args = parser.parse_args(argv)
         check_args(args)
-        name = args.device
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            fail(f"unknown --device {name!r}; use auto, cpu, cuda or mps")
-        if (device.type == "cuda" and not torch.cuda.is_available()) or \
-                (device.type == "mps" and not torch.backends.mps.is_available()):
-            fail(f"--device {name} is not available here; use --device cpu")
+        device = pick_device(args.device, local_rank=0)  # auto: cuda, then mps, then cpu
         model, cfg, run_args, iters = load_model(args.out_dir, device)
         data_dir = args.data_dir or run_args["data_dir"]
         if not os.path.isfile(os.path.join(data_dir, "tokenizer.tiktoken")):

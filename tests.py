@@ -1,36 +1,33 @@
 """Tests: python -m pytest tests.py  (CPU, no network; loopback servers only)."""
 
+import collections
+import contextlib
+import csv
+import hashlib
+import http.server
+import io
+import json
 import math
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
+import bench
 import extractor
-from extractor import MIXERS, Config, Transformer, causal_fir
-import collections
-import contextlib
-import hashlib
-import http.server
-import json
-import os
-import socket
-import threading
-import time
-import numpy as np
+import plot
 import prepare_data
-import csv as _tr_csv
-import http.server as _tr_http
-import json as _tr_json
-import os as _tr_os
-import signal as _tr_signal
-import subprocess as _tr_subprocess
-import sys as _tr_sys
-import threading as _tr_threading
-import numpy as _tr_np
-import plot as _tr_plot
-import sample as _tr_sample
-import train as _tr_train
+import sample
+import train
+from extractor import MIXERS, Config, Transformer, causal_fir
 
 # =============================================================================
 # extractor.py: every mixer against its equations written as literal loops (float64)
@@ -846,7 +843,7 @@ def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path):
 
 
 
-_TR_ROOT = _tr_os.path.dirname(_tr_os.path.abspath(__file__))
+_TR_ROOT = os.path.dirname(os.path.abspath(__file__))
 _TR_TINY = ["--n_layer", "2", "--n_embd", "32", "--n_hidden", "64", "--block_size", "16", "--batch_size", "8",
             "--n_head", "4", "--eval_batches", "2", "--log_interval", "5"]
 
@@ -854,21 +851,21 @@ _TR_TINY = ["--n_layer", "2", "--n_embd", "32", "--n_hidden", "64", "--block_siz
 def _tr_make_data(path, vocab=64, n_words=5000, seed=0):
     """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json), from made-up 'words':
     fixed random token strings, so that there is something to learn."""
-    rng = _tr_np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
-    ids = _tr_np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(_tr_np.uint16)
-    _tr_os.makedirs(path, exist_ok=True)
+    ids = np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(np.uint16)
+    os.makedirs(path, exist_ok=True)
     cut = int(0.9 * len(ids))
-    ids[:cut].tofile(_tr_os.path.join(path, "train.bin"))
-    ids[cut:].tofile(_tr_os.path.join(path, "val.bin"))
-    with open(_tr_os.path.join(path, "meta.json"), "w") as f:
-        _tr_json.dump({"vocab_size": vocab}, f)
+    ids[:cut].tofile(os.path.join(path, "train.bin"))
+    ids[cut:].tofile(os.path.join(path, "val.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"vocab_size": vocab}, f)
     return str(path)
 
 
 def _tr_log(run_dir):
-    with open(_tr_os.path.join(run_dir, "log.csv"), newline="") as f:
-        return list(_tr_csv.DictReader(f))
+    with open(os.path.join(run_dir, "log.csv"), newline="") as f:
+        return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
@@ -879,18 +876,18 @@ def tr_data(tmp_path_factory):
 def test_train_batch_order_is_a_seeded_permutation_per_epoch():
     n, b = 50, 8
     per_epoch = n // b
-    epoch0 = torch.cat([_tr_train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch)])
-    epoch1 = torch.cat([_tr_train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
+    epoch0 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch)])
+    epoch1 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
     assert len(set(epoch0.tolist())) == per_epoch * b  # no start repeats within an epoch
     assert 0 <= epoch0.min() and epoch0.max() < n
     assert not torch.equal(epoch0, epoch1)             # a new permutation for the next epoch
-    assert torch.equal(_tr_train.batch_starts(2, n, b, 3), _tr_train.batch_starts(2, n, b, 3))
-    assert not torch.equal(_tr_train.batch_starts(0, n, b, 3), _tr_train.batch_starts(0, n, b, 4))
+    assert torch.equal(train.batch_starts(2, n, b, 3), train.batch_starts(2, n, b, 3))
+    assert not torch.equal(train.batch_starts(0, n, b, 3), train.batch_starts(0, n, b, 4))
 
 
 def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
     seen = {}
-    real_get_batch = _tr_train.get_batch
+    real_get_batch = train.get_batch
 
     def recording(run):
         def get_batch(data, starts, block_size, device):
@@ -902,8 +899,8 @@ def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
             "me": ["--mixer", "me", "--seed", "2", "--dropout", "0.0"],
             "other_data_seed": ["--mixer", "me", "--data_seed", "99"]}
     for run, flags in runs.items():
-        monkeypatch.setattr(_tr_train, "get_batch", recording(run))
-        rc = _tr_train.main(_TR_TINY + flags + ["--data_dir", tr_data, "--out_dir", str(tmp_path / run),
+        monkeypatch.setattr(train, "get_batch", recording(run))
+        rc = train.main(_TR_TINY + flags + ["--data_dir", tr_data, "--out_dir", str(tmp_path / run),
                                                  "--max_iters", "6", "--eval_interval", "3"])
         assert rc == 0
     assert len(seen["sa"]) == len(seen["me"]) > 6  # 6 training batches plus the validation batches
@@ -925,17 +922,17 @@ def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
     flags = _TR_TINY + ["--mixer", "sa", "--dropout", "0.1", "--data_dir", tr_data, "--eval_interval", "4",
                         "--ckpt_interval", "3"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert _tr_train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
-    assert _tr_train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
-    with open(_tr_os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
+    assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
+    assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
+    with open(os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
         f.write("7,1.0,,0.001,1.0,1.0\n8,2.")
     # resumed with only --out_dir and --max_iters: every other setting comes from the checkpoint
-    assert _tr_train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
+    assert train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
     loss_full, val_full = _tr_train_loss_column(full)
     loss_part, val_part = _tr_train_loss_column(part)
     assert len(loss_full) == 14 and loss_part == loss_full  # the same strings: the same floats, to the bit
     assert val_part["4"] == val_full["4"] and val_part["12"] == val_full["12"]
-    ckpt = torch.load(_tr_os.path.join(part, "ckpt.pt"), weights_only=True)
+    ckpt = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
     assert ckpt["iter"] == 14 and ckpt["config"]["mixer"] == "sa" and ckpt["data_order"]["next_batch"] == 14
 
 
@@ -943,19 +940,19 @@ def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_pat
     flags = _TR_TINY + ["--mixer", "me", "--dropout", "0.1", "--data_dir", tr_data, "--eval_interval", "100",
                         "--ckpt_interval", "100", "--max_iters", "10"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    assert _tr_train.main(flags + ["--out_dir", full]) == 0
-    real_get_batch, calls = _tr_train.get_batch, []
+    assert train.main(flags + ["--out_dir", full]) == 0
+    real_get_batch, calls = train.get_batch, []
 
     def interrupting(data, starts, block_size, device):
         calls.append(1)
         if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
-            _tr_os.kill(_tr_os.getpid(), _tr_signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
         return real_get_batch(data, starts, block_size, device)
-    monkeypatch.setattr(_tr_train, "get_batch", interrupting)
-    assert _tr_train.main(flags + ["--out_dir", cut]) == 130
-    assert torch.load(_tr_os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
-    monkeypatch.setattr(_tr_train, "get_batch", real_get_batch)
-    assert _tr_train.main(flags + ["--out_dir", cut, "--resume"]) == 0
+    monkeypatch.setattr(train, "get_batch", interrupting)
+    assert train.main(flags + ["--out_dir", cut]) == 130
+    assert torch.load(os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert train.main(flags + ["--out_dir", cut, "--resume"]) == 0
     assert _tr_train_loss_column(cut)[0] == _tr_train_loss_column(full)[0]
 
 
@@ -963,7 +960,7 @@ def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
     runs = []
     for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
         run = str(tmp_path / f"{m}-{layers}")
-        assert _tr_train.main(_TR_TINY + ["--mixer", m, "--n_layer", layers, "--data_dir", tr_data,
+        assert train.main(_TR_TINY + ["--mixer", m, "--n_layer", layers, "--data_dir", tr_data,
                                           "--out_dir", run, "--max_iters", "12", "--eval_interval", "6"]) == 0
         runs.append(run)
     out = capsys.readouterr().out
@@ -972,28 +969,28 @@ def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
     assert list(rows[0]) == ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
     assert len(rows) == 12 and [r["val_loss"] != "" for r in rows].count(True) == 2
     assert all(float(r["lr"]) == 1e-3 and float(r["tokens_per_s"]) > 0 for r in rows)
-    ckpt = torch.load(_tr_os.path.join(runs[0], "ckpt.pt"), weights_only=True)
+    ckpt = torch.load(os.path.join(runs[0], "ckpt.pt"), weights_only=True)
     assert {"model", "optimizer", "config", "args", "iter", "rng", "scaler"} <= set(ckpt)
-    for path in [_tr_os.path.join(r, "loss.png") for r in runs]:
+    for path in [os.path.join(r, "loss.png") for r in runs]:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     outs = {k: str(tmp_path / f"{k}.png") for k in ("medians", "raw", "sweep")}
-    assert _tr_plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
-    assert _tr_plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
-    assert _tr_plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
+    assert plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
+    assert plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
+    assert plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
     for path in outs.values():
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
-    assert all(_tr_os.path.basename(r) in table for r in runs)
+    assert all(os.path.basename(r) in table for r in runs)
     # the printed median is the median of the last window of the logged costs
     last4 = sorted(float(r["train_loss"]) for r in rows[-4:])
     assert f"{(last4[1] + last4[2]) / 2:.4f}" in table
 
 
 def test_plot_window_medians():
-    loss = _tr_np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
-    ends, med = _tr_plot.window_medians(loss, 3)
+    loss = np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
+    ends, med = plot.window_medians(loss, 3)
     assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
 
 
@@ -1003,19 +1000,19 @@ def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
     out_dir = str(tmp_path / "run")
     base = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out_dir, "--max_iters", "2"]
     if case in ("other config", "existing run"):
-        assert _tr_train.main(base) == 0
+        assert train.main(base) == 0
         capsys.readouterr()
     if case == "token beyond vocab":
         bad = _tr_make_data(tmp_path / "bad", vocab=64)
-        with open(_tr_os.path.join(bad, "meta.json"), "w") as f:
-            _tr_json.dump({"vocab_size": 32}, f)
+        with open(os.path.join(bad, "meta.json"), "w") as f:
+            json.dump({"vocab_size": 32}, f)
         base = base + ["--data_dir", bad]
     argv = base + {"unknown mixer": ["--mixer", "nope"], "missing data": ["--data_dir", str(tmp_path / "none")],
                    "n_head": ["--n_embd", "30", "--n_head", "4", "--mixer", "sa"], "negative": ["--n_layer", "-2"],
                    "other config": ["--resume", "--n_layer", "3"], "existing run": [], "token beyond vocab": [],
                    "resume nothing": ["--resume"], "bad batch": ["--batch_size", "0"]}[case]
-    before = sorted(_tr_os.listdir(out_dir)) if _tr_os.path.isdir(out_dir) else None
-    rc = _tr_train.main(argv)
+    before = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    rc = train.main(argv)
     err = capsys.readouterr().err
     assert rc != 0
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
@@ -1023,21 +1020,21 @@ def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
            "other config": "n_layer", "existing run": "--resume", "token beyond vocab": "vocab_size",
            "resume nothing": "no checkpoint", "bad batch": "batch_size"}[case]
     assert key in err
-    after = sorted(_tr_os.listdir(out_dir)) if _tr_os.path.isdir(out_dir) else None
+    after = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
     assert after == before  # nothing written, nothing half-written
 
 
 def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
-    r = _tr_subprocess.run([_tr_sys.executable, "train.py", "--mixer", "sa", "--n_embd", "30", "--n_head", "4",
+    r = subprocess.run([sys.executable, "train.py", "--mixer", "sa", "--n_embd", "30", "--n_head", "4",
                             "--data_dir", str(tmp_path / "missing")], cwd=_TR_ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
 def test_train_help_lists_every_config_field_with_its_symbol(capsys):
-    assert _tr_train.main(["--help"]) == 0
+    assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
     import dataclasses
-    fields = [f.name for f in dataclasses.fields(_tr_train.Config) if f.name != "vocab_size"]
+    fields = [f.name for f in dataclasses.fields(train.Config) if f.name != "vocab_size"]
     for name in fields:
         assert f"--{name}" in text
     for symbol in ("l:", "d:", "c:", "m:", "n:", "p:"):
@@ -1049,12 +1046,12 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
     whole global batch, as in one process."""
     flags = _TR_TINY + ["--mixer", "sa", "--dropout", "0", "--data_dir", tr_data, "--max_iters", "6",
                         "--eval_interval", "3", "--ckpt_interval", "3", "--device", "cpu"]
-    env = {**_tr_os.environ, "OMP_NUM_THREADS": "1"}
-    r = _tr_subprocess.run([_tr_sys.executable, "-m", "torch.distributed.run", "--standalone",
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc_per_node=2", "train.py"] + flags + ["--out_dir", str(tmp_path / "ddp")],
                            cwd=_TR_ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert _tr_train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
+    assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
     ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
     assert len(ddp) == len(one) == 6
     for a, b in zip(ddp, one):
@@ -1075,7 +1072,7 @@ _TR_WORDS = ("the a little old fox owl hen miller baker lantern river garden moo
 
 def _tr_book(book_id, n_sentences, seed):
     """A made-up book inside Project-Gutenberg-shaped header and footer lines."""
-    rng = _tr_np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     sentences = []
     for _ in range(n_sentences):
         words = [_TR_WORDS[i] for i in rng.integers(0, len(_TR_WORDS), size=rng.integers(5, 12))]
@@ -1092,7 +1089,7 @@ def tr_mirror(tmp_path_factory):
     books = {101: _tr_book(101, 900, 1), 102: _tr_book(102, 900, 2), 103: _tr_book(103, 300, 3)}
     pages = {f"/cache/epub/{i}/pg{i}.txt": text.encode() for i, text in books.items()}
 
-    class Handler(_tr_http.BaseHTTPRequestHandler):
+    class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = pages.get(self.path)
             self.send_response(200 if body else 404)
@@ -1102,8 +1099,8 @@ def tr_mirror(tmp_path_factory):
 
         def log_message(self, *args):
             pass
-    server = _tr_http.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    _tr_threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     tsv = tmp_path_factory.mktemp("trbooks") / "books.tsv"
     tsv.write_text("rank\tid\ttitle\tauthor\n" + "".join(f"{r}\t{i}\tMade-up Tales {i}\tNobody\n"
                                                         for r, i in enumerate(books, 1)))
@@ -1132,8 +1129,8 @@ def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
         def generate_stream(self, idx, max_new_tokens, **kw):
             for i in ids[:max_new_tokens]:
                 yield torch.tensor([[i]])
-    args = _tr_sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
-    _tr_sample.stream(FakeModel(), None, enc, args)
+    args = sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
+    sample.stream(FakeModel(), None, enc, args)
     assert capsys.readouterr().out == text + "\n"
 
 
@@ -1141,24 +1138,350 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     data = tr_prepared
     monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
     for mixer in ("sa", "me"):
-        assert _tr_train.main(["--mixer", mixer, "--data_dir", data, "--n_layer", "2", "--n_embd", "32",
+        assert train.main(["--mixer", mixer, "--data_dir", data, "--n_layer", "2", "--n_embd", "32",
                                "--n_hidden", "64", "--block_size", "32", "--batch_size", "16", "--n_head", "4",
                                "--max_iters", "40", "--eval_interval", "20", "--eval_batches", "2",
                                "--lr", "3e-3"]) == 0
         loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
-        assert len(loss) == 40 and _tr_np.mean(loss[-5:]) < _tr_np.mean(loss[:5]) - 0.5  # the loss falls
+        assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
     capsys.readouterr()
     prompt = "Once upon a time there was"
-    assert _tr_sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
+    assert sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
     first = capsys.readouterr()
     assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
-    assert _tr_sample.main(["--out_dir", "out/me", "--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0
+    assert sample.main(["--out_dir", "out/me", "--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0
     assert capsys.readouterr().out == first.out  # the seed makes it reproducible
     long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
-    assert _tr_sample.main(["--out_dir", "out/sa-4", "--prompt", long_prompt, "--max_new_tokens", "5",
+    assert sample.main(["--out_dir", "out/sa-4", "--prompt", long_prompt, "--max_new_tokens", "5",
                             "--num_samples", "2"]) == 0
     res = capsys.readouterr()
     assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
-    assert _tr_sample.main(["--out_dir", "out/nothing"]) == 1
+    assert sample.main(["--out_dir", "out/nothing"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no checkpoint" in err
+
+
+# =============================================================================
+# The Synthesizer family (Tay et al., 2021) against its equations written as literal loops (float64)
+
+
+
+
+SYNTH_TOL = 1e-9
+SYNTHS = ["dense", "dense-fact", "random", "random-fixed", "random-fact", "random+dense", "random+sa",
+          "dense+sa"]
+
+
+def synth_random_mixer(name, d=12, l=12, n=3, seed=0):
+    """A mixer in float64 with every parameter and buffer (Fixed Random's R too) ~ N(0, 0.5),
+    larger than the paper's init so that every term matters and the alignments are far from uniform."""
+    torch.manual_seed(seed)
+    m = MIXERS[name](Config(n_embd=d, block_size=l, n_head=n, mixer=name)).double()
+    with torch.no_grad():
+        for p in list(m.parameters()) + list(m.buffers()):
+            p.normal_(0, 0.5)
+    return m
+
+
+def synth_literal(name, m, x):
+    """Synthesizer Eq. (1)-(7) and the mixture formula per head j and row i, with the causal row
+    softmax of Eq. (14), then Eq. (15)-(17). x (B, t, d) -> (B, t, d)."""
+    B, t, d = x.shape
+    n, l = m.n, m.l
+    h = d // n
+    V = x @ m.W_V.weight.T                                    # Eq. (12), all heads
+    out = torch.zeros(B, t, d, dtype=x.dtype)
+    for j in range(n):
+        cols = slice(j * h, (j + 1) * h)
+
+        def dense():                                          # Synthesizer Eq. (1), (2): (B, t, t)
+            S = torch.zeros(B, t, t, dtype=x.dtype)
+            for i in range(t):
+                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]       # head j's h hidden units
+                S[:, i] = hid @ m.W_2[j, :t].T                             # B_i, l values, first t
+            return S
+
+        def dense_fact():                                     # Synthesizer Eq. (5), (6)
+            S = torch.zeros(B, t, t, dtype=x.dtype)
+            for i in range(t):
+                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]
+                A, Bv = hid @ m.W_A[j], hid @ m.W_B[j]                    # (B, a), (B, b)
+                for p in range(t):                                         # C_p = A_{p // b} B_{p mod b}
+                    S[:, i, p] = A[:, p // m.b] * Bv[:, p % m.b]
+            return S
+
+        def random_():                                        # Synthesizer Eq. (4)
+            return m.R[j, :t, :t].expand(B, t, t)
+
+        def random_fact():                                    # Synthesizer Eq. (7)
+            S = torch.zeros(t, t, dtype=x.dtype)
+            for i in range(t):
+                for k in range(t):
+                    S[i, k] = sum(m.R_1[j, i, r] * m.R_2[j, k, r] for r in range(m.R_1.shape[2]))
+            return S.expand(B, t, t)
+
+        def dot():                                            # Eq. (10), (11), (13)
+            W = m.W_QK.weight.T                               # (d, 2d): Q of all heads, then K
+            Q, K = x @ W[:, j * h: (j + 1) * h], x @ W[:, d + j * h: d + (j + 1) * h]
+            return Q @ K.transpose(1, 2) / math.sqrt(h)
+
+        def alphas():                                         # softmax of alpha_h: positive, sum 1
+            e = torch.exp(m.alpha[j])
+            return e[0] / e.sum(), e[1] / e.sum()
+
+        if name == "dense":
+            S = dense()
+        elif name == "dense-fact":
+            S = dense_fact()
+        elif name in ("random", "random-fixed"):
+            S = random_()
+        elif name == "random-fact":
+            S = random_fact()
+        elif name == "random+dense":
+            a1, a2 = alphas()
+            S = a1 * random_() + a2 * dense()
+        elif name == "random+sa":
+            a1, a2 = alphas()
+            S = a1 * random_() + a2 * dot()
+        elif name == "dense+sa":
+            a1, a2 = alphas()
+            S = a1 * dense() + a2 * dot()
+        else:
+            raise KeyError(name)
+        for i in range(t):
+            e = torch.exp(S[:, i, : i + 1])                   # Eq. (14): only k <= i
+            a = e / e.sum(dim=1, keepdim=True)
+            out[:, i, cols] = (a[:, :, None] * V[:, : i + 1, cols]).sum(1)  # Eq. (15), (16)
+    return out @ m.W_out_att.weight.T                         # Eq. (17)
+
+
+@pytest.mark.parametrize("name", SYNTHS)
+@pytest.mark.parametrize("d,l,n", [(12, 12, 3), (8, 16, 1), (8, 7, 4)])
+def test_synth_forward_and_gradients_equal_literal_equations(name, d, l, n):
+    for trial, t in enumerate((1, l // 2 + 1, l)):
+        m = synth_random_mixer(name, d, l, n, seed=trial)
+        x = torch.randn(2, t, d, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(2, t, d, dtype=torch.float64)
+        y, y_ref = m(x), synth_literal(name, m, x)
+        assert torch.allclose(y, y_ref, atol=SYNTH_TOL, rtol=0)
+        params = [x] + list(m.parameters())
+        grads = torch.autograd.grad(y, params, g, allow_unused=True)
+        grads_ref = torch.autograd.grad(y_ref, params, g, allow_unused=True)
+        for p, a, b in zip(["x"] + [k for k, _ in m.named_parameters()], grads, grads_ref):
+            zero = torch.zeros((), dtype=torch.float64)       # None: the output does not use it
+            a, b = (zero if z is None else z for z in (a, b))
+            assert torch.allclose(a, b, atol=SYNTH_TOL, rtol=0), p
+
+
+@pytest.mark.parametrize("name", SYNTHS)
+def test_synth_float32_gradients_reach_every_parameter(name):
+    """The float32 path (other kernels than float64's) against the float64 literal equations."""
+    m = synth_random_mixer(name, d=16, l=16, n=4, seed=5)
+    x = torch.randn(3, 16, 16, dtype=torch.float64)
+    g = torch.randn(3, 16, 16, dtype=torch.float64)
+    ref = torch.autograd.grad(synth_literal(name, m, x), list(m.parameters()), g)
+    m32 = m.float()
+    got = torch.autograd.grad(m32(x.float()), list(m32.parameters()), g.float())
+    for (p, _), a, b in zip(m32.named_parameters(), got, ref):
+        assert (a != 0).any(), f"{p} gets no gradient"
+        assert torch.allclose(a.double(), b, atol=1e-4, rtol=1e-3), p
+
+
+@pytest.mark.parametrize("name", SYNTHS)
+def test_synth_cache_in_chunks_equals_full_forward(name):
+    """Prefill, then a chunk of several positions, then single tokens: every row equals the full
+    forward, so the position-indexed rows (R[past:T], W_2's columns) are the right ones."""
+    m = synth_random_mixer(name, d=12, l=12, n=3, seed=1)
+    x = torch.randn(2, 12, 12, dtype=torch.float64)
+    cache = {}
+    steps = [m(x[:, :3], cache), m(x[:, 3:7], cache)] + [m(x[:, i: i + 1], cache) for i in range(7, 12)]
+    assert torch.allclose(torch.cat(steps, 1), m(x), atol=SYNTH_TOL, rtol=0)
+    assert cache["v"].shape == (2, 3, 12, 4)
+    with pytest.raises(ValueError, match="exceeds block_size l=12"):
+        m(x[:, :1], cache)
+
+
+def synth_tiny_model(name, l=16, seed=0):
+    torch.manual_seed(seed)
+    cfg = Config(vocab_size=50, block_size=l, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.0,
+                 mixer=name)
+    model = Transformer(cfg).double().eval()
+    with torch.no_grad():
+        for p in list(model.parameters()) + list(model.buffers()):
+            p.normal_(0, 0.3)  # distinct logits, so greedy choices are not ties
+    return model
+
+
+@pytest.mark.parametrize("name", ["random", "dense+sa"])
+def test_synth_cached_generation_beyond_block_size_reprefills_half_window(name):
+    l = 16
+    model = synth_tiny_model(name, l=l)
+    prompt = torch.randint(0, 50, (1, 20))                                 # longer than l
+    out = model.generate(prompt, 26, temperature=0, use_cache=True)       # rebuilds at 21, 30, 39
+    start = prompt.shape[1] - l
+    for q in range(prompt.shape[1], out.shape[1]):                         # predict position q
+        if q - start > l:
+            start = q - l // 2                                             # generate's documented rebuild
+        logits = model(out[:, start:q])[0][:, -1]
+        assert out[0, q] == logits.argmax(-1)[0], f"token {q} differs from a forward over its window"
+
+
+# ---- parameter counts: the Synthesizer paper's Table 1 and text, plus W_V and W_out_att (2 d^2)
+
+def synth_param_formula(name, d, l, n, k=extractor.SYN_RANK):
+    a, b = extractor._syn_factors(l)
+    dense, random, mix = d * d + d * l, n * l * l, 2 * n       # Table 1; "each head adds N^2"; alphas
+    align = {"dense": dense, "dense-fact": d * d + d * (a + b), "random": random, "random-fixed": 0,
+             "random-fact": 2 * n * l * k, "random+dense": random + dense + mix,
+             "random+sa": random + 2 * d * d + mix, "dense+sa": dense + 2 * d * d + mix}[name]
+    return align + 2 * d * d
+
+
+@pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 4), (128, 128, 32), (64, 32, 4), (24, 7, 3),
+                                   (16, 256, 16)])
+def test_synth_parameter_counts_equal_formulas(d, l, n):
+    for name in SYNTHS:
+        assert extractor.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
+    fixed = MIXERS["random-fixed"](Config(n_embd=d, block_size=l, n_head=n, mixer="random-fixed"))
+    assert fixed.state_dict()["R"].shape == (n, l, l)          # stored, but not a parameter
+
+
+def test_synth_factorized_dense_factors():
+    for l in range(1, 300):
+        a, b = extractor._syn_factors(l)
+        assert a * b == l and a <= b
+        assert not any(l % f == 0 for f in range(a + 1, math.isqrt(l) + 1))   # a is the largest
+
+
+def test_synth_whole_model_parameter_count():
+    for name in SYNTHS:
+        cfg = Config(vocab_size=97, block_size=16, n_embd=24, n_hidden=40, n_layer=3, n_head=4, mixer=name)
+        model = Transformer(cfg)
+        assert model.param_counts()["mixers"] == 3 * synth_param_formula(name, 24, 16, 4)
+
+
+def test_synth_initialisation():
+    """nn.Linear and raw weights ~ N(0, 0.01) (Section 6), mixing alphas zero (weights 1/2 each)."""
+    for name in SYNTHS:
+        model = Transformer(Config(vocab_size=50, block_size=64, n_embd=64, n_hidden=64, n_layer=1, n_head=4,
+                                   mixer=name))
+        mixer = model.layers[0].mixer
+        for p_name, p in list(mixer.named_parameters()) + list(mixer.named_buffers()):
+            if p_name == "alpha":
+                assert (p == 0).all() and torch.allclose(mixer.mixing_weights()[0], torch.tensor(0.5))
+            else:
+                assert abs(p.std().item() - 0.01) < 0.002 and abs(p.mean().item()) < 0.002, (name, p_name)
+
+
+# ---- Fixed Random: not trained, but saved
+
+def test_synth_fixed_random_is_not_trained_and_is_saved():
+    cfg = Config(vocab_size=40, block_size=8, n_embd=16, n_hidden=16, n_layer=2, n_head=4, mixer="random-fixed")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert not any("R" in name.split(".") for name, _ in model.named_parameters())
+    R0 = [layer.mixer.R.clone() for layer in model.layers]
+    W0 = [layer.mixer.W_V.weight.clone() for layer in model.layers]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 40, (4, 8))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    opt.step()
+    for layer, R, W in zip(model.layers, R0, W0):
+        assert torch.equal(layer.mixer.R, R)                  # the alignment did not move
+        assert not torch.equal(layer.mixer.W_V.weight, W)     # the values did
+    # a checkpoint (plain tensors, weights_only) reproduces R; the seed decides it
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    torch.manual_seed(1)
+    other = Transformer(cfg)
+    assert not torch.equal(other.layers[0].mixer.R, R0[0])
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert all(torch.equal(a.mixer.R, b.mixer.R) for a, b in zip(other.layers, model.layers))
+    torch.manual_seed(0)
+    assert torch.equal(Transformer(cfg).layers[1].mixer.R, R0[1])
+
+
+@pytest.mark.parametrize("name", SYNTHS)
+def test_synth_trains_under_bfloat16_autocast(name):
+    """train.py's --dtype bfloat16 path: the mixed dtypes (float32 R and alphas, bf16 activations)
+    must meet without errors, and the result stays close to float32."""
+    m = synth_random_mixer(name, d=16, l=16, n=4, seed=2).float()
+    with torch.no_grad():
+        for p in list(m.parameters()) + list(m.buffers()):
+            p.mul_(0.4)
+    x = torch.randn(2, 16, 16)
+    y32 = m(x)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        y = m(x)
+    y.float().sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    assert torch.allclose(y.float(), y32, atol=0.05 * y32.abs().max().item(), rtol=0)
+
+
+# =============================================================================
+# bench.py: the quick mode runs every section and prints a row per mixer (numbers are not asserted)
+
+
+
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "bench.py", "--quick", "--mixers", "all", "--threads", "1",
+                                "--json", str(out)],
+                               cwd=BENCH_DIR, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    mixers = list(extractor.MIXERS)
+    tables = run.stdout.split("\n\n")[1:]                       # the header line, then one block per section
+    titles = [t.splitlines()[0][:2] for t in tables]
+    assert titles[:5] == ["1.", "2.", "3.", "4.", "5."]
+    for block in tables[:5]:
+        rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
+        if block.startswith("3."):                               # one row per mixer and model size
+            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), block
+        else:
+            assert [r[0] for r in rows if r[0] in mixers] == mixers, block
+    res = json.loads(out.read_text())
+    assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops"}
+    for name, rows in res["sections"].items():
+        want = (mixers + ["none"]) * 2 if name == "model" else mixers
+        assert sorted(r["mixer"] for r in rows) == sorted(want), name
+    for r in res["sections"]["sublayer"]:
+        assert r["ms"] > 0 and r["path"] in ("sdpa", "toeplitz", "fft", "matmul")
+    for r in res["sections"]["generation"]:
+        assert r["cached_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0
+
+
+def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
+    for argv in (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv + ["--no_malloc_tune"])
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
+    """fir_path reads the taps' shape and FFT_MIN_T_SCALAR; check it against the code that actually runs."""
+    taken = []
+    toeplitz, fft_apply = extractor._toeplitz, extractor._FIRFFT.apply
+    monkeypatch.setattr(extractor, "_toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
+    monkeypatch.setattr(extractor._FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
+    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 8)
+    for name in extractor.MIXERS:
+        cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
+        module = extractor.MIXERS[name](cfg)
+        for t in (4, 12):                                        # both sides of the scalar-tap threshold
+            taken.clear()
+            module(torch.randn(1, t, 4))
+            want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
+            assert bench.fir_path(module, t) == want, (name, t)
+
+
+def test_bench_loglog_slope_recovers_a_power_law():
+    for b in (0.5, 1.0, 2.0):
+        ms = {t: 3.0 * t ** b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
+        assert abs(bench.loglog_slope(ms, 8192) - b) < 1e-9
