@@ -440,6 +440,9 @@ def train(argv):
         old_handler = None
 
     b = args.batch_size // world
+    # each batch's loss goes into this fixed buffer until the next flush: no tensor outlives its step,
+    # so the freed activations of one step are reused by the next (see keep_freed_memory)
+    loss_buf = torch.zeros(max(1, min(args.log_interval, args.max_iters - start_iter)), device=device)
     pending, t_session, t_chunk, it = [], time.time(), time.time(), start_iter
     last_val = None
     say(f"training from batch {start_iter} to {args.max_iters}")
@@ -463,14 +466,15 @@ def train(argv):
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             it += 1
-            pending.append((it, loss.detach(), time.time()))
+            loss_buf[len(pending)] = loss.detach()
+            pending.append((it, time.time()))
 
             # flush the losses to log.csv: at log points, evals, checkpoints, the end, and on Ctrl-C
             do_eval = args.eval_batches > 0 and (it % args.eval_interval == 0 or it == args.max_iters)
             do_ckpt = it % args.ckpt_interval == 0 or it == args.max_iters
             if not (it % args.log_interval == 0 or do_eval or do_ckpt or (world == 1 and stop["asked"])):
                 continue
-            losses = torch.stack([l for _, l, _ in pending]).float()  # (k,)
+            losses = loss_buf[:len(pending)].clone()  # (k,)
             if world > 1:  # mean over ranks = the loss of the global batch; also agree on stopping
                 flag = torch.tensor([float(stop["asked"])], device=losses.device)
                 buf = torch.cat([losses / world, flag])
@@ -483,7 +487,7 @@ def train(argv):
                            rank, world) if do_eval else None
             if master:
                 lr = optimizer.param_groups[0]["lr"]
-                for (i, _, t), l in zip(pending, losses):  # val_loss only in the row it was measured at
+                for (i, t), l in zip(pending, losses):  # val_loss only in the row it was measured at
                     v = repr(val) if (i == it and val is not None) else ""
                     writer.writerow([i, repr(l), v, lr, f"{tok_s:.1f}", f"{elapsed0 + t - t_session:.3f}"])
                 log_file.flush()
