@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import extractor
 import train
 from extractor import MIXERS, Config, Transformer
+import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 
 # -----------------------------------------------------------------------------
 # settings: the paper's Table 1 shapes, and the tiny ones of --quick

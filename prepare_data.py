@@ -173,25 +173,38 @@ BOOKS = [
 
 
 def fail(msg):
-    """User-facing error: a clear message on stderr, exit status 1, no traceback."""
-    raise SystemExit(f'prepare_data.py: error: {msg}')
+    """Bad input, for every script of the project: one line on stderr saying what is wrong and what
+    to do, exit status 1, no traceback."""
+    print(f'error: {msg}', file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def fmt_time(s):
-    return f'{s:.1f} s' if s < 120 else f'{s / 60:.1f} min'
+    """Seconds for progress lines and ETAs, for every script: 4.2s, 3m05s, 1h02m."""
+    s = max(0.0, s)
+    if s < 60:
+        return f'{s:.1f}s'
+    s = int(s)
+    return f'{s // 3600}h{s % 3600 // 60:02d}m' if s >= 3600 else f'{s // 60}m{s % 60:02d}s'
 
 
 UMASK = os.umask(0o022)
 os.umask(UMASK)  # (reading the umask means setting it)
 
 
-def write_atomic(path, data):
-    """Write bytes to path via a temp file in the same folder, so path is never half-written."""
+def atomic_write(path, data):
+    """Write data (bytes, str, or a function that writes to a binary file object, such as
+    `lambda f: torch.save(obj, f)`) to path through a temp file of this process in the same
+    folder, then rename: path is never half-written, and two processes never share a temp file.
+    Every script of the project writes its files with this."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.' + os.path.basename(path),
                                suffix='.tmp')
     try:
         with os.fdopen(fd, 'wb') as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode('utf-8') if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
@@ -326,7 +339,7 @@ def get_raw_books(books, args):
                                   'or did not answer')
                 break
             continue
-        write_atomic(path, data)
+        atomic_write(path, data)
         raws[book_id] = data
         n_fetched += 1
         done = n_fetched + len(failed)
@@ -675,7 +688,7 @@ def prepare(args):
     }
     files['meta.json'] = (json.dumps(meta, indent=2, ensure_ascii=False) + '\n').encode('utf-8')
     for name, data in files.items():  # meta.json last: it vouches for the others
-        write_atomic(os.path.join(args.data_dir, name), data)
+        atomic_write(os.path.join(args.data_dir, name), data)
     times['write'] = time.time() - t
 
     n_train, n_val = meta['train_tokens'], meta['val_tokens']

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from extractor import Config, Transformer
+import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 from train import pick_device
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from extractor import Config, Transformer, MIXERS
+import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 
 # the paper's symbol for each extractor.Config field (Table 1), shown in --help
 CONFIG_HELP = {
@@ -290,6 +291,21 @@ def truncate_log(path, last_iter):
     atomic_write_text(path, "\n".join(keep) + "\n")
 
 
+def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
+    """One batch: forward, the loss of Eq. (3), backward, optional clipping, AdamW. Returns the
+    loss (detached). bench.py times exactly this."""
+    with ctx:
+        _, loss = model(x, y)  # mean cross-entropy of the batch, Eq. (3)
+    scaler.scale(loss).backward()
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def fmt_time(s):
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -451,20 +467,12 @@ def train(argv):
             starts = batch_starts(it, n_starts, args.batch_size, args.data_seed)[rank * b:(rank + 1) * b]
             x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
             try:
-                with ctx:
-                    _, loss = model(x, y)  # mean cross-entropy of the batch, Eq. (3)
-                scaler.scale(loss).backward()
+                loss = train_step(model, optimizer, scaler, ctx, x, y, args.grad_clip)
             except Exception as e:
                 if args.compile and it == start_iter:
                     fail(f"the first step with --compile failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
                          f"run without --compile")
                 raise
-            if args.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
             it += 1
             loss_buf[len(pending)] = loss.detach()
             pending.append((it, time.time()))
