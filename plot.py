@@ -1,76 +1,106 @@
 """
-Plot training runs the way the paper does (Section 6): the median training cost of every non-overlapping
-window of batches (Figures 7-8), the per-batch costs (Figure 9), or the last window's median against a
-swept hyperparameter (Figures 10-11).
+Plot training runs the way the paper does (Section 6): the median training cost of every
+non-overlapping window of batches (Figures 7-8), every batch's cost (Figure 9), or the median of
+the last window against a swept setting (Figures 10-11). Prints a table of the runs too.
 
-    python plot.py out/sa-1 out/sa-32 out/she out/he out/we out/me -o fig8.png       # medians of 2000 batches
-    python plot.py out/sa-32 out/she --raw -o fig9.png                                 # every batch
-    python plot.py out/l*-m2-* --sweep block_size -o fig10.png                         # last window vs l
-Each run folder is one written by train.py (log.csv and run.json). A table of the final medians and
-validation losses is printed too.
+    python plot.py out/sa-1 out/sa-32 out/she out/he out/we out/me -o fig8.png   # window medians
+    python plot.py out/sa-32 out/she --raw -o fig9.png                            # every batch
+    python plot.py out/me-l* --sweep block_size -o fig10.png                      # last window vs l
+    python plot.py RUNS... --window 500 --results results -o results/fig8.png     # + the CSVs
+
+Each run folder is one written by train.py (log.csv and run.json). --window defaults to the
+paper's 2000 batches, or to about 30 windows for shorter runs. Lines keep one colour and order
+per mixer in every figure.
 """
+
 import argparse
 import csv
+import io
 import json
 import os
 import sys
 
-import numpy as np
 import matplotlib
+import numpy as np
+
 matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402
 
+from prepare_data import atomic_write, fail  # noqa: E402
 
-def fail(msg):
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(1)
+# one colour per mixer, in this order, in every figure (others follow in matplotlib's cycle)
+STYLE = {
+    "sa-1": "tab:gray",
+    "sa-32": "black",
+    "she": "tab:red",
+    "he": "tab:orange",
+    "we": "tab:green",
+    "me": "tab:blue",
+    "he-ext": "tab:purple",
+}
 
 
 def read_log(run_dir):
-    """log.csv of a run as arrays: iter, train_loss, and the iterations that have a val_loss."""
+    """log.csv of a run as arrays: iter, train_loss, tokens_per_s, and the iterations with a val_loss."""
     path = os.path.join(run_dir, "log.csv")
     if not os.path.isfile(path):
         fail(f"{path} not found; pass folders written by train.py")
-    it, loss, val_it, val = [], [], [], []
+    it, loss, tok_s, val_it, val = [], [], [], [], []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             try:
-                it.append(int(row["iter"]))
-                loss.append(float(row["train_loss"]))
-                if row["val_loss"]:
-                    val_it.append(it[-1])
-                    val.append(float(row["val_loss"]))
+                i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
+                v = float(row["val_loss"]) if row["val_loss"] else None
             except (KeyError, TypeError, ValueError):
                 continue  # a half-written last row of a run that is still going
+            it.append(i), loss.append(l), tok_s.append(t)
+            if v is not None:
+                val_it.append(i), val.append(v)
     if not it:
-        fail(f"{path} has no rows yet")
-    return {"iter": np.array(it), "train_loss": np.array(loss), "val_iter": np.array(val_it), "val_loss": np.array(val)}
+        fail(f"{path} has no rows yet; wait for the run's first log line")
+    return {
+        "iter": np.array(it),
+        "train_loss": np.array(loss),
+        "tokens_per_s": np.array(tok_s),
+        "val_iter": np.array(val_it),
+        "val_loss": np.array(val),
+    }
 
 
 def read_settings(run_dir):
-    """Config and training arguments of a run (run.json, else the checkpoint), merged into one dict."""
+    """Config, training arguments and parameter counts of a run (run.json), merged into one dict."""
     path = os.path.join(run_dir, "run.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            run = json.load(f)
-    elif os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
-        import torch
-        run = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
-    else:
-        fail(f"{run_dir} has neither run.json nor ckpt.pt; pass folders written by train.py")
-    return {**run["args"], **run["config"]}
+    if not os.path.isfile(path):
+        fail(f"{path} not found; pass folders written by train.py")
+    with open(path) as f:
+        run = json.load(f)
+    return {**run["args"], **run["config"], "params": run.get("params", {})}
 
 
-def mixer_label(settings):
+def label(settings):
     """sa-<heads> for self-attention (the paper compares 1 and 32 heads), else the mixer's name."""
     return f"sa-{settings['n_head']}" if settings["mixer"] == "sa" else settings["mixer"]
 
 
+def run_names(run_dirs):
+    """(name, run_dir) pairs: the mixer labels, or the folder names where two labels are the same."""
+    names = [label(read_settings(d)) for d in run_dirs]
+    if len(set(names)) < len(names):
+        names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    return list(zip(names, run_dirs))
+
+
+def in_paper_order(runs):
+    """(label, run_dir) pairs sorted as STYLE lists the mixers."""
+    order = list(STYLE)
+    return sorted(runs, key=lambda r: (order.index(r[0]) if r[0] in order else len(order), r[0]))
+
+
 def window_medians(loss, window):
-    """Median of every non-overlapping window of `window` batches (a last, partial window is dropped).
-    Returns the batch count at the end of each window and the medians."""
+    """Median of every non-overlapping window of `window` batches (a last, partial window is
+    dropped). Returns the batch count at the end of each window and the medians."""
     n = len(loss) // window
-    med = np.median(np.asarray(loss[:n * window]).reshape(n, window), axis=1)  # (n,)
+    med = np.median(np.asarray(loss[: n * window]).reshape(n, window), axis=1)  # (n,)
     return window * np.arange(1, n + 1), med
 
 
@@ -80,111 +110,180 @@ def auto_window(n_batches):
 
 
 def plot_run(run_dir, path):
-    """One run's curve (train.py draws this at the end): every batch, window medians, validation losses."""
+    """One run's curve (train.py draws it at the end): every batch, window medians, validation."""
     log = read_log(run_dir)
     window = auto_window(len(log["train_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(log["iter"], log["train_loss"], lw=0.5, alpha=0.35 if window > 1 else 1, color="C0",
-            label="training cost, every batch")
+    ax.plot(
+        log["iter"],
+        log["train_loss"],
+        lw=0.5,
+        alpha=0.35 if window > 1 else 1,
+        color="C0",
+        label="training cost, every batch",
+    )
     if window > 1:
         ends, med = window_medians(log["train_loss"], window)
         ax.plot(ends, med, "-o", ms=3, color="C0", label=f"median of every {window} batches")
     if len(log["val_loss"]):
         ax.plot(log["val_iter"], log["val_loss"], "s--", ms=4, color="C3", label="validation loss")
-    ax.set(xlabel="batches", ylabel="cost (cross-entropy, nats)", title=os.path.basename(os.path.normpath(run_dir)))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, path)
+    finish(fig, ax, os.path.basename(os.path.normpath(run_dir)), path)
 
 
-def plot_runs(run_dirs, path, window=2000, raw=False, labels=None, title=None):
-    """Several runs overlaid: window medians (Figures 7-8) or, with raw, every batch's cost (Figure 9)."""
-    labels = labels or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+def plot_runs(runs, path, window, raw=False, title=None):
+    """Several runs overlaid: window medians (Figures 7-8) or, with raw, every batch (Figure 9)."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    for d, label in zip(run_dirs, labels):
+    for name, d in runs:
         loss = read_log(d)["train_loss"]
         if raw:
-            ax.plot(np.arange(1, len(loss) + 1), loss, lw=0.5, alpha=0.6, label=label)
+            ax.plot(np.arange(1, len(loss) + 1), loss, lw=0.5, alpha=0.6, color=STYLE.get(name), label=name)
             continue
         if len(loss) < window:
             fail(f"{d} has {len(loss)} batches, fewer than --window {window}; pass a smaller --window")
         ends, med = window_medians(loss, window)
-        ax.plot(ends, med, "-o", ms=3, label=label)
+        ax.plot(ends, med, "-o", ms=3, color=STYLE.get(name), label=name)
     what = "training cost of every batch" if raw else f"median training cost of every {window} batches"
-    ax.set(xlabel="batches", ylabel="cost (cross-entropy, nats)", title=title or what)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, path)
+    finish(fig, ax, title or what, path)
 
 
-def plot_sweep(run_dirs, key, path, window=2000, title=None):
-    """The median of each run's last `window` batches against a swept setting (Figures 10-11), one line per
-    mixer (sa per head count)."""
+def plot_sweep(runs, key, path, window, title=None):
+    """The median of each run's last `window` batches against a swept setting (Figures 10-11),
+    one line per mixer (sa per head count)."""
     lines = {}
-    for d in run_dirs:
+    for _, d in runs:
         settings, loss = read_settings(d), read_log(d)["train_loss"]
         if key not in settings:
             fail(f"{d} has no setting {key!r}; choose one of {', '.join(sorted(settings))}")
-        last = np.median(loss[-window:])
-        lines.setdefault(mixer_label(settings), []).append((settings[key], last))
+        lines.setdefault(label(settings), []).append((settings[key], np.median(loss[-window:])))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, pts in sorted(lines.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
+    for name, pts in in_paper_order([(n, sorted(p)) for n, p in lines.items()]):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=STYLE.get(name), label=name)
     values = sorted({p[0] for pts in lines.values() for p in pts})
     if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) / min(values) >= 8:
         ax.set_xscale("log", base=2)  # l = 32 ... 1024 and similar doubling sweeps
     ax.set_xticks(values, [str(v) for v in values])
-    ax.set(xlabel=key, ylabel=f"median cost of the last {window} batches",
-           title=title or f"last {window} batches against {key}")
+    ax.set(xlabel=key, ylabel=f"median cost of the last {window} batches")
+    finish(fig, ax, title or f"last {window} batches against {key}", path)
+
+
+def finish(fig, ax, title, path):
+    if ax.get_xlabel() == "":
+        ax.set(xlabel="batches", ylabel="cost (cross-entropy, nats)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    save(fig, path)
-
-
-def save(fig, path):
-    """Write atomically: a temporary file in the same folder, then rename."""
-    root, ext = os.path.splitext(path)
-    tmp = f"{root}.tmp{ext or '.png'}"  # keeps the extension, which picks the format
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    atomic_write(
+        path,
+        lambda f: fig.savefig(
+            f, format=fmt, dpi=120, bbox_inches="tight", metadata={"Software": None} if fmt == "png" else None
+        ),
+    )
     plt.close(fig)
-    os.replace(tmp, path)
 
 
-def summary(run_dirs, window):
-    """One line per run: batches, last window's median, last validation loss."""
-    print(f"{'run':<24} {'batches':>8} {'last ' + str(window) + ' median':>18} {'val loss':>9}")
-    for d in run_dirs:
-        log = read_log(d)
-        val = f"{log['val_loss'][-1]:.4f}" if len(log["val_loss"]) else "-"
-        med = np.median(log["train_loss"][-window:])
-        print(f"{os.path.basename(os.path.normpath(d)):<24} {len(log['train_loss']):>8} {med:>18.4f} {val:>9}")
+# ----------------------------------------------------------------------------- tables and CSVs
+
+
+def summary_rows(runs, last=1000):
+    """One dict per run: batches, median of the last `last` batches, last validation loss,
+    parameters, and the median of the logged tokens/s."""
+    rows = []
+    for name, d in runs:
+        log, settings = read_log(d), read_settings(d)
+        rows.append(
+            {
+                "run": name,
+                "batches": int(log["iter"][-1]),
+                f"median_last_{last}": float(np.median(log["train_loss"][-last:])),
+                "val_loss": float(log["val_loss"][-1]) if len(log["val_loss"]) else "",
+                "val_at": int(log["val_iter"][-1]) if len(log["val_loss"]) else "",
+                "params_mixers": settings["params"].get("mixers", ""),
+                "params_total": settings["params"].get("total", ""),
+                "tokens_per_s": round(float(np.median(log["tokens_per_s"]))),
+            }
+        )
+    return rows
+
+
+def print_summary(rows):
+    keys = list(rows[0])
+    print("  ".join(f"{k:>15}" for k in keys))
+    for r in rows:
+        print("  ".join(f"{v:>15.4f}" if isinstance(v, float) else f"{v!s:>15}" for v in r.values()))
+
+
+def csv_text(header, rows):
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def write_results(runs, folder, window, last=1000):
+    """The figure's numbers as CSV in `folder`: medians.csv (median of every `window` batches, a
+    column per run), val_loss.csv (every validation loss, a column per run) and summary.csv."""
+    os.makedirs(folder, exist_ok=True)
+    logs = {name: read_log(d) for name, d in runs}
+    meds = {name: dict(zip(*window_medians(log["train_loss"], window))) for name, log in logs.items()}
+    vals = {name: dict(zip(log["val_iter"], log["val_loss"])) for name, log in logs.items()}
+    for file, table in (("medians.csv", meds), ("val_loss.csv", vals)):
+        batches = sorted({int(b) for col in table.values() for b in col})
+        rows = [[b] + [repr(float(table[n][b])) if b in table[n] else "" for n in table] for b in batches]
+        atomic_write(os.path.join(folder, file), csv_text(["batches"] + list(table), rows))
+    rows = summary_rows(runs, last)
+    atomic_write(
+        os.path.join(folder, "summary.csv"), csv_text(list(rows[0]), [list(r.values()) for r in rows])
+    )
+    return rows
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("runs", nargs="+", help="run folders written by train.py")
     p.add_argument("-o", "--output", default="loss.png", help="image file to write (.png, .pdf, .svg)")
-    p.add_argument("--window", type=int, default=2000, help="batches per median (the paper: 2000)")
+    p.add_argument(
+        "--window",
+        type=int,
+        help="batches per median (the paper: 2000; default: 2000, or about 30 windows for shorter runs)",
+    )
     p.add_argument("--raw", action="store_true", help="plot every batch's cost instead of medians (Figure 9)")
-    p.add_argument("--sweep", metavar="KEY", help="plot the last window's median against this setting, e.g. "
-                                                   "block_size (Figure 10) or n_layer (Figure 11)")
-    p.add_argument("--labels", nargs="+", help="legend labels, one per run (default: folder names)")
+    p.add_argument(
+        "--sweep",
+        metavar="KEY",
+        help="plot the last window's median against this setting, "
+        "e.g. block_size (Figure 10) or n_layer (Figure 11)",
+    )
+    p.add_argument(
+        "--results", metavar="DIR", help="also write medians.csv, val_loss.csv and summary.csv here"
+    )
     p.add_argument("--title", help="figure title")
     p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
     try:
         args = p.parse_args(argv)
-        if args.window < 1:
-            fail(f"--window must be at least 1, got {args.window}")
-        if args.labels and len(args.labels) != len(args.runs):
-            fail(f"{len(args.labels)} --labels for {len(args.runs)} runs")
+        runs = in_paper_order(run_names(args.runs))
+        window = args.window
+        if window is None:
+            window = auto_window(min(len(read_log(d)["train_loss"]) for _, d in runs))
+        if window < 1:
+            fail(f"--window must be at least 1, got {window}")
+        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
         if args.sweep:
-            plot_sweep(args.runs, args.sweep, args.output, args.window, args.title)
+            plot_sweep(runs, args.sweep, args.output, window, args.title)
         else:
-            plot_runs(args.runs, args.output, args.window, args.raw, args.labels, args.title)
-        summary(args.runs, args.window)
-        print(f"wrote {args.output}")
+            plot_runs(runs, args.output, window, args.raw, args.title)
+        if args.results:
+            write_results(runs, args.results, window)
+        print_summary(summary_rows(runs))
+        print(f"wrote {args.output}" + (f" and {args.results}/*.csv" if args.results else ""))
+    except OSError as e:  # an unwritable output folder, a full disk
+        print(
+            f"error: cannot write {e.filename}: {e.strerror}; pick another -o or --results", file=sys.stderr
+        )
+        return 1
     except SystemExit as e:
         return e.code
     return 0

@@ -1485,3 +1485,69 @@ def test_bench_loglog_slope_recovers_a_power_law():
     for b in (0.5, 1.0, 2.0):
         ms = {t: 3.0 * t ** b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
         assert abs(bench.loglog_slope(ms, 8192) - b) < 1e-9
+
+
+# ======== plots and results (plot.py) ========
+
+
+def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000):
+    """A run folder as train.py writes it, with made-up costs: run.json and log.csv."""
+    os.makedirs(folder)
+    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32}
+    run = {"config": cfg, "args": {"batch_size": 64}, "params": {"mixers": params, "total": 10 * params}}
+    with open(os.path.join(folder, "run.json"), "w") as f:
+        json.dump(run, f)
+    with open(os.path.join(folder, "log.csv"), "w") as f:
+        f.write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n")
+        for i, loss in enumerate(losses, 1):
+            val = repr(loss - 0.5) if i % val_every == 0 else ""
+            f.write(f"{i},{loss!r},{val},0.001,{1000.0 + i % 3},{i * 0.1:.3f}\n")
+        f.write("7")  # a half-written last row, as in a run that is still going
+
+
+def test_plot_results_csvs_are_the_window_medians_of_the_logs(tmp_path):
+    rng = random.Random(0)
+    logs = {"sa-32": [rng.uniform(3, 6) for _ in range(23)], "she": [rng.uniform(3, 6) for _ in range(21)]}
+    dirs = {"sa-32": str(tmp_path / "a"), "she": str(tmp_path / "b")}
+    _plot_fake_run(dirs["she"], "she", 1, logs["she"], val_every=5)  # given first: the order comes from STYLE
+    _plot_fake_run(dirs["sa-32"], "sa", 32, logs["sa-32"], val_every=5)
+    out = tmp_path / "results"
+    argv = [dirs["she"], dirs["sa-32"], "--window", "4", "--results", str(out), "-o", str(out / "f.png")]
+    assert plot.main(argv) == 0
+    with open(out / "f.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    read = lambda name: list(csv.reader(open(out / name)))
+    medians = read("medians.csv")
+    assert medians[0] == ["batches", "sa-32", "she"]
+    # every full window of 4 batches, up to the shorter run's 5 windows; the longer run's 5th too
+    assert [int(r[0]) for r in medians[1:]] == [4, 8, 12, 16, 20]
+    for row in medians[1:]:
+        end = int(row[0])
+        for col, name in ((1, "sa-32"), (2, "she")):
+            window = sorted(logs[name][end - 4 : end])
+            assert float(row[col]) == (window[1] + window[2]) / 2  # median of four, exactly
+    vals = read("val_loss.csv")
+    assert [int(r[0]) for r in vals[1:]] == [5, 10, 15, 20]
+    assert float(vals[2][2]) == logs["she"][9] - 0.5
+    summary = {r["run"]: r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert summary["she"]["batches"] == "21" and summary["sa-32"]["params_mixers"] == "1000"
+    assert float(summary["she"]["median_last_1000"]) == float(np.median(logs["she"]))
+    assert float(summary["sa-32"]["val_loss"]) == logs["sa-32"][19] - 0.5
+
+
+def test_plot_default_window_fits_a_short_run(tmp_path, capsys):
+    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
+    assert plot.main([str(tmp_path / "run"), "-o", str(tmp_path / "run.png")]) == 0  # 90 < 2000 batches
+    assert "me" in capsys.readouterr().out
+    assert plot.auto_window(60000) == 2000 and plot.auto_window(90) == 3 and plot.auto_window(5) == 1
+
+
+def test_plot_bad_input_gives_one_line(tmp_path, capsys):
+    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0] * 10, val_every=5)
+    cases = [[str(tmp_path / "nope")], [str(tmp_path / "run"), "--window", "50"],
+             [str(tmp_path / "run"), "--sweep", "colour"], [str(tmp_path / "run"), "--window", "0"]]
+    for argv in cases:
+        assert plot.main(argv + ["-o", str(tmp_path / "x.png")]) == 1, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+    assert not os.path.exists(tmp_path / "x.png")
