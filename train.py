@@ -385,13 +385,11 @@ def resume_settings(args, given, ckpt, path):
             + ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
             + "; drop those flags to resume"
         )
-    for k, v in saved.items():
-        if (
-            k not in given
-            and k not in ("out_dir", "resume", "overwrite", "allow_other_data")
-            and hasattr(args, k)
-        ):
-            setattr(args, k, v)
+    keep = set(vars(args)) - given - {"out_dir", "resume", "overwrite", "allow_other_data"}
+    for k in keep & set(saved):
+        setattr(args, k, saved[k])
+    if args.dtype == "auto":  # checkpoints from before float32 became the default (auto: float32 on CPU)
+        args.dtype = "float32"
     check_args(args)
 
 
@@ -662,9 +660,7 @@ def train(argv):
                     )
             if stopping:
                 name = signal.Signals(stop["signal"] or signal.SIGINT).name
-                say(
-                    f"{name}: stopped at batch {it}; continue with the same command plus --resume"
-                )
+                say(f"{name}: stopped at batch {it}; continue with the same command plus --resume")
                 return 128 + (stop["signal"] or signal.SIGINT)
 
     if master:
