@@ -66,7 +66,7 @@ SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # The corpus: the top 100 of gutenberg.org's "Children's Literature" bookshelf (bookshelf 20) by
 # downloads, from a 2025/26 snapshot of that page with poems, readers and audio-only entries left
 # out (ebooks 47 and 54 are the text editions of two audio entries). (ebook id, title, author),
-# in rank order; the same list as shared/gutenberg-mirror/books.tsv.
+# in rank order.
 BOOKS = [
     (11, "Alice's Adventures in Wonderland", 'Lewis Carroll'),
     (120, 'Treasure Island', 'Robert Louis Stevenson'),
@@ -217,10 +217,14 @@ def atomic_write(path, data):
 def read_books_tsv(path):
     """A book list in books.tsv's format: rank, id, title, author (tab-separated, header optional)."""
     try:
-        with open(path, encoding='utf-8-sig') as f:
-            lines = f.read().splitlines()
+        with open(path, 'rb') as f:
+            raw = f.read()
     except OSError as e:
         fail(f'cannot read --books {path}: {e.strerror}')
+    try:  # a spreadsheet's "Unicode text" export is UTF-16 with a byte-order mark
+        lines = raw.decode('utf-16' if raw[:2] in (b'\xff\xfe', b'\xfe\xff') else 'utf-8-sig').splitlines()
+    except UnicodeDecodeError:
+        fail(f'--books {path} is not UTF-8 text; save it as UTF-8 (tab-separated) and try again')
     books, seen = [], set()
     for n, line in enumerate(lines, 1):
         fields = line.split('\t')
@@ -301,8 +305,8 @@ def read_source(book_id, source):
         path = os.path.join(source, name)
         if os.path.isfile(path):
             with open(path, 'rb') as f:
-                return f.read()
-    return None
+                return f.read(), path
+    return None, None
 
 
 def get_raw_books(books, args):
@@ -310,17 +314,17 @@ def get_raw_books(books, args):
     raw_dir = os.path.join(args.data_dir, 'raw')
     if not args.source:
         os.makedirs(raw_dir, exist_ok=True)
-    raws, failed, missing_src = {}, [], []
+    raws, where, failed, missing_src = {}, {}, [], []
     n_cached = n_fetched = 0
     to_fetch = sum(not os.path.exists(os.path.join(raw_dir, f'{b}.txt')) for b, _, _ in books)
     t0 = time.time()
     for i, (book_id, title, _) in enumerate(books):
         if args.source:
-            raws[book_id] = read_source(book_id, args.source)
+            raws[book_id], where[book_id] = read_source(book_id, args.source)
             if raws[book_id] is None:
                 missing_src.append(book_id)
             continue
-        path = os.path.join(raw_dir, f'{book_id}.txt')
+        path = where[book_id] = os.path.join(raw_dir, f'{book_id}.txt')
         if os.path.exists(path):  # written atomically, so a file here is whole
             with open(path, 'rb') as f:
                 raws[book_id] = f.read()
@@ -357,10 +361,22 @@ def get_raw_books(books, args):
              '--mirror URL (another Gutenberg mirror) or --source DIR (a folder of <ID>.txt files).')
     if not args.source:
         print(f'books: {n_cached} from the cache in {raw_dir}, {n_fetched} downloaded')
-    return [raws[b] for b, _, _ in books]
+    return [(raws[b], where[b]) for b, _, _ in books]
 
 # -----------------------------------------------------------------------------
 # cleaning
+
+
+CONTROL_BYTES = bytes(range(9)) + bytes(range(14, 32))  # not tab, newline, vertical tab, form feed, CR
+
+
+def book_text(raw, where):
+    """The text of one raw book file; a binary file (NUL bytes, or more than 1% control bytes in its
+    first 100 kB) is refused with its name."""
+    head = raw[:100_000]
+    if b'\0' in raw or len(head) - len(head.translate(None, CONTROL_BYTES)) > 0.01 * len(head):
+        fail(f'{where} is not a text file (NUL or control bytes); replace it with the book\'s plain text')
+    return decode_book(raw)
 
 
 def decode_book(raw):
@@ -634,14 +650,14 @@ def prepare(args):
 
     t = time.time()
     texts = []
-    for (book_id, title, _), raw in zip(books, raws):
-        body, warning = strip_gutenberg(decode_book(raw))
+    for (book_id, title, _), (raw, where) in zip(books, raws):
+        body, warning = strip_gutenberg(book_text(raw, where))
         if warning:
             print(f'  warning: ebook {book_id} ({title}): {warning}')
-        if len(body) < args.min_chars:
-            fail(f'ebook {book_id} ({title}) has only {len(body)} characters after stripping Project '
+        if len(body.strip()) < args.min_chars:
+            fail(f'ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project '
                  f'Gutenberg\'s header and licence (need {args.min_chars}); it is probably not the book: '
-                 f'delete {os.path.join(args.data_dir, "raw", f"{book_id}.txt")} and re-run, or fix --books')
+                 f'replace or delete {where} and re-run, or fix --books')
         texts.append(body)
     ids = [b for b, _, _ in books]
     train_idx, val_idx = split_books(ids, texts, args.val_fraction)

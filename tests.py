@@ -714,17 +714,26 @@ def test_pd_source_dir_gives_the_same_result(pd_clean, tmp_path):
         assert got[name] == want[name]
 
 
-def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path):
+def _pd_error(capsys, fn, *args, **kw):
+    """Run fn, which must stop with exit status 1 and no traceback; return what it printed on stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        fn(*args, **kw)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith('error: ') and 'Traceback' not in err, err
+    return err
+
+
+def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     with socket.socket() as s:  # a port nobody listens on
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     t0 = time.time()
-    with pytest.raises(SystemExit) as e:
-        _pd_run(tmp_path / 'data', '--timeout', '30', books_tsv=tsv, mirror=f'http://127.0.0.1:{port}')
+    msg = _pd_error(capsys, _pd_run, tmp_path / 'data', '--timeout', '30', books_tsv=tsv,
+                    mirror=f'http://127.0.0.1:{port}')
     # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
     assert time.time() - t0 < 10
-    msg = str(e.value)
     assert 'could not download' in msg and 'ebook 9001' in msg and '--mirror' in msg and '--source' in msg
     assert 'not tried' in msg and 'Traceback' not in msg
     first_book = [ln for ln in msg.split('\n') if 'ebook 9001' in ln][0]
@@ -733,13 +742,12 @@ def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path
     assert _pd_leftovers(tmp_path) == []
 
 
-def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path):
+def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     raws = {i: r for i, r in _PD_RAW.items() if i != 9003}
     with _pd_serve(raws) as srv:
-        with pytest.raises(SystemExit) as e:
-            _pd_run(tmp_path / 'data', books_tsv=tsv, mirror=srv.url)
-        failed = [ln for ln in str(e.value).split('\n') if ln.startswith('  ebook')]
+        err = _pd_error(capsys, _pd_run, tmp_path / 'data', books_tsv=tsv, mirror=srv.url)
+        failed = [ln for ln in err.split('\n') if ln.startswith('  ebook')]
         assert len(failed) == 1 and 'ebook 9003' in failed[0] and 'HTTP 404' in failed[0]
         assert sorted(os.listdir(tmp_path / 'data' / 'raw')) == sorted(f'{i}.txt' for i in raws)
         assert not os.path.exists(tmp_path / 'data' / 'train.bin')
@@ -769,7 +777,7 @@ def test_pd_tokenizer_round_trips_arbitrary_unicode(pd_clean):
         assert all(0 <= t < enc.eot_token for t in ids)  # text never turns into <|endoftext|>
 
 
-def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path):
+def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     src = tmp_path / 'src'
     os.makedirs(src)
@@ -783,13 +791,10 @@ def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path):
         assert enc.decode(enc.encode_ordinary(_PD_BODIES[9002])) == _PD_BODIES[9002]
     tok = data / 'tokenizer.tiktoken'
     tok.write_bytes(tok.read_bytes().replace(b' 298\n', b' 297\n'))
-    with pytest.raises(SystemExit, match='meta.json'):
-        prepare_data.load_tokenizer(data)
+    assert 'meta.json' in _pd_error(capsys, prepare_data.load_tokenizer, data)
     os.remove(data / 'meta.json')
-    with pytest.raises(SystemExit, match='damaged'):
-        prepare_data.load_tokenizer(data)
-    with pytest.raises(SystemExit, match='run `python prepare_data.py'):
-        prepare_data.load_tokenizer(tmp_path / 'nowhere')
+    assert 'damaged' in _pd_error(capsys, prepare_data.load_tokenizer, data)
+    assert 'run `python prepare_data.py' in _pd_error(capsys, prepare_data.load_tokenizer, tmp_path / 'nowhere')
 
 
 def _pd_naive_bpe(word_counts, n_tokens):
@@ -849,7 +854,7 @@ def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
     assert sorted(ids[order[i]] for i in val2) == sorted(ids[i] for i in val)
 
 
-def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path):
+def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     bad = tmp_path / 'bad.tsv'
     bad.write_text('rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\televen\tOops\tX\n')
@@ -859,34 +864,46 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path):
              (['--books', tsv, '--source', str(tmp_path / 'nowhere')], 'not a folder'),
              (['--books', tsv, '--mirror', 'ftp://example'], 'http'),
              (['--books', tsv, '--source', str(tmp_path)], 'not found in --source')]
+    utf16 = tmp_path / 'books-utf16.tsv'  # a spreadsheet's "Unicode text": read as it is
+    utf16.write_bytes(open(tsv, encoding='utf-8').read().replace('The Brass Kite', 'Brass Kite \u00e9').encode('utf-16'))
+    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == [t for _, t, _ in prepare_data.read_books_tsv(tsv)][:1] + ['Brass Kite \u00e9'] + [t for _, t, _ in prepare_data.read_books_tsv(tsv)][2:]
+    latin1 = tmp_path / 'books-latin1.tsv'
+    latin1.write_bytes('rank\tid\ttitle\n1\t11\tCaf\u00e9\n2\t12\tNa\u00efve\n'.encode('latin-1'))
+    cases.append((['--books', str(latin1)], 'save it as UTF-8'))
     for argv, words in cases:
-        with pytest.raises(SystemExit) as e:
-            prepare_data.main(['--data_dir', str(tmp_path / 'data')] + argv)  # argv's own wins
-        msg = str(e.value)
-        assert msg.startswith('prepare_data.py: error: ') and words in msg, (argv, msg)
+        msg = _pd_error(capsys, prepare_data.main, ['--data_dir', str(tmp_path / 'data')] + argv)  # argv's own wins
+        assert len(msg.strip().splitlines()) == 1 and words in msg, (argv, msg)
     assert not os.path.exists(tmp_path / 'data' / 'train.bin')
 
 
-def test_pd_refuses_an_implausibly_short_book(pd_clean, tmp_path):
+def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     src = tmp_path / 'src'
     os.makedirs(src)
     for i, title, kind in _PD_BOOKS:
         body = 'A short error page.\n' if i == 9006 else _PD_BODIES[i]
         (src / f'{i}.txt').write_bytes(_pd_wrap(kind, i, title, body))
-    with pytest.raises(SystemExit, match='ebook 9006 .* characters'):
-        _pd_run(tmp_path / 'data', '--source', str(src), books_tsv=tsv)
+    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), books_tsv=tsv)
+    assert 'ebook 9006' in err and 'characters' in err and str(src / '9006.txt') in err
+    (src / '9006.txt').write_bytes(b'')  # an empty file: the advice names it, not raw/9006.txt
+    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), books_tsv=tsv)
+    assert 'only 0 characters' in err and str(src / '9006.txt') in err and 'raw' not in err
+    (src / '9006.txt').write_bytes(bytes(range(256)) * 40)  # a binary file is refused, not decoded
+    before = {p: p.read_bytes() for p in src.iterdir()}
+    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), books_tsv=tsv)
+    assert 'not a text file' in err and str(src / '9006.txt') in err and len(err.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in src.iterdir()} == before
     assert not os.path.exists(tmp_path / 'data' / 'train.bin')
 
 
-def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path):
+def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     src = tmp_path / 'src'
     os.makedirs(src)
     for i, _, _ in _PD_BOOKS:
         (src / f'{i}.txt').write_bytes(_PD_RAW[i])
-    with pytest.raises(SystemExit, match='smaller --vocab_size'):
-        _pd_run(tmp_path / 'data', '--source', str(src), '--vocab_size', '60000', books_tsv=tsv)
+    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), '--vocab_size', '60000', books_tsv=tsv)
+    assert 'smaller --vocab_size' in err
 
 
 # =============================================================================
