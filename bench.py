@@ -13,6 +13,7 @@ operation counts beside the FLOPs torch.utils.flop_counter measures. Times are m
 rounds after warm-up (the mixers take turns, so a noisy moment of a shared machine hits them all);
 ratios to sa come from the same process. sa (and in section 3 the "none" floor) is always measured.
 """
+
 import argparse
 import ctypes
 import json
@@ -26,57 +27,62 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import extractor
+import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 import train
 from extractor import MIXERS, Config, Transformer
-import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
+from prepare_data import atomic_write, fail
 
 # -----------------------------------------------------------------------------
 # settings: the paper's Table 1 shapes, and the tiny ones of --quick
 FULL = dict(
-    d=128, l=128, batch=64,              # Table 1: d, l and the batch size
-    vocab=5000, hidden=512,              # u and c of Table 1
-    warmup=3, rounds=15,                 # section 1: calls before timing, interleaved timed rounds
-    sweep_t=(128, 256, 512, 1024, 2048), sweep_tokens=8192, sweep_rounds=5,  # section 2: B * t fixed
-    layers=(18, 2), model_rounds=4,      # section 3: m of the two models, timed steps per model
-    paper_batches=60000,                 # Section 6: the paper trains on 60000 batches
-    gen_layers=2, gen_block=512, gen_prompt=32, gen_new=256, gen_rounds=2,  # section 4, batch 1
+    d=128,
+    l=128,
+    batch=64,  # Table 1: d, l and the batch size
+    vocab=5000,
+    hidden=512,  # u and c of Table 1
+    warmup=3,
+    rounds=15,  # section 1: calls before timing, interleaved timed rounds
+    sweep_t=(128, 256, 512, 1024, 2048),
+    sweep_tokens=8192,
+    sweep_rounds=5,  # section 2: B * t fixed
+    layers=(18, 2),
+    model_rounds=4,  # section 3: m of the two models, timed steps per model
+    paper_batches=60000,  # Section 6: the paper trains on 60000 batches
+    gen_layers=2,
+    gen_block=512,
+    gen_prompt=32,
+    gen_new=256,
+    gen_rounds=2,  # section 4, batch 1
 )
 QUICK = dict(
-    d=32, l=32, batch=4, vocab=300, hidden=128, warmup=1, rounds=2,
-    sweep_t=(16, 32, 64), sweep_tokens=256, sweep_rounds=1,
-    layers=(2, 1), model_rounds=1, paper_batches=60000,
-    gen_layers=1, gen_block=32, gen_prompt=4, gen_new=8, gen_rounds=1,
+    d=32,
+    l=32,
+    batch=4,
+    vocab=300,
+    hidden=128,
+    warmup=1,
+    rounds=2,
+    sweep_t=(16, 32, 64),
+    sweep_tokens=256,
+    sweep_rounds=1,
+    layers=(2, 1),
+    model_rounds=1,
+    paper_batches=60000,
+    gen_layers=1,
+    gen_block=32,
+    gen_prompt=4,
+    gen_new=8,
+    gen_rounds=1,
 )
 PAPER_MIXERS = ("sa", "she", "he", "we", "me", "he-ext")  # the default: attention and the paper's Extractors
 SECTIONS = {1: "sublayer", 2: "sweep", 3: "model", 4: "generation", 5: "flops"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+
 # glibc mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def tune_malloc():
-    """Keep freed memory inside the process (cpu-speed-findings.md, #4). By default glibc mmaps every
-    allocation above 128 KiB-32 MiB and unmaps it on free, so each training step page-faults its large
-    tensors afresh (the 64 x 128 x 5000 logits are 164 MB). Serving them from the heap and never
-    trimming it avoids that. Linux/glibc only: elsewhere a no-op. Returns whether it was applied.
-    Call it early, before the big allocations (train.py may import it from here)."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30)        # heap, not mmap, for blocks below 1 GiB
-                & mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1)   # never give the heap's top back
-                & mallopt(M_TOP_PAD, 64 << 20))            # grow the heap 64 MiB at a time
-
-
 def malloc_trim():
     """Give free heap memory back to the OS (glibc), so the resident set shows only live memory."""
     if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
@@ -86,14 +92,9 @@ def malloc_trim():
             pass
 
 
-def fail(msg):
-    """Bad input: one line saying what is wrong and what to do, non-zero exit, no traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(1)
-
-
 # -----------------------------------------------------------------------------
 # timing
+
 
 def sync(device):
     if device.type == "cuda":
@@ -116,7 +117,7 @@ def interleaved(fns, warmup, rounds, device, label, max_call_s=math.inf):
     longer than max_call_s: those are timed by that one call only."""
     times, slow = {k: [] for k in fns}, set()
     for k, fn in fns.items():
-        first = timed(fn, device)                                # the first call builds plans, caches
+        first = timed(fn, device)  # the first call builds plans, caches
         if first > max_call_s:
             times[k] = [first]
             slow.add(k)
@@ -126,12 +127,16 @@ def interleaved(fns, warmup, rounds, device, label, max_call_s=math.inf):
     live = [k for k in fns if k not in slow]
     t_start = last = time.perf_counter()
     for r in range(rounds):
-        for k in live[r % len(live):] + live[:r % len(live)] if live else []:
+        for k in live[r % len(live) :] + live[: r % len(live)] if live else []:
             times[k].append(timed(fns[k], device))
         if time.perf_counter() - last > 10 and r + 1 < rounds:  # progress with an ETA on long work
             done = time.perf_counter() - t_start
-            print(f"  {label}: round {r + 1}/{rounds}, {done:.0f} s, ETA {done / (r + 1) * (rounds - r - 1):.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {label}: round {r + 1}/{rounds}, {done:.0f} s, "
+                f"ETA {done / (r + 1) * (rounds - r - 1):.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             last = time.perf_counter()
     return times, slow
 
@@ -143,6 +148,7 @@ def med(xs):
 # -----------------------------------------------------------------------------
 # what to measure
 
+
 def fir_path(module, t):
     """Which computation a mixer takes at sequence length t, read from its taps' shape and
     extractor.FFT_MIN_T_SCALAR: toeplitz (scalar taps, short t), fft, sdpa (attention), matmul."""
@@ -153,18 +159,27 @@ def fir_path(module, t):
 
 
 def make_config(s, args, mixer, l, n_layer=1):
-    return Config(vocab_size=s["vocab"], block_size=l, n_embd=s["d"], n_hidden=s["hidden"],
-                  n_layer=n_layer, n_head=args.n_head, mixer=mixer)
+    return Config(
+        vocab_size=s["vocab"],
+        block_size=l,
+        n_embd=s["d"],
+        n_hidden=s["hidden"],
+        n_layer=n_layer,
+        n_head=args.n_head,
+        mixer=mixer,
+    )
 
 
 def sublayer_step(module, x, g, ctx):
     """Forward and backward of one first sublayer; gradients are dropped as zero_grad would."""
+
     def step():
         with ctx:
-            y = module(x)                                        # (B, t, d)
+            y = module(x)  # (B, t, d)
         y.backward(g.to(y.dtype))
         module.zero_grad(set_to_none=True)
         x.grad = None
+
     return step
 
 
@@ -185,15 +200,8 @@ def build_model(s, args, mixer, n_layer, device):
 
 
 def train_step(model, opt, scaler, x, y, ctx):
-    """One Table 1 training step: forward, loss, backward, AdamW."""
-    def step():
-        with ctx:
-            _, loss = model(x, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return step
+    """One Table 1 training step, exactly train.py's: forward, loss, backward, AdamW."""
+    return lambda: train.train_step(model, opt, scaler, ctx, x, y)
 
 
 def peak_bytes(step, model, opt, device):
@@ -201,8 +209,9 @@ def peak_bytes(step, model, opt, device):
     this model's parameters and AdamW states (resident before it). cpu: Linux VmHWM, reset through
     /proc/self/clear_refs after giving free heap back; cuda: max_memory_allocated. None elsewhere."""
     state = sum(p.numel() * p.element_size() for p in model.parameters())
-    state += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                 if torch.is_tensor(v))
+    state += sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)
+    )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -212,13 +221,15 @@ def peak_bytes(step, model, opt, device):
         return torch.cuda.max_memory_allocated(device) - base + state
     if device.type != "cpu" or not os.path.exists("/proc/self/clear_refs"):
         return None
+
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
     malloc_trim()
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                                         # reset VmHWM to the current RSS
+            f.write("5")  # reset VmHWM to the current RSS
     except OSError:
         return None
     base = status("VmRSS:")
@@ -229,12 +240,15 @@ def peak_bytes(step, model, opt, device):
 def fft_flops():
     """FFT cost, estimated as 2.5 n log2(n) real flops per real transform of length n (half a
     complex radix-2 FFT's 5 n log2 n); FlopCounterMode does not count FFTs at all."""
+
     def r2c(x, dim, *args, out_val=None, **kwargs):
         n = math.prod(x.shape[d] for d in dim)
         return int(2.5 * x.numel() * math.log2(n))
+
     def c2r(x, dim, normalization, last_dim_size, *args, out_val=None, **kwargs):
         n = math.prod(out_val.shape[d] for d in dim)
         return int(2.5 * out_val.numel() * math.log2(n))
+
     r2c._get_raw = c2r._get_raw = True
     return {torch.ops.aten._fft_r2c: r2c, torch.ops.aten._fft_c2r: c2r}
 
@@ -244,22 +258,32 @@ def complete_mapping():
     flash kernel's formula: full t x t, the causal half not subtracted), complex bmm (8 real flops
     per complex multiply-add, not 2), elementwise mul (1 flop, 6 if complex), FFTs (estimated)."""
     aten = torch.ops.aten
+
     def bmm(a, b, *args, out_val=None, **kwargs):
         return flop_registry[aten.bmm](a, b, out_val=out_val) * (4 if a.is_complex() else 1)
+
     def mul(a, b, *args, out_val=None, **kwargs):
         return out_val.numel() * (6 if out_val.is_complex() else 1) if torch.is_tensor(out_val) else 0
+
     def sdpa_cpu(*args, out_val=None, **kwargs):
         return flop_registry[aten._scaled_dot_product_flash_attention](*args, out_val=out_val, **kwargs)
+
     bmm._get_raw = mul._get_raw = sdpa_cpu._get_raw = True
-    return {aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu, aten.bmm: bmm, aten.mul: mul, **fft_flops()}
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
+        aten.bmm: bmm,
+        aten.mul: mul,
+        **fft_flops(),
+    }
 
 
 # -----------------------------------------------------------------------------
 # the five sections; each returns rows (lists of dicts) for the table and the JSON
 
+
 def section_sublayer(s, args, mixers, device, ctx):
     d, l, B = s["d"], s["l"], s["batch"]
-    x = torch.randn(B, l, d, device=device, requires_grad=True)   # (B, t, d)
+    x = torch.randn(B, l, d, device=device, requires_grad=True)  # (B, t, d)
     g = torch.randn(B, l, d, device=device)
     steps, paths = {}, {}
     for m in mixers:
@@ -268,8 +292,16 @@ def section_sublayer(s, args, mixers, device, ctx):
         steps[m] = sublayer_step(maybe_compile(module, args), x, g, ctx)
     times, _ = interleaved(steps, s["warmup"], s["rounds"], device, "sublayer")
     ref = med(times["sa"])
-    return [dict(mixer=m, path=paths[m], ms=1e3 * med(times[m]), vs_sa=med(times[m]) / ref,
-                 iqr_ms=1e3 * (_q(times[m], .75) - _q(times[m], .25))) for m in mixers]
+    return [
+        dict(
+            mixer=m,
+            path=paths[m],
+            ms=1e3 * med(times[m]),
+            vs_sa=med(times[m]) / ref,
+            iqr_ms=1e3 * (_q(times[m], 0.75) - _q(times[m], 0.25)),
+        )
+        for m in mixers
+    ]
 
 
 def _q(xs, q):
@@ -282,7 +314,7 @@ def section_sweep(s, args, mixers, device, ctx):
     dropped = set()
     for t in s["sweep_t"]:
         B = max(1, s["sweep_tokens"] // t)
-        x = torch.randn(B, t, s["d"], device=device, requires_grad=True)   # (B, t, d), B * t fixed
+        x = torch.randn(B, t, s["d"], device=device, requires_grad=True)  # (B, t, d), B * t fixed
         g = torch.randn(B, t, s["d"], device=device)
         steps = {}
         for m in mixers:
@@ -296,7 +328,7 @@ def section_sweep(s, args, mixers, device, ctx):
         for m, ts in times.items():
             rows[m]["ms"][t] = 1e3 * med(ts)
             rows[m]["single"][t] = m in slow
-            if m in slow and m != "sa":                          # too slow: one call, skip longer t
+            if m in slow and m != "sa":  # too slow: one call, skip longer t
                 dropped.add(m)
         del steps, times
     for m in mixers:
@@ -319,13 +351,15 @@ def loglog_slope(ms_by_t, tokens):
 def section_model(s, args, mixers, device, ctx, dtype):
     B, l, rows = s["batch"], s["l"], []
     data = torch.randint(0, s["vocab"], (B, l + 1), generator=torch.Generator().manual_seed(0))
-    x, y = data[:, :-1].to(device), data[:, 1:].to(device)     # (B, l) inputs and next tokens
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)  # (B, l) inputs and next tokens
     for m_layers in s["layers"]:
         models, steps = {}, {}
         for m in mixers:
             torch.manual_seed(0)
             model = build_model(s, args, m, m_layers, device).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=device.type == "cuda")
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=1e-3, weight_decay=0.01, fused=device.type == "cuda"
+            )
             scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
             models[m] = (model, opt)
             steps[m] = train_step(maybe_compile(model, args), opt, scaler, x, y, ctx)
@@ -334,10 +368,18 @@ def section_model(s, args, mixers, device, ctx, dtype):
         for m in mixers:
             step_s = med(times[m])
             peak = peak_bytes(steps[m], *models[m], device)
-            rows.append(dict(n_layer=m_layers, mixer=m, params=sum(p.numel() for p in models[m][0].parameters()),
-                             step_ms=1e3 * step_s, tokens_per_s=B * l / step_s,
-                             vs_sa=med(times["sa"]) / step_s, peak_mb=None if peak is None else peak / 2 ** 20,
-                             paper_hours=s["paper_batches"] * step_s / 3600))
+            rows.append(
+                dict(
+                    n_layer=m_layers,
+                    mixer=m,
+                    params=sum(p.numel() for p in models[m][0].parameters()),
+                    step_ms=1e3 * step_s,
+                    tokens_per_s=B * l / step_s,
+                    vs_sa=med(times["sa"]) / step_s,
+                    peak_mb=None if peak is None else peak / 2**20,
+                    paper_hours=s["paper_batches"] * step_s / 3600,
+                )
+            )
         del models, steps, times
     return rows
 
@@ -355,16 +397,23 @@ def generate_timed(model, prompt, n_new, use_cache, ctx):
 def section_generation(s, args, mixers, device, ctx):
     n_new, rows = s["gen_new"], []
     prompt = torch.randint(0, s["vocab"], (1, s["gen_prompt"]), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.to(device)                                   # (1, prompt)
+    prompt = prompt.to(device)  # (1, prompt)
     models = {}
     for m in mixers:
         torch.manual_seed(0)
-        cfg = Config(vocab_size=s["vocab"], block_size=s["gen_block"], n_embd=s["d"], n_hidden=s["hidden"],
-                     n_layer=s["gen_layers"], n_head=args.n_head, mixer=m)
+        cfg = Config(
+            vocab_size=s["vocab"],
+            block_size=s["gen_block"],
+            n_embd=s["d"],
+            n_hidden=s["hidden"],
+            n_layer=s["gen_layers"],
+            n_head=args.n_head,
+            mixer=m,
+        )
         models[m] = Transformer(cfg).to(device).eval()
     res = {(m, c): [] for m in mixers for c in (True, False)}
     t_start = time.perf_counter()
-    for r in range(s["gen_rounds"] + 1):                         # round 0 is the warm-up
+    for r in range(s["gen_rounds"] + 1):  # round 0 is the warm-up
         for i, m in enumerate(mixers):
             for c in (True, False):
                 toks, stamps = generate_timed(models[m], prompt, n_new, c, ctx)
@@ -372,8 +421,12 @@ def section_generation(s, args, mixers, device, ctx):
                     res[m, c].append((toks, stamps))
             done = time.perf_counter() - t_start
             left = (s["gen_rounds"] + 1) * len(mixers) - (r * len(mixers) + i + 1)
-            print(f"  generation: round {r}, {m}, {done:.0f} s, ETA {done / (r * len(mixers) + i + 1) * left:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  generation: round {r}, {m}, {done:.0f} s, "
+                f"ETA {done / (r * len(mixers) + i + 1) * left:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     for m in mixers:
         row = dict(mixer=m)
         for c, key in ((True, "cached"), (False, "full")):
@@ -390,7 +443,7 @@ def section_generation(s, args, mixers, device, ctx):
 
 def section_flops(s, args, mixers, device):
     d, l, rows = s["d"], s["l"], []
-    x = torch.randn(1, l, d)                                      # one sequence, (1, t, d)
+    x = torch.randn(1, l, d)  # one sequence, (1, t, d)
     for m in mixers:
         module = MIXERS[m](make_config(s, args, m, l))
         n = args.n_head if m == "sa" else 1
@@ -402,11 +455,20 @@ def section_flops(s, args, mixers, device):
         by_op = {str(k).split(".")[-1]: v for k, v in full.get_flop_counts()["Global"].items()}
         fft = sum(v for k, v in by_op.items() if "fft" in k)
         total = full.get_total_flops()
-        rows.append(dict(mixer=m, path=fir_path(module, l),
-                         paper_ops=None if paper is None else paper["mult"] + paper["add"] + paper["div"] + paper["exp"],
-                         paper_mult_add=None if paper is None else paper["mult"] + paper["add"],
-                         stock_flops=stock.get_total_flops(), fft_flops_est=fft,
-                         completed_flops=total, by_op=by_op))
+        rows.append(
+            dict(
+                mixer=m,
+                path=fir_path(module, l),
+                paper_ops=None
+                if paper is None
+                else paper["mult"] + paper["add"] + paper["div"] + paper["exp"],
+                paper_mult_add=None if paper is None else paper["mult"] + paper["add"],
+                stock_flops=stock.get_total_flops(),
+                fft_flops_est=fft,
+                completed_flops=total,
+                by_op=by_op,
+            )
+        )
     return rows
 
 
@@ -416,6 +478,7 @@ def maybe_compile(module, args):
 
 # -----------------------------------------------------------------------------
 # tables
+
 
 def fmt(v, spec=".2f"):
     if v is None:
@@ -429,8 +492,9 @@ def print_table(title, header, rows, notes=()):
     cols = [header] + rows
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
     print(f"\n{title}")
-    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths)))
+    line = lambda r: "  ".join(
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+    )
     print(line(header))
     print("  ".join("-" * w for w in widths))
     for r in rows:
@@ -465,11 +529,15 @@ def si(v):
 def show(results, s, args):
     r = results["sections"]
     if "sublayer" in r:
-        print_table(f"1. Sublayer forward+backward, d = l = {s['d']}, batch {s['batch']} "
-                    f"(sa: {args.n_head} heads); median of {s['rounds']} interleaved rounds",
-                    ["mixer", "path", "ms", "IQR ms", "vs sa"],
-                    [[x["mixer"], x["path"], fmt(x["ms"]), fmt(x["iqr_ms"]), fmt(x["vs_sa"], ".3f") + "x"]
-                     for x in r["sublayer"]])
+        print_table(
+            f"1. Sublayer forward+backward, d = l = {s['d']}, batch {s['batch']} "
+            f"(sa: {args.n_head} heads); median of {s['rounds']} interleaved rounds",
+            ["mixer", "path", "ms", "IQR ms", "vs sa"],
+            [
+                [x["mixer"], x["path"], fmt(x["ms"]), fmt(x["iqr_ms"]), fmt(x["vs_sa"], ".3f") + "x"]
+                for x in r["sublayer"]
+            ],
+        )
     if "sweep" in r:
         ts = s["sweep_t"]
         rows = []
@@ -478,69 +546,159 @@ def show(results, s, args):
             ratio = [fmt(x["vs_sa"].get(t), ".2f") for t in ts]
             path = path_ranges(x["path"])
             rows.append([x["mixer"], path] + cells + ratio + [fmt(x["slope"], ".2f")])
-        print_table(f"2. Context sweep, l = t, batch * t = {s['sweep_tokens']} tokens: forward+backward ms, "
-                    f"ratio to sa, slope of log(time per token) vs log(l)",
-                    ["mixer", "path"] + [f"ms t={t}" for t in ts] + [f"/sa {t}" for t in ts] + ["slope"], rows,
-                    [f"path: the computation taken at each t (scalar taps: toeplitz below t = "
-                     f"{extractor.FFT_MIN_T_SCALAR}, then fft); * one call only (over --max_call_s), longer t skipped"])
+        print_table(
+            f"2. Context sweep, l = t, batch * t = {s['sweep_tokens']} tokens: forward+backward ms, "
+            f"ratio to sa, slope of log(time per token) vs log(l)",
+            ["mixer", "path"] + [f"ms t={t}" for t in ts] + [f"/sa {t}" for t in ts] + ["slope"],
+            rows,
+            [
+                f"path: the computation taken at each t (scalar taps: toeplitz below t = "
+                f"{extractor.FFT_MIN_T_SCALAR}, then fft); * one call only (over --max_call_s), "
+                "longer t skipped"
+            ],
+        )
     if "model" in r:
-        rows = [[f"m={x['n_layer']}", x["mixer"], si(x["params"]), fmt(x["step_ms"], ".0f"),
-                 fmt(x["tokens_per_s"], ".0f"), fmt(x["vs_sa"], ".2f") + "x", fmt(x["peak_mb"], ".0f"),
-                 fmt(x["paper_hours"], ".1f")] for x in r["model"]]
-        print_table(f"3. Whole model training step (fwd, loss, bwd, AdamW), batch {s['batch']} x {s['l']}, "
-                    f"Table 1 otherwise; median of {s['model_rounds']} interleaved steps",
-                    ["model", "mixer", "params", "step ms", "tokens/s", "vs sa", "peak MB",
-                     f"{s['paper_batches']} batches, h"], rows,
-                    ["none: no first sublayer (zeros added): embeddings, FFNs and the softmax are the floor",
-                     "peak MB: high-water mark of one step above the memory resident before it, plus the "
-                     "parameters and AdamW states" + (" (cpu: Linux VmHWM)" if args.device_type == "cpu" else "")])
+        rows = [
+            [
+                f"m={x['n_layer']}",
+                x["mixer"],
+                si(x["params"]),
+                fmt(x["step_ms"], ".0f"),
+                fmt(x["tokens_per_s"], ".0f"),
+                fmt(x["vs_sa"], ".2f") + "x",
+                fmt(x["peak_mb"], ".0f"),
+                fmt(x["paper_hours"], ".1f"),
+            ]
+            for x in r["model"]
+        ]
+        print_table(
+            f"3. Whole model training step (fwd, loss, bwd, AdamW), batch {s['batch']} x {s['l']}, "
+            f"Table 1 otherwise; median of {s['model_rounds']} interleaved steps",
+            [
+                "model",
+                "mixer",
+                "params",
+                "step ms",
+                "tokens/s",
+                "vs sa",
+                "peak MB",
+                f"{s['paper_batches']} batches, h",
+            ],
+            rows,
+            [
+                "none: no first sublayer (zeros added): embeddings, FFNs and the softmax are the floor",
+                "peak MB: high-water mark of one step above the memory resident before it, plus the "
+                "parameters and AdamW states" + (" (cpu: Linux VmHWM)" if args.device_type == "cpu" else ""),
+            ],
+        )
     if "generation" in r:
-        rows = [[x["mixer"], fmt(x["cached_tokens_per_s"], ".0f"), fmt(x["cached_ms_per_token"], ".2f"),
-                 fmt(x["full_tokens_per_s"], ".0f"), fmt(x["full_ms_per_token"], ".2f"),
-                 fmt(x["speedup"], ".1f") + "x", f"{x['same_tokens']}/{s['gen_new']}"] for x in r["generation"]]
-        print_table(f"4. Generation, batch 1, {s['gen_prompt']}-token prompt, {s['gen_new']} new tokens (greedy), "
-                    f"m = {s['gen_layers']}, l = {s['gen_block']}, d = {s['d']}; median of {s['gen_rounds']} rounds",
-                    ["mixer", "cache tok/s", "cache ms/tok", "full tok/s", "full ms/tok", "speedup", "same tokens"],
-                    rows, ["ms/tok: median time of one new token; tok/s includes the prompt's forward",
-                           "same tokens: leading tokens on which cached and full recomputation agree"
-                           + (" (the cache refills every l/2 tokens once the window is full)"
-                              if s["gen_prompt"] + s["gen_new"] > s["gen_block"] else "")])
+        rows = [
+            [
+                x["mixer"],
+                fmt(x["cached_tokens_per_s"], ".0f"),
+                fmt(x["cached_ms_per_token"], ".2f"),
+                fmt(x["full_tokens_per_s"], ".0f"),
+                fmt(x["full_ms_per_token"], ".2f"),
+                fmt(x["speedup"], ".1f") + "x",
+                f"{x['same_tokens']}/{s['gen_new']}",
+            ]
+            for x in r["generation"]
+        ]
+        print_table(
+            f"4. Generation, batch 1, {s['gen_prompt']}-token prompt, {s['gen_new']} new tokens (greedy), "
+            f"m = {s['gen_layers']}, l = {s['gen_block']}, d = {s['d']}; median of {s['gen_rounds']} rounds",
+            ["mixer", "cache tok/s", "cache ms/tok", "full tok/s", "full ms/tok", "speedup", "same tokens"],
+            rows,
+            [
+                "ms/tok: median time of one new token; tok/s includes the prompt's forward",
+                "same tokens: leading tokens on which cached and full recomputation agree"
+                + (
+                    " (the cache refills every l/2 tokens once the window is full)"
+                    if s["gen_prompt"] + s["gen_new"] > s["gen_block"]
+                    else ""
+                ),
+            ],
+        )
     if "flops" in r:
-        rows = [[x["mixer"], x["path"], si(x["paper_ops"]), si(x["paper_mult_add"]), si(x["stock_flops"]),
-                 si(x["fft_flops_est"]), si(x["completed_flops"]),
-                 fmt(None if not x["paper_mult_add"] else x["completed_flops"] / x["paper_mult_add"], ".2f")]
-                for x in r["flops"]]
-        print_table(f"5. One sublayer forward, one sequence, d = l = {s['d']}: the paper's Tables 3/4 counts "
-                    f"against torch.utils.flop_counter",
-                    ["mixer", "path", "paper ops", "paper mul+add", "FlopCounter", "FFT est.", "completed",
-                     "compl/paper"], rows,
-                    ["paper ops: mult+add+div+exp of extractor.complexity_training (sa with n = --n_head)",
-                     "FlopCounter: FlopCounterMode as shipped: matmuls only, 2 flops per multiply-add, complex ones "
-                     "as real; it counts no FFT, no elementwise op, and not SDPA's cpu kernel (sa: projections only)",
-                     "completed: adds SDPA's cpu kernel (full t x t, causal half not subtracted), complex bmm "
-                     "x4 (8 real flops per complex multiply-add), elementwise mul (6 if complex),",
-                     "  and FFTs estimated at 2.5 n log2 n per real transform (FFT est.); softmax, exp and "
-                     "additions outside matmuls are still not counted"])
+        rows = [
+            [
+                x["mixer"],
+                x["path"],
+                si(x["paper_ops"]),
+                si(x["paper_mult_add"]),
+                si(x["stock_flops"]),
+                si(x["fft_flops_est"]),
+                si(x["completed_flops"]),
+                fmt(None if not x["paper_mult_add"] else x["completed_flops"] / x["paper_mult_add"], ".2f"),
+            ]
+            for x in r["flops"]
+        ]
+        print_table(
+            f"5. One sublayer forward, one sequence, d = l = {s['d']}: the paper's Tables 3/4 counts "
+            f"against torch.utils.flop_counter",
+            [
+                "mixer",
+                "path",
+                "paper ops",
+                "paper mul+add",
+                "FlopCounter",
+                "FFT est.",
+                "completed",
+                "compl/paper",
+            ],
+            rows,
+            [
+                "paper ops: mult+add+div+exp of extractor.complexity_training (sa with n = --n_head)",
+                "FlopCounter: FlopCounterMode as shipped: matmuls only, 2 flops per multiply-add, complex "
+                "ones as real; it counts no FFT, no elementwise op, and not SDPA's cpu kernel "
+                "(sa: projections only)",
+                "completed: adds SDPA's cpu kernel (full t x t, causal half not subtracted), complex bmm "
+                "x4 (8 real flops per complex multiply-add), elementwise mul (6 if complex),",
+                "  and FFTs estimated at 2.5 n log2 n per real transform (FFT est.); softmax, exp and "
+                "additions outside matmuls are still not counted",
+            ],
+        )
 
 
 # -----------------------------------------------------------------------------
 
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Benchmark every token mixer against attention (sections 1-5).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    p = argparse.ArgumentParser(
+        description="Benchmark every token mixer against attention (sections 1-5).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps"
+    )
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="fp32, or bf16/fp16 autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile sublayers and models (not generation)")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile sublayers and models (not generation)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: runs in seconds")
-    p.add_argument("--sections", default="1,2,3,4,5", help="comma list of: " +
-                   ", ".join(f"{k} {v}" for k, v in SECTIONS.items()))
-    p.add_argument("--mixers", default=",".join(PAPER_MIXERS),
-                   help="comma list of mixers, or 'all' for every one in extractor.MIXERS (sa is always added)")
-    p.add_argument("--sweep_mixers", default=None, help="mixers of the sweep (section 2), or 'all'; default: --mixers")
-    p.add_argument("--max_call_s", type=float, default=20.0,
-                   help="sweep: a mixer whose one call takes longer is timed once and skips longer t")
+    p.add_argument(
+        "--sections",
+        default="1,2,3,4,5",
+        help="comma list of: " + ", ".join(f"{k} {v}" for k, v in SECTIONS.items()),
+    )
+    p.add_argument(
+        "--mixers",
+        default=",".join(PAPER_MIXERS),
+        help="comma list of mixers, or 'all' for every one in extractor.MIXERS (sa is always added)",
+    )
+    p.add_argument(
+        "--sweep_mixers", default=None, help="mixers of the sweep (section 2), or 'all'; default: --mixers"
+    )
+    p.add_argument(
+        "--max_call_s",
+        type=float,
+        default=20.0,
+        help="sweep: a mixer whose one call takes longer is timed once and skips longer t",
+    )
     p.add_argument("--n_head", type=int, default=32, help="heads of sa (Table 1: 32)")
-    p.add_argument("--gen_layers", type=int, default=None, help="section 4: m of the generating model (default 2)")
+    p.add_argument(
+        "--gen_layers", type=int, default=None, help="section 4: m of the generating model (default 2)"
+    )
     p.add_argument("--gen_block", type=int, default=None, help="section 4: its l (default 512)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     p.add_argument("--no_malloc_tune", action="store_true", help="leave glibc's allocator at its defaults")
@@ -554,7 +712,9 @@ def parse_args(argv):
     if not args.sections or not set(args.sections) <= set(SECTIONS):
         fail(f"--sections must be a comma list of {', '.join(map(str, SECTIONS))}, got {args.sections}")
     args.mixers = pick_mixers(args.mixers, "--mixers")
-    args.sweep_mixers = args.mixers if args.sweep_mixers is None else pick_mixers(args.sweep_mixers, "--sweep_mixers")
+    args.sweep_mixers = (
+        args.mixers if args.sweep_mixers is None else pick_mixers(args.sweep_mixers, "--sweep_mixers")
+    )
     if args.n_head < 1:
         fail(f"--n_head must be at least 1, got {args.n_head}")
     if args.threads < 0 or not args.max_call_s > 0:
@@ -578,7 +738,9 @@ def pick_device(name):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    tuned = False if args.no_malloc_tune else tune_malloc()
+    tuned = not args.no_malloc_tune and sys.platform.startswith("linux")
+    if tuned:
+        train.keep_freed_memory()  # the allocator setting of a training run, so bench measures the same
     device = pick_device(args.device)
     args.device_type = device.type
     if args.threads:
@@ -593,21 +755,41 @@ def main(argv=None):
         fail(f"--n_head {args.n_head} must divide d = {s['d']}")
     dtype = DTYPES[args.dtype]
     ctx = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-    results = dict(settings=dict(s, device=str(device), dtype=args.dtype, compile=args.compile,
-                                 n_head=args.n_head, threads=torch.get_num_threads(), malloc_tuned=tuned,
-                                 torch=torch.__version__, fft_min_t_scalar=extractor.FFT_MIN_T_SCALAR),
-                   sections={})
-    print(f"bench.py: device {device}, dtype {args.dtype}, compile {args.compile}, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, glibc malloc tuned: {tuned}{', quick' if args.quick else ''}")
+    results = dict(
+        settings=dict(
+            s,
+            device=str(device),
+            dtype=args.dtype,
+            compile=args.compile,
+            n_head=args.n_head,
+            threads=torch.get_num_threads(),
+            malloc_tuned=tuned,
+            torch=torch.__version__,
+            fft_min_t_scalar=extractor.FFT_MIN_T_SCALAR,
+        ),
+        sections={},
+    )
+    print(
+        f"bench.py: device {device}, dtype {args.dtype}, compile {args.compile}, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}, glibc malloc tuned: {tuned}{', quick' if args.quick else ''}"
+    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results["settings"]["load_before"] = load
-    if load is not None and load > 0.5:  # other processes: 2-thread timings suffer most (threads wait on each other)
-        print(f"warning: load average {load:.2f} before starting; other processes share the CPU, so times "
-              f"are inflated and noisy (ratios less so); rerun on a quiet machine, or try --threads 1")
+    if (
+        load is not None and load > 0.5
+    ):  # other processes: 2-thread timings suffer most (threads wait on each other)
+        print(
+            f"warning: load average {load:.2f} before starting; other processes share the CPU, so times "
+            f"are inflated and noisy (ratios less so); rerun on a quiet machine, or try --threads 1"
+        )
     t0 = time.perf_counter()
     try:
         for k in args.sections:
-            print(f"[section {k}: {SECTIONS[k]}] {time.perf_counter() - t0:.0f} s so far", file=sys.stderr, flush=True)
+            print(
+                f"[section {k}: {SECTIONS[k]}] {time.perf_counter() - t0:.0f} s so far",
+                file=sys.stderr,
+                flush=True,
+            )
             torch.manual_seed(0)
             if k == 1:
                 rows = section_sublayer(s, args, args.mixers, device, ctx)
@@ -626,16 +808,13 @@ def main(argv=None):
         fail(f"out of memory in section {k}; pick fewer --sections or --mixers, or use --quick")
     except Exception as e:
         if args.compile:
-            fail(f"section {k} failed under --compile ({type(e).__name__}: {str(e).splitlines()[0]}); run without --compile")
+            fail(f"section {k} failed under --compile ({type(e).__name__}); run without --compile")
         raise
     results["elapsed_s"] = time.perf_counter() - t0
     results["settings"]["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"\ndone in {results['elapsed_s']:.0f} s")
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        os.replace(tmp, args.json)
+        atomic_write(args.json, json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ trained on the training books only. On the default list this holds out 6 books, 
 tokens: ebooks 55 The Wonderful Wizard of Oz, 146 A Little Princess, 51 Anne of the Island,
 2726 Eight Cousins, 2557 Old Mother West Wind and 1154 The Voyages of Doctor Dolittle.
 """
+
 import argparse
 import base64
 import collections
@@ -45,21 +46,23 @@ import tiktoken
 
 # -----------------------------------------------------------------------------
 # settings
-DATA_DIR = 'data'
-MIRROR = 'https://www.gutenberg.org'
+DATA_DIR = "data"
+MIRROR = "https://www.gutenberg.org"
 # where gutenberg.org keeps the plain text of ebook <id>, tried in this order
-URL_PATTERNS = ('/cache/epub/{id}/pg{id}.txt', '/ebooks/{id}.txt.utf-8', '/files/{id}/{id}-0.txt')
-USER_AGENT = ('extractors-reimplementation/prepare_data.py (reproduction of "Attention Is Not All '
-              'You Need Anymore"; downloads 100 books once, one request at a time)')
-TIMEOUT = 30.0     # seconds per request (connect and each read)
-RETRIES = 3        # extra attempts per URL after a timeout, 5xx or broken transfer
-BACKOFF = 1.0      # seconds before the first retry, doubled for each further one
-PAUSE = 1.0        # seconds between downloads, to be polite to gutenberg.org
+URL_PATTERNS = ("/cache/epub/{id}/pg{id}.txt", "/ebooks/{id}.txt.utf-8", "/files/{id}/{id}-0.txt")
+USER_AGENT = (
+    'extractors-reimplementation/prepare_data.py (reproduction of "Attention Is Not All '
+    'You Need Anymore"; downloads 100 books once, one request at a time)'
+)
+TIMEOUT = 30.0  # seconds per request (connect and each read)
+RETRIES = 3  # extra attempts per URL after a timeout, 5xx or broken transfer
+BACKOFF = 1.0  # seconds before the first retry, doubled for each further one
+PAUSE = 1.0  # seconds between downloads, to be polite to gutenberg.org
 VOCAB_SIZE = 5000  # 256 bytes + 4743 merges + <|endoftext|>, as in the paper (u = 5000)
 VAL_FRACTION = 0.05
-MIN_CHARS = 5000   # a book shorter than this after stripping is an error page, not a book
-EOT = '<|endoftext|>'
-TOKENIZER_FILE = 'tokenizer.tiktoken'
+MIN_CHARS = 5000  # a book shorter than this after stripping is an error page, not a book
+EOT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.tiktoken"
 # GPT-2's pre-tokenizer split pattern (the same one tiktoken's gpt2 encoding uses)
 SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -68,106 +71,114 @@ SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # out (ebooks 47 and 54 are the text editions of two audio entries). (ebook id, title, author),
 # in rank order.
 BOOKS = [
-    (11, "Alice's Adventures in Wonderland", 'Lewis Carroll'),
-    (120, 'Treasure Island', 'Robert Louis Stevenson'),
-    (55, 'The Wonderful Wizard of Oz', 'L. Frank Baum'),
-    (16, 'Peter Pan (Peter and Wendy)', 'J. M. Barrie'),
-    (421, 'Kidnapped', 'Robert Louis Stevenson'),
-    (236, 'The Jungle Book', 'Rudyard Kipling'),
-    (1874, 'The Railway Children', 'E. Nesbit'),
-    (113, 'The Secret Garden', 'Frances Hodgson Burnett'),
-    (41, 'The Legend of Sleepy Hollow', 'Washington Irving'),
-    (45, 'Anne of Green Gables', 'L. M. Montgomery'),
-    (46, 'A Christmas Carol', 'Charles Dickens'),
-    (12, 'Through the Looking-Glass', 'Lewis Carroll'),
-    (514, 'Little Women', 'Louisa May Alcott'),
-    (25581, 'Rinkitink in Oz', 'L. Frank Baum'),
-    (20916, 'The Arabian Nights: Their Best-known Tales', 'Anonymous (ed. Kate Douglas Wiggin & Nora A. Smith)'),
-    (22566, 'Dorothy and the Wizard in Oz', 'L. Frank Baum'),
-    (25564, 'The Water-Babies', 'Charles Kingsley'),
-    (23869, 'Little Mr. Thimblefinger and His Queer Country', 'Joel Chandler Harris'),
-    (23661, 'The Book of Dragons', 'E. Nesbit'),
-    (22022, "Shawl-Straps (Aunt Jo's Scrap-Bag, Vol. 2)", 'Louisa May Alcott'),
-    (289, 'The Wind in the Willows', 'Kenneth Grahame'),
-    (902, 'The Happy Prince and Other Tales', 'Oscar Wilde'),
-    (25496, 'New Treasure Seekers', 'E. Nesbit'),
-    (47, 'Anne of Avonlea', 'L. M. Montgomery'),
-    (25519, 'Little Wizard Stories of Oz', 'L. Frank Baum'),
-    (22234, "Aunt Jo's Scrap-Bag, Vol. 5: Jimmy's Cruise in the Pinafore, Etc.", 'Louisa May Alcott'),
-    (2781, 'Just So Stories', 'Rudyard Kipling'),
-    (146, 'A Little Princess', 'Frances Hodgson Burnett'),
-    (51, 'Anne of the Island', 'L. M. Montgomery'),
-    (54, 'The Marvelous Land of Oz', 'L. Frank Baum'),
-    (23871, 'A Little Union Scout', 'Joel Chandler Harris'),
-    (503, 'The Blue Fairy Book', 'Andrew Lang (ed.)'),
-    (21015, 'The Adventures of Jimmy Skunk', 'Thornton W. Burgess'),
-    (544, "Anne's House of Dreams", 'L. M. Montgomery'),
-    (11757, 'The Velveteen Rabbit', 'Margery Williams (Bianco)'),
-    (20997, 'The Nürnberg Stove', 'Ouida (Louise de la Ramée)'),
-    (21935, 'Prince Prigio', 'Andrew Lang'),
-    (2226, 'Kim', 'Rudyard Kipling'),
-    (708, 'The Princess and the Goblin', 'George MacDonald'),
-    (1430, 'Beautiful Stories from Shakespeare', 'E. Nesbit'),
-    (501, 'The Story of Doctor Dolittle', 'Hugh Lofting'),
-    (540, 'The Red Fairy Book', 'Andrew Lang (ed.)'),
-    (20781, 'Heidi', 'Johanna Spyri'),
-    (2788, 'Little Men', 'Louisa May Alcott'),
-    (17314, 'Five Children and It', 'E. Nesbit'),
-    (13707, 'Twice-Told Tales', 'Nathaniel Hawthorne'),
-    (479, 'Little Lord Fauntleroy', 'Frances Hodgson Burnett'),
-    (225, 'At the Back of the North Wind', 'George MacDonald'),
-    (3499, "Jo's Boys", 'Louisa May Alcott'),
-    (5343, 'Rainbow Valley', 'L. M. Montgomery'),
-    (1937, 'The Second Jungle Book', 'Rudyard Kipling'),
-    (2787, 'An Old-Fashioned Girl', 'Louisa May Alcott'),
-    (641, 'The Violet Fairy Book', 'Andrew Lang (ed.)'),
-    (2804, 'Rose in Bloom', 'Louisa May Alcott'),
-    (498, 'Rebecca of Sunnybrook Farm', 'Kate Douglas Wiggin'),
-    (770, 'The Story of the Treasure Seekers', 'E. Nesbit'),
-    (2726, 'Eight Cousins', 'Louisa May Alcott'),
-    (5342, 'The Story Girl', 'L. M. Montgomery'),
-    (316, 'The Golden Road', 'L. M. Montgomery'),
-    (2770, 'Five Little Peppers and How They Grew', 'Margaret Sidney'),
-    (640, 'The Yellow Fairy Book', 'Andrew Lang (ed.)'),
-    (836, 'The Phoenix and the Carpet', 'E. Nesbit'),
-    (1354, 'Chronicles of Avonlea', 'L. M. Montgomery'),
-    (7277, 'The Green Fairy Book', 'Andrew Lang (ed.)'),
-    (163, 'Flower Fables', 'Louisa May Alcott'),
-    (2557, 'Old Mother West Wind', 'Thornton W. Burgess'),
-    (1154, 'The Voyages of Doctor Dolittle', 'Hugh Lofting'),
-    (517, 'The Emerald City of Oz', 'L. Frank Baum'),
-    (5340, 'Further Chronicles of Avonlea', 'L. M. Montgomery'),
-    (2786, 'Jack and Jill', 'Louisa May Alcott'),
-    (5615, 'The Pink Fairy Book', 'Andrew Lang (ed.)'),
-    (976, 'Tanglewood Tales', 'Nathaniel Hawthorne'),
-    (1825, 'The Adventures of Reddy Fox', 'Thornton W. Burgess'),
-    (8994, 'What Katy Did', 'Susan Coolidge'),
-    (837, 'The Story of the Amulet', 'E. Nesbit'),
-    (678, 'The Cricket on the Hearth', 'Charles Dickens'),
-    (496, 'The Little Lame Prince', 'Dinah Maria Mulock Craik'),
-    (419, 'The Magic of Oz', 'L. Frank Baum'),
-    (2435, 'The Crimson Fairy Book', 'Andrew Lang (ed.)'),
-    (384, 'The Lost Prince', 'Frances Hodgson Burnett'),
-    (518, 'The Enchanted Island of Yew', 'L. Frank Baum'),
-    (3454, 'The Lilac Fairy Book', 'Andrew Lang (ed.)'),
-    (956, 'Tik-Tok of Oz', 'L. Frank Baum'),
-    (520, 'The Life and Adventures of Santa Claus', 'L. Frank Baum'),
-    (5347, 'Understood Betsy', 'Dorothy Canfield Fisher'),
-    (961, 'Glinda of Oz', 'L. Frank Baum'),
-    (5341, 'Kilmeny of the Orchard', 'L. M. Montgomery'),
-    (709, 'The Princess and Curdie', 'George MacDonald'),
-    (13815, 'The Talking Beasts: A Book of Fable Wisdom', 'Kate Douglas Wiggin & Nora Archibald Smith (eds.)'),
-    (3282, 'The Brown Fairy Book', 'Andrew Lang (ed.)'),
-    (3027, 'The Orange Fairy Book', 'Andrew Lang (ed.)'),
-    (4357, 'American Fairy Tales', 'L. Frank Baum'),
-    (794, 'The Wouldbegoods', 'E. Nesbit'),
-    (6746, 'The Grey Fairy Book', 'Andrew Lang (ed.)'),
-    (557, "Puck of Pook's Hill", 'Rudyard Kipling'),
-    (519, 'A Kidnapped Santa Claus', 'L. Frank Baum'),
-    (8995, 'What Katy Did Next', 'Susan Coolidge'),
-    (848, 'The Black Arrow', 'Robert Louis Stevenson'),
-    (9255, "The Gorgon's Head", 'Nathaniel Hawthorne'),
-    (1375, 'New Chronicles of Rebecca', 'Kate Douglas Wiggin'),
+    (11, "Alice's Adventures in Wonderland", "Lewis Carroll"),
+    (120, "Treasure Island", "Robert Louis Stevenson"),
+    (55, "The Wonderful Wizard of Oz", "L. Frank Baum"),
+    (16, "Peter Pan (Peter and Wendy)", "J. M. Barrie"),
+    (421, "Kidnapped", "Robert Louis Stevenson"),
+    (236, "The Jungle Book", "Rudyard Kipling"),
+    (1874, "The Railway Children", "E. Nesbit"),
+    (113, "The Secret Garden", "Frances Hodgson Burnett"),
+    (41, "The Legend of Sleepy Hollow", "Washington Irving"),
+    (45, "Anne of Green Gables", "L. M. Montgomery"),
+    (46, "A Christmas Carol", "Charles Dickens"),
+    (12, "Through the Looking-Glass", "Lewis Carroll"),
+    (514, "Little Women", "Louisa May Alcott"),
+    (25581, "Rinkitink in Oz", "L. Frank Baum"),
+    (
+        20916,
+        "The Arabian Nights: Their Best-known Tales",
+        "Anonymous (ed. Kate Douglas Wiggin & Nora A. Smith)",
+    ),
+    (22566, "Dorothy and the Wizard in Oz", "L. Frank Baum"),
+    (25564, "The Water-Babies", "Charles Kingsley"),
+    (23869, "Little Mr. Thimblefinger and His Queer Country", "Joel Chandler Harris"),
+    (23661, "The Book of Dragons", "E. Nesbit"),
+    (22022, "Shawl-Straps (Aunt Jo's Scrap-Bag, Vol. 2)", "Louisa May Alcott"),
+    (289, "The Wind in the Willows", "Kenneth Grahame"),
+    (902, "The Happy Prince and Other Tales", "Oscar Wilde"),
+    (25496, "New Treasure Seekers", "E. Nesbit"),
+    (47, "Anne of Avonlea", "L. M. Montgomery"),
+    (25519, "Little Wizard Stories of Oz", "L. Frank Baum"),
+    (22234, "Aunt Jo's Scrap-Bag, Vol. 5: Jimmy's Cruise in the Pinafore, Etc.", "Louisa May Alcott"),
+    (2781, "Just So Stories", "Rudyard Kipling"),
+    (146, "A Little Princess", "Frances Hodgson Burnett"),
+    (51, "Anne of the Island", "L. M. Montgomery"),
+    (54, "The Marvelous Land of Oz", "L. Frank Baum"),
+    (23871, "A Little Union Scout", "Joel Chandler Harris"),
+    (503, "The Blue Fairy Book", "Andrew Lang (ed.)"),
+    (21015, "The Adventures of Jimmy Skunk", "Thornton W. Burgess"),
+    (544, "Anne's House of Dreams", "L. M. Montgomery"),
+    (11757, "The Velveteen Rabbit", "Margery Williams (Bianco)"),
+    (20997, "The Nürnberg Stove", "Ouida (Louise de la Ramée)"),
+    (21935, "Prince Prigio", "Andrew Lang"),
+    (2226, "Kim", "Rudyard Kipling"),
+    (708, "The Princess and the Goblin", "George MacDonald"),
+    (1430, "Beautiful Stories from Shakespeare", "E. Nesbit"),
+    (501, "The Story of Doctor Dolittle", "Hugh Lofting"),
+    (540, "The Red Fairy Book", "Andrew Lang (ed.)"),
+    (20781, "Heidi", "Johanna Spyri"),
+    (2788, "Little Men", "Louisa May Alcott"),
+    (17314, "Five Children and It", "E. Nesbit"),
+    (13707, "Twice-Told Tales", "Nathaniel Hawthorne"),
+    (479, "Little Lord Fauntleroy", "Frances Hodgson Burnett"),
+    (225, "At the Back of the North Wind", "George MacDonald"),
+    (3499, "Jo's Boys", "Louisa May Alcott"),
+    (5343, "Rainbow Valley", "L. M. Montgomery"),
+    (1937, "The Second Jungle Book", "Rudyard Kipling"),
+    (2787, "An Old-Fashioned Girl", "Louisa May Alcott"),
+    (641, "The Violet Fairy Book", "Andrew Lang (ed.)"),
+    (2804, "Rose in Bloom", "Louisa May Alcott"),
+    (498, "Rebecca of Sunnybrook Farm", "Kate Douglas Wiggin"),
+    (770, "The Story of the Treasure Seekers", "E. Nesbit"),
+    (2726, "Eight Cousins", "Louisa May Alcott"),
+    (5342, "The Story Girl", "L. M. Montgomery"),
+    (316, "The Golden Road", "L. M. Montgomery"),
+    (2770, "Five Little Peppers and How They Grew", "Margaret Sidney"),
+    (640, "The Yellow Fairy Book", "Andrew Lang (ed.)"),
+    (836, "The Phoenix and the Carpet", "E. Nesbit"),
+    (1354, "Chronicles of Avonlea", "L. M. Montgomery"),
+    (7277, "The Green Fairy Book", "Andrew Lang (ed.)"),
+    (163, "Flower Fables", "Louisa May Alcott"),
+    (2557, "Old Mother West Wind", "Thornton W. Burgess"),
+    (1154, "The Voyages of Doctor Dolittle", "Hugh Lofting"),
+    (517, "The Emerald City of Oz", "L. Frank Baum"),
+    (5340, "Further Chronicles of Avonlea", "L. M. Montgomery"),
+    (2786, "Jack and Jill", "Louisa May Alcott"),
+    (5615, "The Pink Fairy Book", "Andrew Lang (ed.)"),
+    (976, "Tanglewood Tales", "Nathaniel Hawthorne"),
+    (1825, "The Adventures of Reddy Fox", "Thornton W. Burgess"),
+    (8994, "What Katy Did", "Susan Coolidge"),
+    (837, "The Story of the Amulet", "E. Nesbit"),
+    (678, "The Cricket on the Hearth", "Charles Dickens"),
+    (496, "The Little Lame Prince", "Dinah Maria Mulock Craik"),
+    (419, "The Magic of Oz", "L. Frank Baum"),
+    (2435, "The Crimson Fairy Book", "Andrew Lang (ed.)"),
+    (384, "The Lost Prince", "Frances Hodgson Burnett"),
+    (518, "The Enchanted Island of Yew", "L. Frank Baum"),
+    (3454, "The Lilac Fairy Book", "Andrew Lang (ed.)"),
+    (956, "Tik-Tok of Oz", "L. Frank Baum"),
+    (520, "The Life and Adventures of Santa Claus", "L. Frank Baum"),
+    (5347, "Understood Betsy", "Dorothy Canfield Fisher"),
+    (961, "Glinda of Oz", "L. Frank Baum"),
+    (5341, "Kilmeny of the Orchard", "L. M. Montgomery"),
+    (709, "The Princess and Curdie", "George MacDonald"),
+    (
+        13815,
+        "The Talking Beasts: A Book of Fable Wisdom",
+        "Kate Douglas Wiggin & Nora Archibald Smith (eds.)",
+    ),
+    (3282, "The Brown Fairy Book", "Andrew Lang (ed.)"),
+    (3027, "The Orange Fairy Book", "Andrew Lang (ed.)"),
+    (4357, "American Fairy Tales", "L. Frank Baum"),
+    (794, "The Wouldbegoods", "E. Nesbit"),
+    (6746, "The Grey Fairy Book", "Andrew Lang (ed.)"),
+    (557, "Puck of Pook's Hill", "Rudyard Kipling"),
+    (519, "A Kidnapped Santa Claus", "L. Frank Baum"),
+    (8995, "What Katy Did Next", "Susan Coolidge"),
+    (848, "The Black Arrow", "Robert Louis Stevenson"),
+    (9255, "The Gorgon's Head", "Nathaniel Hawthorne"),
+    (1375, "New Chronicles of Rebecca", "Kate Douglas Wiggin"),
 ]
 # -----------------------------------------------------------------------------
 
@@ -175,7 +186,7 @@ BOOKS = [
 def fail(msg):
     """Bad input, for every script of the project: one line on stderr saying what is wrong and what
     to do, exit status 1, no traceback."""
-    print(f'error: {msg}', file=sys.stderr, flush=True)
+    print(f"error: {msg}", file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 
@@ -183,9 +194,9 @@ def fmt_time(s):
     """Seconds for progress lines and ETAs, for every script: 4.2s, 3m05s, 1h02m."""
     s = max(0.0, s)
     if s < 60:
-        return f'{s:.1f}s'
+        return f"{s:.1f}s"
     s = int(s)
-    return f'{s // 3600}h{s % 3600 // 60:02d}m' if s >= 3600 else f'{s // 60}m{s % 60:02d}s'
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 UMASK = os.umask(0o022)
@@ -197,14 +208,15 @@ def atomic_write(path, data):
     `lambda f: torch.save(obj, f)`) to path through a temp file of this process in the same
     folder, then rename: path is never half-written, and two processes never share a temp file.
     Every script of the project writes its files with this."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix='.' + os.path.basename(path),
-                               suffix='.tmp')
+    fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
+    )
     try:
-        with os.fdopen(fd, 'wb') as f:
+        with os.fdopen(fd, "wb") as f:
             if callable(data):
                 data(f)
             else:
-                f.write(data.encode('utf-8') if isinstance(data, str) else data)
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
@@ -217,31 +229,32 @@ def atomic_write(path, data):
 def read_books_tsv(path):
     """A book list in books.tsv's format: rank, id, title, author (tab-separated, header optional)."""
     try:
-        with open(path, 'rb') as f:
+        with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        fail(f'cannot read --books {path}: {e.strerror}')
+        fail(f"cannot read --books {path}: {e.strerror}")
     try:  # a spreadsheet's "Unicode text" export is UTF-16 with a byte-order mark
-        lines = raw.decode('utf-16' if raw[:2] in (b'\xff\xfe', b'\xfe\xff') else 'utf-8-sig').splitlines()
+        lines = raw.decode("utf-16" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf-8-sig").splitlines()
     except UnicodeDecodeError:
-        fail(f'--books {path} is not UTF-8 text; save it as UTF-8 (tab-separated) and try again')
+        fail(f"--books {path} is not UTF-8 text; save it as UTF-8 (tab-separated) and try again")
     books, seen = [], set()
     for n, line in enumerate(lines, 1):
-        fields = line.split('\t')
+        fields = line.split("\t")
         if not line.strip() or (n == 1 and not fields[0].strip().isdigit()):
             continue  # blank line or header
         if len(fields) < 2 or not fields[1].strip().isdigit():
             fail(f'{path} line {n}: expected "rank<TAB>ebook id<TAB>title<TAB>author", got {line[:60]!r}')
         book_id = int(fields[1])
         if book_id in seen:
-            fail(f'{path} line {n}: ebook {book_id} is listed twice')
+            fail(f"{path} line {n}: ebook {book_id} is listed twice")
         seen.add(book_id)
-        title = fields[2].strip() if len(fields) > 2 else ''
-        author = fields[3].strip() if len(fields) > 3 else ''
+        title = fields[2].strip() if len(fields) > 2 else ""
+        author = fields[3].strip() if len(fields) > 3 else ""
         books.append((book_id, title, author))
     if len(books) < 2:
-        fail(f'{path} lists {len(books)} book(s); need at least 2 (one for training, one for validation)')
+        fail(f"{path} lists {len(books)} book(s); need at least 2 (one for training, one for validation)")
     return books
+
 
 # -----------------------------------------------------------------------------
 # download
@@ -250,30 +263,30 @@ def read_books_tsv(path):
 class FetchError(Exception):
     def __init__(self, reason, retry, reached):
         super().__init__(reason)
-        self.retry = retry      # worth trying the same URL again (timeout, 5xx, broken transfer)
+        self.retry = retry  # worth trying the same URL again (timeout, 5xx, broken transfer)
         self.reached = reached  # the server answered at all (if not, other paths on it won't help)
 
 
 def fetch_url(url, timeout):
     """One GET request; returns the body or raises FetchError."""
-    req = urllib.request.Request(url, headers={'User-Agent': USER_AGENT})
+    req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             data = r.read()  # raises IncompleteRead if the body is shorter than Content-Length
     except urllib.error.HTTPError as e:
-        raise FetchError(f'HTTP {e.code}', retry=e.code >= 500 or e.code == 429, reached=True)
+        raise FetchError(f"HTTP {e.code}", retry=e.code >= 500 or e.code == 429, reached=True)
     except urllib.error.URLError as e:  # refused, no DNS, no route, connect timeout
-        raise FetchError(f'cannot connect ({e.reason})', retry=True, reached=False)
+        raise FetchError(f"cannot connect ({e.reason})", retry=True, reached=False)
     except TimeoutError:
-        raise FetchError(f'no answer within {timeout:g} s', retry=True, reached=False)
+        raise FetchError(f"no answer within {timeout:g} s", retry=True, reached=False)
     except http.client.IncompleteRead as e:
-        raise FetchError(f'truncated after {len(e.partial)} bytes', retry=True, reached=True)
+        raise FetchError(f"truncated after {len(e.partial)} bytes", retry=True, reached=True)
     except (http.client.HTTPException, ConnectionError) as e:  # e.g. connection reset
-        raise FetchError(f'transfer broken off ({type(e).__name__})', retry=True, reached=True)
+        raise FetchError(f"transfer broken off ({type(e).__name__})", retry=True, reached=True)
     if not data.strip():
-        raise FetchError('empty file', retry=True, reached=True)
-    if data.lstrip()[:15].lower().startswith((b'<!doctype', b'<html')):
-        raise FetchError('got an HTML page, not plain text', retry=False, reached=True)
+        raise FetchError("empty file", retry=True, reached=True)
+    if data.lstrip()[:15].lower().startswith((b"<!doctype", b"<html")):
+        raise FetchError("got an HTML page, not plain text", retry=False, reached=True)
     return data
 
 
@@ -281,7 +294,7 @@ def download_book(book_id, mirror, timeout, retries, backoff):
     """Try each URL pattern in turn, retrying transient failures with exponential backoff."""
     reasons = []
     for pattern in URL_PATTERNS:
-        url = mirror.rstrip('/') + pattern.format(id=book_id)
+        url = mirror.rstrip("/") + pattern.format(id=book_id)
         for attempt in range(retries + 1):
             try:
                 return fetch_url(url, timeout)
@@ -289,34 +302,34 @@ def download_book(book_id, mirror, timeout, retries, backoff):
                 err = e
             if not err.retry or attempt == retries:
                 break
-            delay = backoff * 2 ** attempt
-            print(f'    {url}: {err}; retry {attempt + 1}/{retries} in {delay:g} s', flush=True)
+            delay = backoff * 2**attempt
+            print(f"    {url}: {err}; retry {attempt + 1}/{retries} in {delay:g} s", flush=True)
             time.sleep(delay)
-        reasons.append(f'{url}: {err}')
+        reasons.append(f"{url}: {err}")
         if not err.reached:
             break  # the host itself is unreachable: its other paths will not work either
-    raise FetchError('; '.join(reasons), retry=False, reached=err.reached)
+    raise FetchError("; ".join(reasons), retry=False, reached=err.reached)
 
 
 def read_source(book_id, source):
     """A local copy of ebook <id> in source: <id>.txt, pg<id>.txt or a gutenberg.org-style tree."""
-    names = (f'{book_id}.txt', f'pg{book_id}.txt', f'cache/epub/{book_id}/pg{book_id}.txt')
+    names = (f"{book_id}.txt", f"pg{book_id}.txt", f"cache/epub/{book_id}/pg{book_id}.txt")
     for name in names:
         path = os.path.join(source, name)
         if os.path.isfile(path):
-            with open(path, 'rb') as f:
+            with open(path, "rb") as f:
                 return f.read(), path
     return None, None
 
 
 def get_raw_books(books, args):
     """Raw bytes of every book: from --source, else the cache in data_dir/raw, else the network."""
-    raw_dir = os.path.join(args.data_dir, 'raw')
+    raw_dir = os.path.join(args.data_dir, "raw")
     if not args.source:
         os.makedirs(raw_dir, exist_ok=True)
     raws, where, failed, missing_src = {}, {}, [], []
     n_cached = n_fetched = 0
-    to_fetch = sum(not os.path.exists(os.path.join(raw_dir, f'{b}.txt')) for b, _, _ in books)
+    to_fetch = sum(not os.path.exists(os.path.join(raw_dir, f"{b}.txt")) for b, _, _ in books)
     t0 = time.time()
     for i, (book_id, title, _) in enumerate(books):
         if args.source:
@@ -324,9 +337,9 @@ def get_raw_books(books, args):
             if raws[book_id] is None:
                 missing_src.append(book_id)
             continue
-        path = where[book_id] = os.path.join(raw_dir, f'{book_id}.txt')
+        path = where[book_id] = os.path.join(raw_dir, f"{book_id}.txt")
         if os.path.exists(path):  # written atomically, so a file here is whole
-            with open(path, 'rb') as f:
+            with open(path, "rb") as f:
                 raws[book_id] = f.read()
             n_cached += 1
             continue
@@ -335,12 +348,13 @@ def get_raw_books(books, args):
         try:
             data = download_book(book_id, args.mirror, args.timeout, args.retries, args.backoff)
         except FetchError as e:
-            failed.append(f'  ebook {book_id} ({title}): {e}')
+            failed.append(f"  ebook {book_id} ({title}): {e}")
             if not e.reached:
                 left = len(books) - i - 1
                 if left:
-                    failed.append(f'  ... and {left} more not tried: the server could not be reached '
-                                  'or did not answer')
+                    failed.append(
+                        f"  ... and {left} more not tried: the server could not be reached or did not answer"
+                    )
                 break
             continue
         atomic_write(path, data)
@@ -348,20 +362,29 @@ def get_raw_books(books, args):
         n_fetched += 1
         done = n_fetched + len(failed)
         eta = (time.time() - t0) / done * (to_fetch - done)
-        print(f'  [{i + 1:3d}/{len(books)}] ebook {book_id:<6d} {len(data) / 1e3:6.0f} kB  {title[:44]:44s}'
-              f'  eta {fmt_time(eta)}', flush=True)
+        print(
+            f"  [{i + 1:3d}/{len(books)}] ebook {book_id:<6d} {len(data) / 1e3:6.0f} kB  {title[:44]:44s}"
+            f"  eta {fmt_time(eta)}",
+            flush=True,
+        )
     if missing_src:
-        fail(f'{len(missing_src)} book(s) not found in --source {args.source} (looked for <ID>.txt, '
-             f'pg<ID>.txt, cache/epub/<ID>/pg<ID>.txt): ebooks {", ".join(map(str, missing_src))}')
+        fail(
+            f"{len(missing_src)} book(s) not found in --source {args.source} (looked for <ID>.txt, "
+            f"pg<ID>.txt, cache/epub/<ID>/pg<ID>.txt): ebooks {', '.join(map(str, missing_src))}"
+        )
     if failed:
         n_have = n_cached + n_fetched
-        kept = f'the {n_have} books downloaded are kept in {raw_dir}; ' if n_have else ''
-        fail(f'could not download {len(books) - n_have} of {len(books)} books from {args.mirror}:\n'
-             + '\n'.join(failed) + f'\nWhat to do: {kept}re-run to resume (when online), or use '
-             '--mirror URL (another Gutenberg mirror) or --source DIR (a folder of <ID>.txt files).')
+        kept = f"the {n_have} books downloaded are kept in {raw_dir}; " if n_have else ""
+        fail(
+            f"could not download {len(books) - n_have} of {len(books)} books from {args.mirror}:\n"
+            + "\n".join(failed)
+            + f"\nWhat to do: {kept}re-run to resume (when online), or use "
+            "--mirror URL (another Gutenberg mirror) or --source DIR (a folder of <ID>.txt files)."
+        )
     if not args.source:
-        print(f'books: {n_cached} from the cache in {raw_dir}, {n_fetched} downloaded')
+        print(f"books: {n_cached} from the cache in {raw_dir}, {n_fetched} downloaded")
     return [(raws[b], where[b]) for b, _, _ in books]
+
 
 # -----------------------------------------------------------------------------
 # cleaning
@@ -374,52 +397,55 @@ def book_text(raw, where):
     """The text of one raw book file; a binary file (NUL bytes, or more than 1% control bytes in its
     first 100 kB) is refused with its name."""
     head = raw[:100_000]
-    if b'\0' in raw or len(head) - len(head.translate(None, CONTROL_BYTES)) > 0.01 * len(head):
-        fail(f'{where} is not a text file (NUL or control bytes); replace it with the book\'s plain text')
+    if b"\0" in raw or len(head) - len(head.translate(None, CONTROL_BYTES)) > 0.01 * len(head):
+        fail(f"{where} is not a text file (NUL or control bytes); replace it with the book's plain text")
     return decode_book(raw)
 
 
 def decode_book(raw):
     try:
-        return raw.decode('utf-8-sig')
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         # old Windows files; 5 byte values are undefined in cp1252 and become U+FFFD
-        return raw.decode('cp1252', errors='replace')
+        return raw.decode("cp1252", errors="replace")
 
 
 # "*** START OF THE/THIS PROJECT GUTENBERG EBOOK <title> ***": the words may be split over lines
-_MARKER = r'^[ \t]*\*{{3}}\s*{}\s+OF\s+(?:THE|THIS)\s+PROJECT\s+GUTENBERG\s+E-?(?:BOOK|TEXT)'
-START_RE = re.compile(_MARKER.format('START'), re.I | re.M)
-END_RE = re.compile(_MARKER.format('END'), re.I | re.M)
+_MARKER = r"^[ \t]*\*{{3}}\s*{}\s+OF\s+(?:THE|THIS)\s+PROJECT\s+GUTENBERG\s+E-?(?:BOOK|TEXT)"
+START_RE = re.compile(_MARKER.format("START"), re.I | re.M)
+END_RE = re.compile(_MARKER.format("END"), re.I | re.M)
 # old files: licence ending "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*..." and no START marker
-SMALL_PRINT_END_RE = re.compile(r'^[ \t]*\*END\*?\s*THE\s+SMALL\s+PRINT', re.I | re.M)
+SMALL_PRINT_END_RE = re.compile(r"^[ \t]*\*END\*?\s*THE\s+SMALL\s+PRINT", re.I | re.M)
 # "End of the Project Gutenberg EBook of <title>, by <author>", just before the END marker
-FOOTER_RE = re.compile(r'^[ \t]*End\s+of\s+(?:the\s+|this\s+)?Project\s+Gutenberg', re.I | re.M)
+FOOTER_RE = re.compile(r"^[ \t]*End\s+of\s+(?:the\s+|this\s+)?Project\s+Gutenberg", re.I | re.M)
 # paragraphs opening the body that are Project Gutenberg's, not the book's: transcriber credits
 # ("Produced by ...", "E-text prepared by ...") and notes such as "Project Gutenberg also has an
 # HTML version of this file ..."
-CREDIT_RE = re.compile(r'(?:(?:Produced|Prepared|Transcribed|Scanned)\s+(?:by|from)|E-?text\s+(?:was\s+)?prepared'
-                       r'|This\s+e-?(?:text|book)\s+was\s+(?:produced|prepared|transcribed)'
-                       r'|\(?This\s+file\s+was\s+produced|.*Project\s+Gutenberg)', re.I | re.S)
-PARA_RE = re.compile(r'\s*(\S.*?)(?:\n[ \t]*\n|\Z)', re.S)  # the first paragraph, after blank lines
+CREDIT_RE = re.compile(
+    r"(?:(?:Produced|Prepared|Transcribed|Scanned)\s+(?:by|from)|E-?text\s+(?:was\s+)?prepared"
+    r"|This\s+e-?(?:text|book)\s+was\s+(?:produced|prepared|transcribed)"
+    r"|\(?This\s+file\s+was\s+produced|.*Project\s+Gutenberg)",
+    re.I | re.S,
+)
+PARA_RE = re.compile(r"\s*(\S.*?)(?:\n[ \t]*\n|\Z)", re.S)  # the first paragraph, after blank lines
 
 
 def _line_after(text, pos):
     """Index of the start of the line after the one holding pos."""
-    nl = text.find('\n', pos)
+    nl = text.find("\n", pos)
     return len(text) if nl == -1 else nl + 1
 
 
 def strip_gutenberg(text):
     """The book's own text without Project Gutenberg's header, licence and footer.
     Returns (body, warning or None); line endings become \\n."""
-    text = text.replace('\r\n', '\n').replace('\r', '\n')
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     start, end, found = 0, len(text), False
     m = START_RE.search(text)
     if m:
         # the marker ends with "***", which may come a line or two later when the title is long
-        para = text[m.end():m.end() + 400].split('\n\n')[0]
-        close = para.find('***')
+        para = text[m.end() : m.end() + 400].split("\n\n")[0]
+        close = para.find("***")
         start = _line_after(text, m.end() + close + 3 if close != -1 else m.end())
         found = True
     m = SMALL_PRINT_END_RE.search(text, start)
@@ -436,9 +462,9 @@ def strip_gutenberg(text):
         m = PARA_RE.match(body)
         if not (m and CREDIT_RE.match(m.group(1)) and len(m.group(1)) < 600 and m.end() < len(body)):
             break
-        body = body[m.end():]
-    body = re.sub(r'^(?:[ \t]*\n)+', '', body).rstrip() + '\n'  # keep the first line's indent
-    return body, None if found else 'no Project Gutenberg markers found; kept the whole file'
+        body = body[m.end() :]
+    body = re.sub(r"^(?:[ \t]*\n)+", "", body).rstrip() + "\n"  # keep the first line's indent
+    return body, None if found else "no Project Gutenberg markers found; kept the whole file"
 
 
 def split_books(book_ids, texts, val_fraction):
@@ -452,6 +478,7 @@ def split_books(book_ids, texts, val_fraction):
         val.add(i)
         n_val += len(texts[i])
     return sorted(set(range(len(book_ids))) - val), sorted(val)
+
 
 # -----------------------------------------------------------------------------
 # byte-level BPE
@@ -474,7 +501,7 @@ def train_bpe(word_counts, n_tokens, log_every=500):
     xy+z), it reuses that token. Returns the tokens' bytes, index = rank = id."""
     vocab = [bytes([b]) for b in range(256)]
     ids = {t: i for i, t in enumerate(vocab)}
-    words = [list(w.encode('utf-8')) for w in word_counts]
+    words = [list(w.encode("utf-8")) for w in word_counts]
     counts = list(word_counts.values())
     pair_count = collections.defaultdict(int)
     where = collections.defaultdict(set)  # pair -> words that (may) contain it
@@ -494,8 +521,10 @@ def train_bpe(word_counts, n_tokens, log_every=500):
             if c > 0:
                 heapq.heappush(heap, (-c, pair))
         else:
-            fail(f'the training text allows only {len(vocab) + 1} tokens, fewer than --vocab_size '
-                 f'{n_tokens + 1}: use a smaller --vocab_size or more books')
+            fail(
+                f"the training text allows only {len(vocab) + 1} tokens, fewer than --vocab_size "
+                f"{n_tokens + 1}: use a smaller --vocab_size or more books"
+            )
         a, b = pair
         merged = vocab[a] + vocab[b]
         added = merged not in ids
@@ -531,24 +560,28 @@ def train_bpe(word_counts, n_tokens, log_every=500):
         done = len(vocab) - n_start
         if added and log_every and done % log_every == 0 and len(vocab) < n_tokens:
             # no ETA: the first merges touch most words and take most of the time (~4 s in all)
-            print(f'  merges {done}/{n_tokens - n_start} ({fmt_time(time.time() - t0)})', flush=True)
+            print(f"  merges {done}/{n_tokens - n_start} ({fmt_time(time.time() - t0)})", flush=True)
     return vocab
 
 
 def make_encoding(vocab):
     """A tiktoken Encoding from the learned tokens (rank = id), <|endoftext|> taking the next id."""
     n = len(vocab)
-    enc = tiktoken.Encoding(f'bpe{n + 1}', pat_str=SPLIT_PATTERN,
-                            mergeable_ranks={t: i for i, t in enumerate(vocab)},
-                            special_tokens={EOT: n}, explicit_n_vocab=n + 1)
+    enc = tiktoken.Encoding(
+        f"bpe{n + 1}",
+        pat_str=SPLIT_PATTERN,
+        mergeable_ranks={t: i for i, t in enumerate(vocab)},
+        special_tokens={EOT: n},
+        explicit_n_vocab=n + 1,
+    )
     if enc.n_vocab != n + 1 or enc.eot_token != n:
-        raise ValueError(f'tokenizer has {enc.n_vocab} tokens, expected {n + 1}')
+        raise ValueError(f"tokenizer has {enc.n_vocab} tokens, expected {n + 1}")
     return enc
 
 
 def tokenizer_bytes(vocab):
     """tiktoken's .tiktoken text format: "base64(token) rank" per line, in rank order."""
-    return b''.join(base64.b64encode(t) + b' %d\n' % i for i, t in enumerate(vocab))
+    return b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(vocab))
 
 
 def load_tokenizer(data_dir):
@@ -557,73 +590,109 @@ def load_tokenizer(data_dir):
     vocab_size - 1. Checks the file against meta.json's checksum when that is there."""
     path = os.path.join(data_dir, TOKENIZER_FILE)
     try:
-        with open(path, 'rb') as f:
+        with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        fail(f'{path} not found: run `python prepare_data.py --data_dir {data_dir}` first')
-    meta_path = os.path.join(data_dir, 'meta.json')
+        fail(f"{path} not found: run `python prepare_data.py --data_dir {data_dir}` first")
+    meta_path = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta_path):
-        with open(meta_path, encoding='utf-8') as f:
-            expected = json.load(f).get('tokenizer_sha256')
+        with open(meta_path, encoding="utf-8") as f:
+            expected = json.load(f).get("tokenizer_sha256")
         if expected and hashlib.sha256(data).hexdigest() != expected:
-            fail(f'{path} does not match {meta_path} (checksum differs): '
-                 f'run `python prepare_data.py --data_dir {data_dir}` again')
+            fail(
+                f"{path} does not match {meta_path} (checksum differs): "
+                f"run `python prepare_data.py --data_dir {data_dir}` again"
+            )
     vocab = []
     for n, line in enumerate(data.splitlines(), 1):
         parts = line.split()
-        if len(parts) != 2 or parts[1] != b'%d' % (n - 1):
-            fail(f'{path} line {n}: expected "base64(token) {n - 1}"; the file is damaged: '
-                 'run prepare_data.py again')
+        if len(parts) != 2 or parts[1] != b"%d" % (n - 1):
+            fail(
+                f'{path} line {n}: expected "base64(token) {n - 1}"; the file is damaged: '
+                "run prepare_data.py again"
+            )
         vocab.append(base64.b64decode(parts[0]))
     if len(set(vocab)) != len(vocab) or set(vocab[:256]) != {bytes([b]) for b in range(256)}:
-        fail(f'{path} is damaged (repeated tokens or missing bytes): run prepare_data.py again')
+        fail(f"{path} is damaged (repeated tokens or missing bytes): run prepare_data.py again")
     return make_encoding(vocab)
 
 
 def encode_books(enc, texts):
     """Token ids of the books, each followed by <|endoftext|>, as one uint16 array."""
+
     def encode(text):  # a literal "<|endoftext|>" in a book is encoded as plain text
         return enc.encode_to_numpy(text, disallowed_special=())
+
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # tiktoken releases the GIL
         parts = list(pool.map(encode, texts))
     eot = np.array([enc.eot_token], dtype=np.uint32)
     ids = np.concatenate([x for p in parts for x in (p, eot)])
     return ids.astype(np.uint16)
 
+
 # -----------------------------------------------------------------------------
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
-    p.add_argument('--data_dir', default=DATA_DIR, help='outputs and the raw/ cache (default: %(default)s)')
-    p.add_argument('--books', help='a book list in books.tsv format (rank, id, title, author) instead of '
-                                   'the 100 pinned in this file')
-    p.add_argument('--mirror', default=MIRROR, help="host with gutenberg.org's paths (default: %(default)s)")
-    p.add_argument('--source', help='read <ID>.txt or pg<ID>.txt from this folder instead of downloading')
-    p.add_argument('--vocab_size', type=int, default=VOCAB_SIZE,
-                   help='tokens, <|endoftext|> included (default: %(default)s)')
-    p.add_argument('--val_fraction', type=float, default=VAL_FRACTION,
-                   help='share of the text held out as whole books (default: %(default)s)')
-    p.add_argument('--timeout', type=float, default=TIMEOUT, help='seconds per request (default: %(default)s)')
-    p.add_argument('--retries', type=int, default=RETRIES,
-                   help='retries per URL after a timeout, 5xx or broken transfer (default: %(default)s)')
-    p.add_argument('--backoff', type=float, default=BACKOFF,
-                   help='seconds before the first retry, doubling after (default: %(default)s)')
-    p.add_argument('--pause', type=float, default=PAUSE, help='seconds between downloads (default: %(default)s)')
-    p.add_argument('--min_chars', type=int, default=MIN_CHARS,
-                   help='refuse a book shorter than this after stripping (default: %(default)s)')
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--data_dir", default=DATA_DIR, help="outputs and the raw/ cache (default: %(default)s)")
+    p.add_argument(
+        "--books",
+        help="a book list in books.tsv format (rank, id, title, author) instead of "
+        "the 100 pinned in this file",
+    )
+    p.add_argument("--mirror", default=MIRROR, help="host with gutenberg.org's paths (default: %(default)s)")
+    p.add_argument("--source", help="read <ID>.txt or pg<ID>.txt from this folder instead of downloading")
+    p.add_argument(
+        "--vocab_size",
+        type=int,
+        default=VOCAB_SIZE,
+        help="tokens, <|endoftext|> included (default: %(default)s)",
+    )
+    p.add_argument(
+        "--val_fraction",
+        type=float,
+        default=VAL_FRACTION,
+        help="share of the text held out as whole books (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=TIMEOUT, help="seconds per request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=RETRIES,
+        help="retries per URL after a timeout, 5xx or broken transfer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=BACKOFF,
+        help="seconds before the first retry, doubling after (default: %(default)s)",
+    )
+    p.add_argument(
+        "--pause", type=float, default=PAUSE, help="seconds between downloads (default: %(default)s)"
+    )
+    p.add_argument(
+        "--min_chars",
+        type=int,
+        default=MIN_CHARS,
+        help="refuse a book shorter than this after stripping (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     if not 257 <= args.vocab_size <= 65536:
-        fail(f'--vocab_size {args.vocab_size} is out of range: it needs 256 bytes + <|endoftext|> '
-             '(>= 257) and must fit uint16 (<= 65536)')
+        fail(
+            f"--vocab_size {args.vocab_size} is out of range: it needs 256 bytes + <|endoftext|> "
+            "(>= 257) and must fit uint16 (<= 65536)"
+        )
     if not 0 < args.val_fraction < 1:
-        fail(f'--val_fraction {args.val_fraction} must be between 0 and 1, e.g. 0.05')
+        fail(f"--val_fraction {args.val_fraction} must be between 0 and 1, e.g. 0.05")
     if args.timeout <= 0 or args.retries < 0 or args.backoff < 0 or args.pause < 0:
-        fail('--timeout must be > 0 and --retries, --backoff, --pause >= 0')
-    if not args.mirror.startswith(('http://', 'https://')):
-        fail(f'--mirror {args.mirror!r} must start with http:// or https://')
+        fail("--timeout must be > 0 and --retries, --backoff, --pause >= 0")
+    if not args.mirror.startswith(("http://", "https://")):
+        fail(f"--mirror {args.mirror!r} must start with http:// or https://")
     if args.source and not os.path.isdir(args.source):
-        fail(f'--source {args.source} is not a folder')
+        fail(f"--source {args.source} is not a folder")
     return args
 
 
@@ -632,7 +701,7 @@ def main(argv=None):
     try:
         return prepare(args)
     except OSError as e:  # unwritable --data_dir, full disk, ...
-        fail(f'{e.filename}: {e.strerror}; check --data_dir' if e.filename else str(e))
+        fail(f"{e.filename}: {e.strerror}; check --data_dir" if e.filename else str(e))
 
 
 def prepare(args):
@@ -641,83 +710,92 @@ def prepare(args):
     times = {}
 
     t = time.time()
-    print(f'getting {len(books)} books from {source}')
+    print(f"getting {len(books)} books from {source}")
     try:
         raws = get_raw_books(books, args)
     except KeyboardInterrupt:
-        fail('interrupted; the books downloaded so far are kept: re-run to resume')
-    times['download'] = time.time() - t
+        fail("interrupted; the books downloaded so far are kept: re-run to resume")
+    times["download"] = time.time() - t
 
     t = time.time()
     texts = []
     for (book_id, title, _), (raw, where) in zip(books, raws):
         body, warning = strip_gutenberg(book_text(raw, where))
         if warning:
-            print(f'  warning: ebook {book_id} ({title}): {warning}')
+            print(f"  warning: ebook {book_id} ({title}): {warning}")
         if len(body.strip()) < args.min_chars:
-            fail(f'ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project '
-                 f'Gutenberg\'s header and licence (need {args.min_chars}); it is probably not the book: '
-                 f'replace or delete {where} and re-run, or fix --books')
+            fail(
+                f"ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project "
+                f"Gutenberg's header and licence (need {args.min_chars}); it is probably not the book: "
+                f"replace or delete {where} and re-run, or fix --books"
+            )
         texts.append(body)
     ids = [b for b, _, _ in books]
     train_idx, val_idx = split_books(ids, texts, args.val_fraction)
     train_texts, val_texts = [texts[i] for i in train_idx], [texts[i] for i in val_idx]
-    times['strip'] = time.time() - t
-    print(f'stripped {len(texts)} books: {sum(map(len, texts)):,} characters '
-          f'({fmt_time(times["strip"])}); validation: ebooks {", ".join(str(ids[i]) for i in val_idx)}')
+    times["strip"] = time.time() - t
+    print(
+        f"stripped {len(texts)} books: {sum(map(len, texts)):,} characters "
+        f"({fmt_time(times['strip'])}); validation: ebooks {', '.join(str(ids[i]) for i in val_idx)}"
+    )
 
     t = time.time()
-    print(f'training a byte-level BPE with {args.vocab_size} tokens on {len(train_texts)} books')
+    print(f"training a byte-level BPE with {args.vocab_size} tokens on {len(train_texts)} books")
     words = count_words(train_texts)
-    times['pre-tokenize'] = time.time() - t
+    times["pre-tokenize"] = time.time() - t
     t = time.time()
-    print(f'  {sum(words.values()):,} words, {len(words):,} distinct ({fmt_time(times["pre-tokenize"])})')
+    print(f"  {sum(words.values()):,} words, {len(words):,} distinct ({fmt_time(times['pre-tokenize'])})")
     vocab = train_bpe(words, args.vocab_size - 1)
     enc = make_encoding(vocab)
-    times['train BPE'] = time.time() - t
+    times["train BPE"] = time.time() - t
 
     t = time.time()
     train_ids = encode_books(enc, train_texts)
     val_ids = encode_books(enc, val_texts)
-    times['encode'] = time.time() - t
+    times["encode"] = time.time() - t
 
     t = time.time()
     os.makedirs(args.data_dir, exist_ok=True)
     tok = tokenizer_bytes(vocab)
-    files = {'train.bin': train_ids.tobytes(), 'val.bin': val_ids.tobytes(), TOKENIZER_FILE: tok}
+    files = {"train.bin": train_ids.tobytes(), "val.bin": val_ids.tobytes(), TOKENIZER_FILE: tok}
     meta = {
-        'vocab_size': enc.n_vocab,
-        'eot_token': enc.eot_token,
-        'dtype': 'uint16',
-        'train_tokens': int(train_ids.size),
-        'val_tokens': int(val_ids.size),
-        'train_books': [ids[i] for i in train_idx],
-        'val_books': [ids[i] for i in val_idx],
-        'train_chars': sum(map(len, train_texts)),
-        'val_chars': sum(map(len, val_texts)),
-        'source': source,
-        'tokenizer': TOKENIZER_FILE,
-        'tokenizer_sha256': hashlib.sha256(tok).hexdigest(),
-        'train_sha256': hashlib.sha256(files['train.bin']).hexdigest(),
-        'val_sha256': hashlib.sha256(files['val.bin']).hexdigest(),
-        'split_pattern': SPLIT_PATTERN,
+        "vocab_size": enc.n_vocab,
+        "eot_token": enc.eot_token,
+        "dtype": "uint16",
+        "train_tokens": int(train_ids.size),
+        "val_tokens": int(val_ids.size),
+        "train_books": [ids[i] for i in train_idx],
+        "val_books": [ids[i] for i in val_idx],
+        "train_chars": sum(map(len, train_texts)),
+        "val_chars": sum(map(len, val_texts)),
+        "source": source,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": hashlib.sha256(tok).hexdigest(),
+        "train_sha256": hashlib.sha256(files["train.bin"]).hexdigest(),
+        "val_sha256": hashlib.sha256(files["val.bin"]).hexdigest(),
+        "split_pattern": SPLIT_PATTERN,
     }
-    files['meta.json'] = (json.dumps(meta, indent=2, ensure_ascii=False) + '\n').encode('utf-8')
+    files["meta.json"] = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
     for name, data in files.items():  # meta.json last: it vouches for the others
         atomic_write(os.path.join(args.data_dir, name), data)
-    times['write'] = time.time() - t
+    times["write"] = time.time() - t
 
-    n_train, n_val = meta['train_tokens'], meta['val_tokens']
-    offline = sum(v for k, v in times.items() if k != 'download')
-    print(f'\nwrote {args.data_dir}/: train.bin, val.bin, {TOKENIZER_FILE}, meta.json')
-    print(f'books       {len(train_texts)} train + {len(val_texts)} val')
-    print(f'characters  {meta["train_chars"]:,} train + {meta["val_chars"]:,} val')
-    print(f'tokens      {n_train:,} train + {n_val:,} val = {n_train + n_val:,} '
-          f'({n_val / (n_train + n_val):.1%} val; the paper: 8.4M with Hugging Face\'s BPE)')
-    print('time        ' + ', '.join(f'{k} {fmt_time(v)}' for k, v in times.items())
-          + f'; offline part {fmt_time(offline)}')
+    n_train, n_val = meta["train_tokens"], meta["val_tokens"]
+    offline = sum(v for k, v in times.items() if k != "download")
+    print(f"\nwrote {args.data_dir}/: train.bin, val.bin, {TOKENIZER_FILE}, meta.json")
+    print(f"books       {len(train_texts)} train + {len(val_texts)} val")
+    print(f"characters  {meta['train_chars']:,} train + {meta['val_chars']:,} val")
+    print(
+        f"tokens      {n_train:,} train + {n_val:,} val = {n_train + n_val:,} "
+        f"({n_val / (n_train + n_val):.1%} val; the paper: 8.4M with Hugging Face's BPE)"
+    )
+    print(
+        "time        "
+        + ", ".join(f"{k} {fmt_time(v)}" for k, v in times.items())
+        + f"; offline part {fmt_time(offline)}"
+    )
     return 0
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     sys.exit(main())

@@ -30,8 +30,7 @@ import synthesizer
 import train
 from extractor import MIXERS, Config, Transformer, causal_fir
 
-# =============================================================================
-# extractor.py: every mixer against its equations written as literal loops (float64)
+# ======== model and equations (extractor.py): every mixer against its equations as literal loops ========
 
 TOL = 1e-9
 
@@ -52,19 +51,19 @@ def literal_sa(m, x):
     B, t, d = x.shape
     n = m.n
     h = d // n
-    W = m.W_QKV.weight.T                       # (d, 3d): columns are Q, K, V of all heads
+    W = m.W_QKV.weight.T  # (d, 3d): columns are Q, K, V of all heads
     out = torch.zeros(B, t, d, dtype=x.dtype)
     for j in range(n):
-        WQ, WK, WV = (W[:, s * d + j * h: s * d + (j + 1) * h] for s in range(3))
-        Q, K, V = x @ WQ, x @ WK, x @ WV       # Eq. (10)-(12)
+        WQ, WK, WV = (W[:, s * d + j * h : s * d + (j + 1) * h] for s in range(3))
+        Q, K, V = x @ WQ, x @ WK, x @ WV  # Eq. (10)-(12)
         Z = Q @ K.transpose(1, 2) / math.sqrt(h)  # Eq. (13)
         R = torch.zeros(B, t, h, dtype=x.dtype)
         for i in range(t):
-            e = torch.exp(Z[:, i, : i + 1])    # Eq. (14): only k <= i, denominator over f <= i
+            e = torch.exp(Z[:, i, : i + 1])  # Eq. (14): only k <= i, denominator over f <= i
             a = e / e.sum(dim=1, keepdim=True)
             R[:, i] = (a[:, :, None] * V[:, : i + 1]).sum(1)  # Eq. (15)
-        out[:, :, j * h: (j + 1) * h] = R      # Eq. (16)
-    return out @ m.W_out_att.weight.T         # Eq. (17)
+        out[:, :, j * h : (j + 1) * h] = R  # Eq. (16)
+    return out @ m.W_out_att.weight.T  # Eq. (17)
 
 
 def literal_mixer(name, m, x):
@@ -72,16 +71,16 @@ def literal_mixer(name, m, x):
     if name == "sa":
         return literal_sa(m, x)
     if name == "she":
-        return lin(m.W_out, lin(m.W_adj, x) * literal_fir(x, m.W_ext))          # Eq. (23)-(25)
+        return lin(m.W_out, lin(m.W_adj, x) * literal_fir(x, m.W_ext))  # Eq. (23)-(25)
     if name == "he":
-        x_ext = literal_fir(lin(m.W_in_ext, x), m.w_ext)                         # Eq. (27), (28)
-        return lin(m.W_out, lin(m.W_adj, x) * x_ext)                             # Eq. (24), (25)
+        x_ext = literal_fir(lin(m.W_in_ext, x), m.w_ext)  # Eq. (27), (28)
+        return lin(m.W_out, lin(m.W_adj, x) * x_ext)  # Eq. (24), (25)
     if name == "we":
-        return lin(m.W_out, lin(m.W_adj, x) * literal_fir(x, m.w_ext))          # Eq. (26), (24), (25)
+        return lin(m.W_out, lin(m.W_adj, x) * literal_fir(x, m.w_ext))  # Eq. (26), (24), (25)
     if name == "me":
-        return literal_fir(x, m.w_ext)                                           # Eq. (29)
+        return literal_fir(x, m.w_ext)  # Eq. (29)
     if name == "he-ext":
-        return literal_fir(lin(m.W_in_ext, x), m.w_ext)                          # Eq. (27), (28)
+        return literal_fir(lin(m.W_in_ext, x), m.w_ext)  # Eq. (27), (28)
     raise KeyError(name)
 
 
@@ -107,9 +106,11 @@ def test_mixer_equals_literal_equations(name):
         assert torch.allclose(m(x), literal_mixer(name, m, x), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("shape,path", [((12,), "toeplitz"), ((12,), "fft"), ((12, 5), "fft"),
-                                        ((12, 5, 5), "fft")], ids=["scalar-toeplitz", "scalar-fft",
-                                                                   "vector-fft", "matrix-fft"])
+@pytest.mark.parametrize(
+    "shape,path",
+    [((12,), "toeplitz"), ((12,), "fft"), ((12, 5), "fft"), ((12, 5, 5), "fft")],
+    ids=["scalar-toeplitz", "scalar-fft", "vector-fft", "matrix-fft"],
+)
 def test_fir_forward_and_backward_equal_literal_sum(shape, path, monkeypatch):
     monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1 if path == "fft" else 10**9)
     torch.manual_seed(1)
@@ -182,7 +183,7 @@ def test_mixer_is_causal(name):
     y = m(x)
     for i in (0, 5, 11):
         (g,) = torch.autograd.grad(y[:, i].sum(), x, retain_graph=True)
-        past, future = g[:, : i + 1].abs().max(), g[:, i + 1:].abs().amax(dim=(0, 2)).sum()
+        past, future = g[:, : i + 1].abs().max(), g[:, i + 1 :].abs().amax(dim=(0, 2)).sum()
         assert past > 0, f"output {i} ignores its inputs"
         # exactly zero for direct sums; FFT paths leave float64 round-off (~1e-16) only
         assert future <= 1e-12 * past, f"output {i} depends on later positions"
@@ -190,10 +191,17 @@ def test_mixer_is_causal(name):
 
 # ---- parameter counts and the complexity tables
 
+
 def param_formula(name, d, l):
     """Tables 3 and 4 (ERRATA: no biases)."""
-    return {"sa": 4 * d * d, "she": l * d * d + 2 * d * d, "he": l * d + 3 * d * d,
-            "we": l * d + 2 * d * d, "me": l, "he-ext": l * d + d * d}[name]
+    return {
+        "sa": 4 * d * d,
+        "she": l * d * d + 2 * d * d,
+        "he": l * d + 3 * d * d,
+        "we": l * d + 2 * d * d,
+        "me": l,
+        "he-ext": l * d + d * d,
+    }[name]
 
 
 @pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)])
@@ -228,16 +236,31 @@ def literal_training_counts(d, l, n):
     h = d // n
     S = lambda f: sum(f(t) for t in range(1, l + 1))
     return {
-        "sa": dict(mult=(3 * d * h * l + S(lambda t: t * h + t * h)) * n + d * d * l,
-                   add=(S(lambda t: t * (h - 1) + (t - 1) * h + (t - 1)) + 3 * (d - 1) * h * l) * n
-                   + (d - 1) * d * l,
-                   div=n * S(lambda t: t + t), exp=n * S(lambda t: t)),
-        "she": dict(mult=S(lambda t: d * d * t + d * d + d + d * d),
-                    add=S(lambda t: (d - 1) * d * t + (t - 1) * d + (d - 1) * d + (d - 1) * d), div=0, exp=0),
-        "he": dict(mult=S(lambda t: d * t + d * d + d + d * d) + d * d * l,
-                   add=S(lambda t: (t - 1) * d + (d - 1) * d + (d - 1) * d) + (d - 1) * d * l, div=0, exp=0),
-        "we": dict(mult=S(lambda t: d * t + d * d + d + d * d),
-                   add=S(lambda t: (t - 1) * d + (d - 1) * d + (d - 1) * d), div=0, exp=0),
+        "sa": dict(
+            mult=(3 * d * h * l + S(lambda t: t * h + t * h)) * n + d * d * l,
+            add=(S(lambda t: t * (h - 1) + (t - 1) * h + (t - 1)) + 3 * (d - 1) * h * l) * n
+            + (d - 1) * d * l,
+            div=n * S(lambda t: t + t),
+            exp=n * S(lambda t: t),
+        ),
+        "she": dict(
+            mult=S(lambda t: d * d * t + d * d + d + d * d),
+            add=S(lambda t: (d - 1) * d * t + (t - 1) * d + (d - 1) * d + (d - 1) * d),
+            div=0,
+            exp=0,
+        ),
+        "he": dict(
+            mult=S(lambda t: d * t + d * d + d + d * d) + d * d * l,
+            add=S(lambda t: (t - 1) * d + (d - 1) * d + (d - 1) * d) + (d - 1) * d * l,
+            div=0,
+            exp=0,
+        ),
+        "we": dict(
+            mult=S(lambda t: d * t + d * d + d + d * d),
+            add=S(lambda t: (t - 1) * d + (d - 1) * d + (d - 1) * d),
+            div=0,
+            exp=0,
+        ),
         "me": dict(mult=S(lambda t: d * t), add=S(lambda t: (t - 1) * d), div=0, exp=0),
     }
 
@@ -246,13 +269,24 @@ def literal_inference_counts(d, t, n):
     """The left-hand sides of Tables 5 and 6."""
     h = d // n
     return {
-        "sa": dict(mult=(3 * d * h + t * h + t * h) * n + d * d,
-                   add=(3 * (d - 1) * h + t * (h - 1) + (t - 1) * h + (t - 1)) * n + (d - 1) * d,
-                   div=(t + t) * n, exp=t * n),
-        "she": dict(mult=d * d * t + d * d + d + d * d,
-                    add=(d - 1) * d * t + (t - 1) * d + (d - 1) * d + (d - 1) * d, div=0, exp=0),
-        "he": dict(mult=d * t + d * d + d * d + d + d * d,
-                   add=(t - 1) * d + (d - 1) * d + (d - 1) * d + (d - 1) * d, div=0, exp=0),
+        "sa": dict(
+            mult=(3 * d * h + t * h + t * h) * n + d * d,
+            add=(3 * (d - 1) * h + t * (h - 1) + (t - 1) * h + (t - 1)) * n + (d - 1) * d,
+            div=(t + t) * n,
+            exp=t * n,
+        ),
+        "she": dict(
+            mult=d * d * t + d * d + d + d * d,
+            add=(d - 1) * d * t + (t - 1) * d + (d - 1) * d + (d - 1) * d,
+            div=0,
+            exp=0,
+        ),
+        "he": dict(
+            mult=d * t + d * d + d * d + d + d * d,
+            add=(t - 1) * d + (d - 1) * d + (d - 1) * d + (d - 1) * d,
+            div=0,
+            exp=0,
+        ),
         "we": dict(mult=d * t + d * d + d + d * d, add=(t - 1) * d + (d - 1) * d + (d - 1) * d, div=0, exp=0),
         "me": dict(mult=d * t, add=(t - 1) * d, div=0, exp=0),
     }
@@ -287,11 +321,22 @@ def test_whole_model_parameter_count_closed_form():
     for name in PAPER_MIXERS:
         cfg = Config(vocab_size=97, block_size=16, n_embd=24, n_hidden=40, n_layer=3, n_head=4, mixer=name)
         u, l, d, c, m = 97, 16, 24, 40, 3
-        expect = (u * d + l * d                      # Eq. (4), (5)
-                  + m * (param_formula(name, d, l)   # first sublayer
-                         + d * c + c + c * d + d     # Eq. (19)
-                         + 2 * 2 * d)                # two layer norms, Eq. (8)
-                  + 2 * d + d * u + u)               # final layer norm and Eq. (21)
+        expect = (
+            u * d
+            + l * d  # Eq. (4), (5)
+            + m
+            * (
+                param_formula(name, d, l)  # first sublayer
+                + d * c
+                + c
+                + c * d
+                + d  # Eq. (19)
+                + 2 * 2 * d
+            )  # two layer norms, Eq. (8)
+            + 2 * d
+            + d * u
+            + u
+        )  # final layer norm and Eq. (21)
         model = Transformer(cfg)
         counts = model.param_counts()
         assert counts["total"] == expect == sum(p.numel() for p in model.parameters())
@@ -315,16 +360,19 @@ def test_forward_loss_is_eq3():
     idx, targets = torch.randint(0, 30, (2, 8)), torch.randint(0, 30, (2, 8))
     model.eval()
     logits, loss = model(idx, targets)
-    p_hat = logits.softmax(-1)                                              # Eq. (21), (22)
-    nll = -torch.log(p_hat.gather(-1, targets[..., None])).mean()           # Eq. (3)
+    p_hat = logits.softmax(-1)  # Eq. (21), (22)
+    nll = -torch.log(p_hat.gather(-1, targets[..., None])).mean()  # Eq. (3)
     assert torch.allclose(loss, nll, atol=1e-6)
 
 
 # ---- generation
 
+
 def tiny_model(name, l=16, seed=0):
     torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, block_size=l, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.0, mixer=name)
+    cfg = Config(
+        vocab_size=50, block_size=l, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.0, mixer=name
+    )
     model = Transformer(cfg).double().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -336,13 +384,13 @@ def tiny_model(name, l=16, seed=0):
 def test_cached_generation_equals_uncached(name):
     model = tiny_model(name)
     idx = torch.randint(0, 50, (2, 5))
-    cached = model.generate(idx, 11, temperature=0, use_cache=True)       # fills l = 16 exactly
+    cached = model.generate(idx, 11, temperature=0, use_cache=True)  # fills l = 16 exactly
     uncached = model.generate(idx, 11, temperature=0, use_cache=False)
     assert torch.equal(cached, uncached)
     # logits: prefill plus one token at a time equals one full forward
     cache = model.new_cache()
     steps = [model(cached[:, :5], cache=cache)[0]]
-    steps += [model(cached[:, i: i + 1], cache=cache)[0] for i in range(5, 16)]
+    steps += [model(cached[:, i : i + 1], cache=cache)[0] for i in range(5, 16)]
     full = model(cached)[0]
     assert torch.allclose(torch.cat(steps, 1), full, atol=TOL, rtol=0)
 
@@ -353,15 +401,17 @@ def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
     l = 16
     model = tiny_model(name, l=l)
     prompt = torch.randint(0, 50, (2, 9))
-    out = model.generate(prompt, 30, temperature=0)                      # the default: cached, then sliding
+    out = model.generate(prompt, 30, temperature=0)  # the default: cached, then sliding
     idx = prompt
-    for _ in range(30):                                                  # the plain sliding-window loop
+    for _ in range(30):  # the plain sliding-window loop
         nxt = model(idx[:, -l:])[0][:, -1].argmax(-1, keepdim=True)
         idx = torch.cat([idx, nxt], dim=1)
     assert torch.equal(out, idx)
-    long_prompt = torch.randint(0, 50, (1, 23))                          # a prompt longer than l
-    assert torch.equal(model.generate(long_prompt, 5, temperature=0),
-                       model.generate(long_prompt, 5, temperature=0, use_cache=False))
+    long_prompt = torch.randint(0, 50, (1, 23))  # a prompt longer than l
+    assert torch.equal(
+        model.generate(long_prompt, 5, temperature=0),
+        model.generate(long_prompt, 5, temperature=0, use_cache=False),
+    )
 
 
 def test_top_k_keeps_exactly_k_and_top_p_is_nucleus():
@@ -371,13 +421,14 @@ def test_top_k_keeps_exactly_k_and_top_p_is_nucleus():
     assert len(seen) == 2 and 0 in seen  # a tie at the boundary still keeps exactly 2
     probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
     seen = {extractor.sample_next(probs.log(), top_p=0.6).item() for _ in range(300)}
-    assert seen == {0, 1}                # 0.5 < 0.6 needs the second token; 0.7 >= 0.6 stops there
+    assert seen == {0, 1}  # 0.5 < 0.6 needs the second token; 0.7 >= 0.6 stops there
     seen = {extractor.sample_next(probs.log(), top_p=0.5).item() for _ in range(100)}
     assert seen == {0}
     assert extractor.sample_next(probs.log(), temperature=0).item() == 0
 
 
 # ---- bad inputs
+
 
 def test_bad_config_gives_clear_value_errors():
     with pytest.raises(ValueError, match="unknown mixer 'xx'.*sa.*she.*he.*we.*me"):
@@ -398,41 +449,64 @@ def test_sequence_longer_than_block_size_is_refused():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-# ----------------------------------------------------------------------------- prepare_data.py
+# ======== data (prepare_data.py) ========
 # Fixture books are made-up text in real-shaped Project Gutenberg wrappers, served by a loopback
 # HTTP server on a free port; no network.
 
 
-
 _PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
-_PD_SYLLABLES = ['ka', 'lo', 'mi', 'ren', 'tho', 'va', 'quil', 'sa', 'ne', 'dor', 'bri', 'el',
-                 'fen', 'u', 'ya', 'zo', 'pe', 'gra', 'ish', 'om', 'tü', 'ça', 'wy', 'har']
+_PD_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tho",
+    "va",
+    "quil",
+    "sa",
+    "ne",
+    "dor",
+    "bri",
+    "el",
+    "fen",
+    "u",
+    "ya",
+    "zo",
+    "pe",
+    "gra",
+    "ish",
+    "om",
+    "tü",
+    "ça",
+    "wy",
+    "har",
+]
 
 
 def _pd_body(seed, n_sentences=220):
     """Deterministic made-up prose: a title line, chapters, dialogue, a few non-ASCII letters."""
     rng = random.Random(seed)
-    words = [''.join(rng.choice(_PD_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(200)]
-    title = ' '.join(rng.choice(words) for _ in range(3)).upper()
-    lines, para = [f'THE TALE OF {title}', '', f'by {rng.choice(words).title()}', '', ''], []
+    words = ["".join(rng.choice(_PD_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(200)]
+    title = " ".join(rng.choice(words) for _ in range(3)).upper()
+    lines, para = [f"THE TALE OF {title}", "", f"by {rng.choice(words).title()}", "", ""], []
     for s in range(n_sentences):
         if s % 60 == 0:
-            lines += ['', f'CHAPTER {s // 60 + 1}.', '']
-        sentence = ' '.join(rng.choice(words) for _ in range(rng.randint(4, 14)))
-        sentence = sentence[0].upper() + sentence[1:] + rng.choice(['.', '.', '!', '?', ';', '--'])
+            lines += ["", f"CHAPTER {s // 60 + 1}.", ""]
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice([".", ".", "!", "?", ";", "--"])
         if rng.random() < 0.2:
-            sentence = f'\u201c{sentence}\u201d said {rng.choice(words).title()}.'
+            sentence = f"\u201c{sentence}\u201d said {rng.choice(words).title()}."
         para.append(sentence)
         if rng.random() < 0.15:
-            text = ' '.join(para)
+            text = " ".join(para)
             while len(text) > 70:  # wrap like a Gutenberg text
-                cut = text.rfind(' ', 0, 70)
+                cut = text.rfind(" ", 0, 70)
                 lines.append(text[:cut])
-                text = text[cut + 1:]
-            lines += [text, '']
+                text = text[cut + 1 :]
+            lines += [text, ""]
             para = []
-    lines += [' '.join(para), '', 'THE END']
-    return '\n'.join(lines) + '\n'
+    lines += [" ".join(para), "", "THE END"]
+    return "\n".join(lines) + "\n"
 
 
 _PD_LICENCE = """\
@@ -452,60 +526,74 @@ Most people start at our website which has the main PG search facility: www.gute
 def _pd_wrap(kind, book_id, title, body):
     """body inside a header and footer of the given historical shape; returns the raw bytes."""
     up = title.upper()
-    if kind == 'the':  # current shape
-        text = (f'The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere '
-                f'in the United States and\nmost other parts of the world at no cost.\n\nTitle: {title}\n\n'
-                f'Release date: May 1, 2001 [eBook #{book_id}]\n\nLanguage: English\n\n'
-                f'*** START OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n{body}\n\n\n'
-                f'*** END OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n' + _PD_LICENCE)
-        return text.encode('utf-8')
-    if kind == 'this':  # 2000s shape: THIS, a producer credit, the "End of ..." line split over two
-        text = (f'Project Gutenberg\u2019s {title}, by Somebody\n\nThis eBook is for the use of anyone anywhere'
-                f' at no cost and with\nalmost no restrictions whatsoever.\n\nTitle: {title}\n\n'
-                f'Posting Date: June 25, 2008 [EBook #{book_id}]\nCharacter set encoding: UTF-8\n\n'
-                f'*** START OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n\nProduced by Some Volunteers and'
-                ' the Online Distributed\nProofreading Team at http://www.pgdp.net\n\n\n\n\n'
-                f'{body}\n\n\n\n\nEnd of the Project Gutenberg EBook of {title}, by\nSomebody Else\n\n'
-                f'*** END OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n***** This file should be named '
-                f'{book_id}.txt or {book_id}.zip *****\n\n' + _PD_LICENCE)
-        return b'\xef\xbb\xbf' + text.replace('\n', '\r\n').encode('utf-8')  # BOM and CRLF
-    if kind == 'split':  # markers split over lines
-        text = (f'The Project Gutenberg EBook of {title}\n\nTitle: {title}\n\n'
-                f'***START OF THE PROJECT GUTENBERG EBOOK A RATHER LONG AND\nWINDING {up}***\n\n'
-                'Note: Project Gutenberg also has an HTML version of this\n      file which includes the '
-                'original illustrations.\n      (http://www.gutenberg.net/dirs/1/2/3/123-h.zip)\n\n\n'
-                f'{body}\n\n*** END OF THE PROJECT\nGUTENBERG EBOOK A RATHER LONG AND WINDING {up} ***\n\n'
-                + _PD_LICENCE)
-        return text.encode('utf-8')
-    if kind == 'small_print':  # 1990s shape: no START marker, licence ends "*END*THE SMALL PRINT!"
-        text = (f'The Project Gutenberg Etext of {title}\n\nPlease take a look at the important information in'
-                ' this header.\n\n**Welcome To The World of Free Plain Vanilla Electronic Texts**\n\n'
-                f'Release Date: January, 2002  [Etext #{book_id}]\n\n**The Legal Small Print**\n\n'
-                '***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n'
-                'Why is this \u201cSmall Print!\u201d statement here?  You know: lawyers.\n'
-                'ABOUT PROJECT GUTENBERG-TM ETEXTS\n'
-                '*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n\n\n'
-                'This etext was prepared by A Scanner, typed and\nproofread by A Reader.\n\n\n\n'
-                f'{body}\n\n\nEnd of The Project Gutenberg Etext of {title}\nby Somebody\n\n')
-        return text.encode('cp1252')  # an old Windows file: not valid UTF-8
-    if kind == 'none':  # no Project Gutenberg markers at all: kept whole
-        return body.encode('utf-8')
+    if kind == "the":  # current shape
+        text = (
+            f"The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere "
+            f"in the United States and\nmost other parts of the world at no cost.\n\nTitle: {title}\n\n"
+            f"Release date: May 1, 2001 [eBook #{book_id}]\n\nLanguage: English\n\n"
+            f"*** START OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n{body}\n\n\n"
+            f"*** END OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n" + _PD_LICENCE
+        )
+        return text.encode("utf-8")
+    if kind == "this":  # 2000s shape: THIS, a producer credit, the "End of ..." line split over two
+        text = (
+            f"Project Gutenberg\u2019s {title}, by Somebody\n\nThis eBook is for the use of anyone anywhere"
+            f" at no cost and with\nalmost no restrictions whatsoever.\n\nTitle: {title}\n\n"
+            f"Posting Date: June 25, 2008 [EBook #{book_id}]\nCharacter set encoding: UTF-8\n\n"
+            f"*** START OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n\nProduced by Some Volunteers and"
+            " the Online Distributed\nProofreading Team at http://www.pgdp.net\n\n\n\n\n"
+            f"{body}\n\n\n\n\nEnd of the Project Gutenberg EBook of {title}, by\nSomebody Else\n\n"
+            f"*** END OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n***** This file should be named "
+            f"{book_id}.txt or {book_id}.zip *****\n\n" + _PD_LICENCE
+        )
+        return b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")  # BOM and CRLF
+    if kind == "split":  # markers split over lines
+        text = (
+            f"The Project Gutenberg EBook of {title}\n\nTitle: {title}\n\n"
+            f"***START OF THE PROJECT GUTENBERG EBOOK A RATHER LONG AND\nWINDING {up}***\n\n"
+            "Note: Project Gutenberg also has an HTML version of this\n      file which includes the "
+            "original illustrations.\n      (http://www.gutenberg.net/dirs/1/2/3/123-h.zip)\n\n\n"
+            f"{body}\n\n*** END OF THE PROJECT\nGUTENBERG EBOOK A RATHER LONG AND WINDING {up} ***\n\n"
+            + _PD_LICENCE
+        )
+        return text.encode("utf-8")
+    if kind == "small_print":  # 1990s shape: no START marker, licence ends "*END*THE SMALL PRINT!"
+        text = (
+            f"The Project Gutenberg Etext of {title}\n\nPlease take a look at the important information in"
+            " this header.\n\n**Welcome To The World of Free Plain Vanilla Electronic Texts**\n\n"
+            f"Release Date: January, 2002  [Etext #{book_id}]\n\n**The Legal Small Print**\n\n"
+            "***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n"
+            "Why is this \u201cSmall Print!\u201d statement here?  You know: lawyers.\n"
+            "ABOUT PROJECT GUTENBERG-TM ETEXTS\n"
+            "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n\n\n"
+            "This etext was prepared by A Scanner, typed and\nproofread by A Reader.\n\n\n\n"
+            f"{body}\n\n\nEnd of The Project Gutenberg Etext of {title}\nby Somebody\n\n"
+        )
+        return text.encode("cp1252")  # an old Windows file: not valid UTF-8
+    if kind == "none":  # no Project Gutenberg markers at all: kept whole
+        return body.encode("utf-8")
     raise ValueError(kind)
 
 
 # (ebook id, title, wrapper shape); ids are made up
-_PD_BOOKS = [(9001, 'Mossy Dell', 'the'), (9002, 'The Brass Kite', 'this'), (9003, 'Oddly Far', 'split'),
-             (9004, 'Quince Hall', 'small_print'), (9005, 'Plain Thing', 'none'), (9006, 'Lark Rise', 'the'),
-             (9007, 'Tin Fern', 'this')]
+_PD_BOOKS = [
+    (9001, "Mossy Dell", "the"),
+    (9002, "The Brass Kite", "this"),
+    (9003, "Oddly Far", "split"),
+    (9004, "Quince Hall", "small_print"),
+    (9005, "Plain Thing", "none"),
+    (9006, "Lark Rise", "the"),
+    (9007, "Tin Fern", "this"),
+]
 _PD_BODIES = {i: _pd_body(i) for i, _, _ in _PD_BOOKS}
 _PD_RAW = {i: _pd_wrap(kind, i, title, _PD_BODIES[i]) for i, title, kind in _PD_BOOKS}
 
 
 def _pd_books_tsv(path, books=_PD_BOOKS):
-    with open(path, 'w', encoding='utf-8') as f:
-        f.write('rank\tid\ttitle\tauthor\n')
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("rank\tid\ttitle\tauthor\n")
         for rank, (i, title, _) in enumerate(books, 1):
-            f.write(f'{rank}\t{i}\t{title}\tSomebody\n')
+            f.write(f"{rank}\t{i}\t{title}\tSomebody\n")
     return str(path)
 
 
@@ -524,24 +612,24 @@ class _PdHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         srv = self.server
         with srv.lock:
-            srv.log.append((self.path, self.headers.get('User-Agent', '')))
+            srv.log.append((self.path, self.headers.get("User-Agent", "")))
             faults = srv.faults.get(self.path)
             fault = faults.pop(0) if faults else None
         body = srv.files.get(self.path)
-        if fault == 'html':
-            body = b'<!DOCTYPE html>\n<html><body>Please complete the check.</body></html>\n'
-        if fault == 'timeout':
+        if fault == "html":
+            body = b"<!DOCTYPE html>\n<html><body>Please complete the check.</body></html>\n"
+        if fault == "timeout":
             time.sleep(srv.delay)
-        if fault == '500':
+        if fault == "500":
             self.send_error(500)
-        elif fault == '404' or body is None:
+        elif fault == "404" or body is None:
             self.send_error(404)
         else:
             self.send_response(200)
-            self.send_header('Content-Type', 'text/plain; charset=utf-8')
-            self.send_header('Content-Length', str(len(body)))
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body[:len(body) // 2] if fault == 'truncate' else body)
+            self.wfile.write(body[: len(body) // 2] if fault == "truncate" else body)
             self.close_connection = True
 
     def log_message(self, *args):
@@ -551,11 +639,11 @@ class _PdHandler(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def _pd_serve(raws, all_paths=True):
     """A loopback server with every book at gutenberg.org's three paths (or only the first)."""
-    srv = _PdServer(('127.0.0.1', 0), _PdHandler)
+    srv = _PdServer(("127.0.0.1", 0), _PdHandler)
     srv.lock, srv.log, srv.faults, srv.delay = threading.Lock(), [], {}, 1.0
     patterns = prepare_data.URL_PATTERNS if all_paths else prepare_data.URL_PATTERNS[:1]
     srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in patterns}
-    srv.url = f'http://127.0.0.1:{srv.server_address[1]}'
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
@@ -567,86 +655,105 @@ def _pd_serve(raws, all_paths=True):
 
 def _pd_run(data_dir, *extra, books_tsv, mirror=None):
     """prepare_data.main with fast network settings; returns its exit status."""
-    argv = ['--data_dir', str(data_dir), '--books', books_tsv, '--vocab_size', str(_PD_VOCAB),
-            '--pause', '0', '--timeout', '0.5', '--retries', '2', '--backoff', '0.01']
+    argv = [
+        "--data_dir",
+        str(data_dir),
+        "--books",
+        books_tsv,
+        "--vocab_size",
+        str(_PD_VOCAB),
+        "--pause",
+        "0",
+        "--timeout",
+        "0.5",
+        "--retries",
+        "2",
+        "--backoff",
+        "0.01",
+    ]
     if mirror:
-        argv += ['--mirror', mirror]
+        argv += ["--mirror", mirror]
     return prepare_data.main(argv + list(extra))
 
 
 def _pd_outputs(data_dir):
-    names = ['train.bin', 'val.bin', 'tokenizer.tiktoken', 'meta.json']
-    return {n: open(os.path.join(data_dir, n), 'rb').read() for n in names}
+    names = ["train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"]
+    return {n: open(os.path.join(data_dir, n), "rb").read() for n in names}
 
 
 def _pd_leftovers(root):
     """Temp files anywhere under root (a half-written file would show up as one)."""
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith('.tmp')]
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
 @pytest.fixture(autouse=True)
 def _pd_no_proxy(monkeypatch):
-    monkeypatch.setenv('no_proxy', '127.0.0.1,localhost')  # a user's proxy must not see loopback
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")  # a user's proxy must not see loopback
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def pd_clean(tmp_path_factory):
     """One run against a clean server: (data_dir, books.tsv, server url)."""
-    root = tmp_path_factory.mktemp('pd_clean')
-    tsv = _pd_books_tsv(root / 'books.tsv')
+    root = tmp_path_factory.mktemp("pd_clean")
+    tsv = _pd_books_tsv(root / "books.tsv")
     with pytest.MonkeyPatch.context() as mp, _pd_serve(_PD_RAW) as srv:
-        mp.setenv('no_proxy', '127.0.0.1,localhost')
-        assert _pd_run(root / 'data', books_tsv=tsv, mirror=srv.url) == 0
+        mp.setenv("no_proxy", "127.0.0.1,localhost")
+        assert _pd_run(root / "data", books_tsv=tsv, mirror=srv.url) == 0
         url = srv.url
-    return root / 'data', tsv, url
+    return root / "data", tsv, url
 
 
 def test_pd_strip_keeps_body_and_drops_licence():
     for book_id, title, kind in _PD_BOOKS:
         body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(_PD_RAW[book_id]))
         assert body == _PD_BODIES[book_id], (book_id, kind)
-        assert (warning is not None) == (kind == 'none'), (book_id, kind)
-        raw_lines = prepare_data.decode_book(_PD_RAW[book_id]).replace('\r\n', '\n').split('\n')
-        body_lines = set(_PD_BODIES[book_id].split('\n'))
+        assert (warning is not None) == (kind == "none"), (book_id, kind)
+        raw_lines = prepare_data.decode_book(_PD_RAW[book_id]).replace("\r\n", "\n").split("\n")
+        body_lines = set(_PD_BODIES[book_id].split("\n"))
         wrapper = [ln for ln in raw_lines if ln.strip() and ln not in body_lines]
-        assert kind == 'none' or len(wrapper) > 5  # the fixture really has a header and licence
-        kept = [ln for ln in wrapper if ln in body.split('\n')]
+        assert kind == "none" or len(wrapper) > 5  # the fixture really has a header and licence
+        kept = [ln for ln in wrapper if ln in body.split("\n")]
         assert kept == [], (book_id, kind, kept)
-        assert 'gutenberg' not in body.lower() and 'small print' not in body.lower()
+        assert "gutenberg" not in body.lower() and "small print" not in body.lower()
 
 
 def test_pd_decode_utf8_bom_and_cp1252():
-    assert prepare_data.decode_book('\ufeffcaf\u00e9 \u201cx\u201d'.encode('utf-8')) == 'caf\u00e9 \u201cx\u201d'
-    assert prepare_data.decode_book('caf\u00e9 \u201cx\u201d'.encode('cp1252')) == 'caf\u00e9 \u201cx\u201d'
+    assert (
+        prepare_data.decode_book("\ufeffcaf\u00e9 \u201cx\u201d".encode("utf-8")) == "caf\u00e9 \u201cx\u201d"
+    )
+    assert prepare_data.decode_book("caf\u00e9 \u201cx\u201d".encode("cp1252")) == "caf\u00e9 \u201cx\u201d"
 
 
 def test_pd_clean_run_outputs(pd_clean):
     data_dir, _, url = pd_clean
-    meta = json.load(open(data_dir / 'meta.json'))
+    meta = json.load(open(data_dir / "meta.json"))
     ids = [i for i, _, _ in _PD_BOOKS]
-    assert meta['vocab_size'] == _PD_VOCAB and meta['source'] == url
-    assert sorted(meta['train_books'] + meta['val_books']) == sorted(ids)
-    assert set(meta['train_books']).isdisjoint(meta['val_books']) and meta['val_books']
+    assert meta["vocab_size"] == _PD_VOCAB and meta["source"] == url
+    assert sorted(meta["train_books"] + meta["val_books"]) == sorted(ids)
+    assert set(meta["train_books"]).isdisjoint(meta["val_books"]) and meta["val_books"]
     enc = prepare_data.load_tokenizer(data_dir)
     assert enc.n_vocab == _PD_VOCAB and enc.eot_token == _PD_VOCAB - 1
-    assert enc.decode([enc.eot_token]) == '<|endoftext|>'
-    for split in ('train', 'val'):
-        tokens = np.memmap(data_dir / f'{split}.bin', dtype=np.uint16, mode='r')
-        assert len(tokens) == meta[f'{split}_tokens']
-        books = [i for i in ids if i in meta[f'{split}_books']]  # in list order
-        expected = ''.join(_PD_BODIES[i] + '<|endoftext|>' for i in books)
+    assert enc.decode([enc.eot_token]) == "<|endoftext|>"
+    for split in ("train", "val"):
+        tokens = np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
+        assert len(tokens) == meta[f"{split}_tokens"]
+        books = [i for i in ids if i in meta[f"{split}_books"]]  # in list order
+        expected = "".join(_PD_BODIES[i] + "<|endoftext|>" for i in books)
         assert enc.decode(tokens.tolist()) == expected
         assert int(tokens.max()) == enc.eot_token and (tokens == enc.eot_token).sum() == len(books)
-    lines = open(data_dir / 'tokenizer.tiktoken', 'rb').read().splitlines()
+    lines = open(data_dir / "tokenizer.tiktoken", "rb").read().splitlines()
     assert len(lines) == _PD_VOCAB - 1 and len({ln.split()[0] for ln in lines}) == _PD_VOCAB - 1
-    assert hashlib.sha256(open(data_dir / 'tokenizer.tiktoken', 'rb').read()).hexdigest() == meta['tokenizer_sha256']
-    assert sorted(os.listdir(data_dir / 'raw')) == sorted(f'{i}.txt' for i in ids)
+    assert (
+        hashlib.sha256(open(data_dir / "tokenizer.tiktoken", "rb").read()).hexdigest()
+        == meta["tokenizer_sha256"]
+    )
+    assert sorted(os.listdir(data_dir / "raw")) == sorted(f"{i}.txt" for i in ids)
     umask = os.umask(0o022)
     os.umask(umask)
-    for name in ['train.bin', 'meta.json', 'raw/9001.txt']:  # written via temp files, normal modes
+    for name in ["train.bin", "meta.json", "raw/9001.txt"]:  # written via temp files, normal modes
         assert os.stat(data_dir / name).st_mode & 0o777 == 0o666 & ~umask
     for i in ids:
-        assert open(data_dir / 'raw' / f'{i}.txt', 'rb').read() == _PD_RAW[i]
+        assert open(data_dir / "raw" / f"{i}.txt", "rb").read() == _PD_RAW[i]
 
 
 def _pd_record_sleeps(monkeypatch):
@@ -657,7 +764,8 @@ def _pd_record_sleeps(monkeypatch):
         if threading.current_thread() is threading.main_thread():
             calls.append(s)
         real_sleep(s)
-    monkeypatch.setattr(time, 'sleep', sleep)
+
+    monkeypatch.setattr(time, "sleep", sleep)
     return calls
 
 
@@ -666,10 +774,14 @@ def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, mon
     sleeps = _pd_record_sleeps(monkeypatch)
     with _pd_serve(_PD_RAW) as srv:
         first, second = prepare_data.URL_PATTERNS[:2]
-        srv.faults = {first.format(id=9001): ['500', '500'], first.format(id=9002): ['timeout'],
-                      first.format(id=9003): ['404'], first.format(id=9004): ['truncate'],
-                      first.format(id=9005): ['html']}
-        assert _pd_run(tmp_path / 'data', books_tsv=tsv, mirror=srv.url) == 0
+        srv.faults = {
+            first.format(id=9001): ["500", "500"],
+            first.format(id=9002): ["timeout"],
+            first.format(id=9003): ["404"],
+            first.format(id=9004): ["truncate"],
+            first.format(id=9005): ["html"],
+        }
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
         paths = collections.Counter(p for p, _ in srv.log)
         agents = {a for _, a in srv.log}
     assert all(not f for f in srv.faults.values())  # every fault was served
@@ -680,10 +792,10 @@ def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, mon
     assert agents == {prepare_data.USER_AGENT}
     # backoff 0.01 s doubling: 9001 waits twice, 9002 and 9004 once; --pause 0 between books
     assert sorted(s for s in sleeps if s) == [0.01, 0.01, 0.01, 0.02]
-    got, want = _pd_outputs(tmp_path / 'data'), _pd_outputs(clean_dir)
-    meta_got, meta_want = json.loads(got.pop('meta.json')), json.loads(want.pop('meta.json'))
+    got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
+    meta_got, meta_want = json.loads(got.pop("meta.json")), json.loads(want.pop("meta.json"))
     assert got == want  # train.bin, val.bin, tokenizer: byte for byte
-    meta_got.pop('source'), meta_want.pop('source')  # the two servers have different ports
+    meta_got.pop("source"), meta_want.pop("source")  # the two servers have different ports
     assert meta_got == meta_want
     assert _pd_leftovers(tmp_path) == []
 
@@ -692,25 +804,25 @@ def test_pd_second_run_uses_cache_and_is_identical(pd_clean, tmp_path, monkeypat
     _, tsv, _ = pd_clean
     sleeps = _pd_record_sleeps(monkeypatch)
     with _pd_serve(_PD_RAW) as srv:
-        assert _pd_run(tmp_path / 'data', '--pause', '0.05', books_tsv=tsv, mirror=srv.url) == 0
+        assert _pd_run(tmp_path / "data", "--pause", "0.05", books_tsv=tsv, mirror=srv.url) == 0
         assert sleeps == [0.05] * (len(_PD_BOOKS) - 1)  # a pause between downloads
-        first = _pd_outputs(tmp_path / 'data')
+        first = _pd_outputs(tmp_path / "data")
         n_requests = len(srv.log)
-        assert _pd_run(tmp_path / 'data', '--pause', '0.05', books_tsv=tsv, mirror=srv.url) == 0
+        assert _pd_run(tmp_path / "data", "--pause", "0.05", books_tsv=tsv, mirror=srv.url) == 0
         assert len(srv.log) == n_requests == len(_PD_BOOKS)  # nothing fetched twice
         assert len(sleeps) == len(_PD_BOOKS) - 1  # and no pauses for cached books
-    assert _pd_outputs(tmp_path / 'data') == first
+    assert _pd_outputs(tmp_path / "data") == first
 
 
 def test_pd_source_dir_gives_the_same_result(pd_clean, tmp_path):
     clean_dir, tsv, _ = pd_clean
-    src = tmp_path / 'src'
+    src = tmp_path / "src"
     os.makedirs(src)
     for n, (i, _, _) in enumerate(_PD_BOOKS):  # both naming styles
-        (src / (f'{i}.txt' if n % 2 else f'pg{i}.txt')).write_bytes(_PD_RAW[i])
-    assert _pd_run(tmp_path / 'data', '--source', str(src), books_tsv=tsv) == 0
-    got, want = _pd_outputs(tmp_path / 'data'), _pd_outputs(clean_dir)
-    for name in ('train.bin', 'val.bin', 'tokenizer.tiktoken'):
+        (src / (f"{i}.txt" if n % 2 else f"pg{i}.txt")).write_bytes(_PD_RAW[i])
+    assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
+    got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
+    for name in ("train.bin", "val.bin", "tokenizer.tiktoken"):
         assert got[name] == want[name]
 
 
@@ -720,25 +832,32 @@ def _pd_error(capsys, fn, *args, **kw):
     with pytest.raises(SystemExit) as e:
         fn(*args, **kw)
     err = capsys.readouterr().err
-    assert e.value.code == 1 and err.startswith('error: ') and 'Traceback' not in err, err
+    assert e.value.code == 1 and err.startswith("error: ") and "Traceback" not in err, err
     return err
 
 
 def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     with socket.socket() as s:  # a port nobody listens on
-        s.bind(('127.0.0.1', 0))
+        s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.time()
-    msg = _pd_error(capsys, _pd_run, tmp_path / 'data', '--timeout', '30', books_tsv=tsv,
-                    mirror=f'http://127.0.0.1:{port}')
+    msg = _pd_error(
+        capsys,
+        _pd_run,
+        tmp_path / "data",
+        "--timeout",
+        "30",
+        books_tsv=tsv,
+        mirror=f"http://127.0.0.1:{port}",
+    )
     # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
     assert time.time() - t0 < 10
-    assert 'could not download' in msg and 'ebook 9001' in msg and '--mirror' in msg and '--source' in msg
-    assert 'not tried' in msg and 'Traceback' not in msg
-    first_book = [ln for ln in msg.split('\n') if 'ebook 9001' in ln][0]
-    assert first_book.count('http://') == 1  # an unreachable host: its other paths are not tried
-    assert os.listdir(tmp_path / 'data' / 'raw') == [] and not os.path.exists(tmp_path / 'data' / 'train.bin')
+    assert "could not download" in msg and "ebook 9001" in msg and "--mirror" in msg and "--source" in msg
+    assert "not tried" in msg and "Traceback" not in msg
+    first_book = [ln for ln in msg.split("\n") if "ebook 9001" in ln][0]
+    assert first_book.count("http://") == 1  # an unreachable host: its other paths are not tried
+    assert os.listdir(tmp_path / "data" / "raw") == [] and not os.path.exists(tmp_path / "data" / "train.bin")
     assert _pd_leftovers(tmp_path) == []
 
 
@@ -746,30 +865,50 @@ def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     raws = {i: r for i, r in _PD_RAW.items() if i != 9003}
     with _pd_serve(raws) as srv:
-        err = _pd_error(capsys, _pd_run, tmp_path / 'data', books_tsv=tsv, mirror=srv.url)
-        failed = [ln for ln in err.split('\n') if ln.startswith('  ebook')]
-        assert len(failed) == 1 and 'ebook 9003' in failed[0] and 'HTTP 404' in failed[0]
-        assert sorted(os.listdir(tmp_path / 'data' / 'raw')) == sorted(f'{i}.txt' for i in raws)
-        assert not os.path.exists(tmp_path / 'data' / 'train.bin')
+        err = _pd_error(capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=srv.url)
+        failed = [ln for ln in err.split("\n") if ln.startswith("  ebook")]
+        assert len(failed) == 1 and "ebook 9003" in failed[0] and "HTTP 404" in failed[0]
+        assert sorted(os.listdir(tmp_path / "data" / "raw")) == sorted(f"{i}.txt" for i in raws)
+        assert not os.path.exists(tmp_path / "data" / "train.bin")
         srv.files.update({p.format(id=9003): _PD_RAW[9003] for p in prepare_data.URL_PATTERNS})
         n_requests = len(srv.log)
-        assert _pd_run(tmp_path / 'data', books_tsv=tsv, mirror=srv.url) == 0
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
         assert [p for p, _ in srv.log[n_requests:]] == [prepare_data.URL_PATTERNS[0].format(id=9003)]
 
 
 def test_pd_tokenizer_round_trips_arbitrary_unicode(pd_clean):
     enc = prepare_data.load_tokenizer(pd_clean[0])
     rng = random.Random(0)
-    ranges = [(0x20, 0x7e), (0xa0, 0x24f), (0x300, 0x36f), (0x590, 0x6ff), (0x4e00, 0x9fff),
-              (0xac00, 0xd7a3), (0x1f300, 0x1faff), (0x10000, 0x10ffff)]
-    samples = ['', ' ', '\n\n\t \r\n', 'e\u0301\u0302 a\u0308', '\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f44d\U0001f3fd',
-               '\u4f60\u597d\uff0c\u4e16\u754c\u3002', '\u00a0\u3000x', '<|endoftext|>', "don't 123 4567 ...!!"]
+    ranges = [
+        (0x20, 0x7E),
+        (0xA0, 0x24F),
+        (0x300, 0x36F),
+        (0x590, 0x6FF),
+        (0x4E00, 0x9FFF),
+        (0xAC00, 0xD7A3),
+        (0x1F300, 0x1FAFF),
+        (0x10000, 0x10FFFF),
+    ]
+    samples = [
+        "",
+        " ",
+        "\n\n\t \r\n",
+        "e\u0301\u0302 a\u0308",
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f44d\U0001f3fd",
+        "\u4f60\u597d\uff0c\u4e16\u754c\u3002",
+        "\u00a0\u3000x",
+        "<|endoftext|>",
+        "don't 123 4567 ...!!",
+    ]
     for _ in range(200):
         lo, hi = rng.choice(ranges)
-        chars = [chr(c) for c in (rng.randint(lo, hi) for _ in range(rng.randint(1, 40)))
-                 if not 0xd800 <= c <= 0xdfff]
-        samples.append(''.join(chars))
-        samples.append(bytes(rng.randrange(256) for _ in range(60)).decode('utf-8', errors='replace'))
+        chars = [
+            chr(c)
+            for c in (rng.randint(lo, hi) for _ in range(rng.randint(1, 40)))
+            if not 0xD800 <= c <= 0xDFFF
+        ]
+        samples.append("".join(chars))
+        samples.append(bytes(rng.randrange(256) for _ in range(60)).decode("utf-8", errors="replace"))
     samples.append(_PD_BODIES[9001])
     for s in samples:
         ids = enc.encode_ordinary(s)
@@ -779,29 +918,31 @@ def test_pd_tokenizer_round_trips_arbitrary_unicode(pd_clean):
 
 def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    src = tmp_path / 'src'
+    src = tmp_path / "src"
     os.makedirs(src)
     for i, _, _ in _PD_BOOKS:
-        (src / f'{i}.txt').write_bytes(_PD_RAW[i])
-    data = tmp_path / 'data'
+        (src / f"{i}.txt").write_bytes(_PD_RAW[i])
+    data = tmp_path / "data"
     for vocab in (_PD_VOCAB, 300):  # the same path, a new file: no cached ranks may survive
-        assert _pd_run(data, '--source', str(src), '--vocab_size', str(vocab), books_tsv=tsv) == 0
+        assert _pd_run(data, "--source", str(src), "--vocab_size", str(vocab), books_tsv=tsv) == 0
         enc = prepare_data.load_tokenizer(data)
         assert enc.n_vocab == vocab and enc.eot_token == vocab - 1
         assert enc.decode(enc.encode_ordinary(_PD_BODIES[9002])) == _PD_BODIES[9002]
-    tok = data / 'tokenizer.tiktoken'
-    tok.write_bytes(tok.read_bytes().replace(b' 298\n', b' 297\n'))
-    assert 'meta.json' in _pd_error(capsys, prepare_data.load_tokenizer, data)
-    os.remove(data / 'meta.json')
-    assert 'damaged' in _pd_error(capsys, prepare_data.load_tokenizer, data)
-    assert 'run `python prepare_data.py' in _pd_error(capsys, prepare_data.load_tokenizer, tmp_path / 'nowhere')
+    tok = data / "tokenizer.tiktoken"
+    tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
+    assert "meta.json" in _pd_error(capsys, prepare_data.load_tokenizer, data)
+    os.remove(data / "meta.json")
+    assert "damaged" in _pd_error(capsys, prepare_data.load_tokenizer, data)
+    assert "run `python prepare_data.py" in _pd_error(
+        capsys, prepare_data.load_tokenizer, tmp_path / "nowhere"
+    )
 
 
 def _pd_naive_bpe(word_counts, n_tokens):
     """Reference trainer: recount every pair before every merge."""
     vocab = [bytes([b]) for b in range(256)]
     ids = {t: i for i, t in enumerate(vocab)}
-    words = collections.Counter({tuple(w.encode('utf-8')): c for w, c in word_counts.items()})
+    words = collections.Counter({tuple(w.encode("utf-8")): c for w, c in word_counts.items()})
     while len(vocab) < n_tokens:
         pairs = collections.Counter()
         for w, c in words.items():
@@ -816,7 +957,7 @@ def _pd_naive_bpe(word_counts, n_tokens):
         for w, c in words.items():
             out, i = [], 0
             while i < len(w):
-                if w[i:i + 2] == best:
+                if w[i : i + 2] == best:
                     out.append(new)
                     i += 2
                 else:
@@ -828,10 +969,11 @@ def _pd_naive_bpe(word_counts, n_tokens):
 
 
 def test_pd_incremental_bpe_matches_full_recount():
-    for seed, alphabet in enumerate(['ab', 'abc', 'abcde', 'xyz\u00e9\u4e00']):
+    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
         rng = random.Random(seed)
-        words = collections.Counter(''.join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
-                                    for _ in range(400))
+        words = collections.Counter(
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(400)
+        )
         vocab = prepare_data.train_bpe(words, 256 + 60, log_every=0)
         assert vocab == _pd_naive_bpe(words, 256 + 60)
         assert len(set(vocab)) == len(vocab) == 256 + 60
@@ -842,7 +984,7 @@ def test_pd_incremental_bpe_matches_full_recount():
 def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
     rng = random.Random(1)
     ids = rng.sample(range(1, 60000), 100)
-    texts = ['x' * rng.randint(20_000, 600_000) for _ in ids]
+    texts = ["x" * rng.randint(20_000, 600_000) for _ in ids]
     train, val = prepare_data.split_books(ids, texts, 0.05)
     assert sorted(train + val) == list(range(100)) and not set(train) & set(val)
     share = sum(len(texts[i]) for i in val) / sum(map(len, texts))
@@ -856,65 +998,88 @@ def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
 
 def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    bad = tmp_path / 'bad.tsv'
-    bad.write_text('rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\televen\tOops\tX\n')
-    cases = [(['--books', str(bad)], 'line 3'),
-             (['--books', tsv, '--mirror', 'http://127.0.0.1:9', '--data_dir', str(bad)], 'check --data_dir'),
-             (['--books', tsv, '--vocab_size', '70000'], 'uint16'),
-             (['--books', tsv, '--source', str(tmp_path / 'nowhere')], 'not a folder'),
-             (['--books', tsv, '--mirror', 'ftp://example'], 'http'),
-             (['--books', tsv, '--source', str(tmp_path)], 'not found in --source')]
-    utf16 = tmp_path / 'books-utf16.tsv'  # a spreadsheet's "Unicode text": read as it is
-    utf16.write_bytes(open(tsv, encoding='utf-8').read().replace('The Brass Kite', 'Brass Kite \u00e9').encode('utf-16'))
-    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == [t for _, t, _ in prepare_data.read_books_tsv(tsv)][:1] + ['Brass Kite \u00e9'] + [t for _, t, _ in prepare_data.read_books_tsv(tsv)][2:]
-    latin1 = tmp_path / 'books-latin1.tsv'
-    latin1.write_bytes('rank\tid\ttitle\n1\t11\tCaf\u00e9\n2\t12\tNa\u00efve\n'.encode('latin-1'))
-    cases.append((['--books', str(latin1)], 'save it as UTF-8'))
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\televen\tOops\tX\n")
+    cases = [
+        (["--books", str(bad)], "line 3"),
+        (["--books", tsv, "--mirror", "http://127.0.0.1:9", "--data_dir", str(bad)], "check --data_dir"),
+        (["--books", tsv, "--vocab_size", "70000"], "uint16"),
+        (["--books", tsv, "--source", str(tmp_path / "nowhere")], "not a folder"),
+        (["--books", tsv, "--mirror", "ftp://example"], "http"),
+        (["--books", tsv, "--source", str(tmp_path)], "not found in --source"),
+    ]
+    utf16 = tmp_path / "books-utf16.tsv"  # a spreadsheet's "Unicode text": read as it is
+    utf16.write_bytes(
+        open(tsv, encoding="utf-8").read().replace("The Brass Kite", "Brass Kite \u00e9").encode("utf-16")
+    )
+    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == [
+        t for _, t, _ in prepare_data.read_books_tsv(tsv)
+    ][:1] + ["Brass Kite \u00e9"] + [t for _, t, _ in prepare_data.read_books_tsv(tsv)][2:]
+    latin1 = tmp_path / "books-latin1.tsv"
+    latin1.write_bytes("rank\tid\ttitle\n1\t11\tCaf\u00e9\n2\t12\tNa\u00efve\n".encode("latin-1"))
+    cases.append((["--books", str(latin1)], "save it as UTF-8"))
     for argv, words in cases:
-        msg = _pd_error(capsys, prepare_data.main, ['--data_dir', str(tmp_path / 'data')] + argv)  # argv's own wins
+        msg = _pd_error(
+            capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data")] + argv
+        )  # argv's own wins
         assert len(msg.strip().splitlines()) == 1 and words in msg, (argv, msg)
-    assert not os.path.exists(tmp_path / 'data' / 'train.bin')
+    assert not os.path.exists(tmp_path / "data" / "train.bin")
 
 
 def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    src = tmp_path / 'src'
+    src = tmp_path / "src"
     os.makedirs(src)
     for i, title, kind in _PD_BOOKS:
-        body = 'A short error page.\n' if i == 9006 else _PD_BODIES[i]
-        (src / f'{i}.txt').write_bytes(_pd_wrap(kind, i, title, body))
-    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), books_tsv=tsv)
-    assert 'ebook 9006' in err and 'characters' in err and str(src / '9006.txt') in err
-    (src / '9006.txt').write_bytes(b'')  # an empty file: the advice names it, not raw/9006.txt
-    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), books_tsv=tsv)
-    assert 'only 0 characters' in err and str(src / '9006.txt') in err and 'raw' not in err
-    (src / '9006.txt').write_bytes(bytes(range(256)) * 40)  # a binary file is refused, not decoded
+        body = "A short error page.\n" if i == 9006 else _PD_BODIES[i]
+        (src / f"{i}.txt").write_bytes(_pd_wrap(kind, i, title, body))
+    err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
+    assert "ebook 9006" in err and "characters" in err and str(src / "9006.txt") in err
+    (src / "9006.txt").write_bytes(b"")  # an empty file: the advice names it, not raw/9006.txt
+    err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
+    assert "only 0 characters" in err and str(src / "9006.txt") in err and "raw" not in err
+    (src / "9006.txt").write_bytes(bytes(range(256)) * 40)  # a binary file is refused, not decoded
     before = {p: p.read_bytes() for p in src.iterdir()}
-    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), books_tsv=tsv)
-    assert 'not a text file' in err and str(src / '9006.txt') in err and len(err.strip().splitlines()) == 1
+    err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
+    assert "not a text file" in err and str(src / "9006.txt") in err and len(err.strip().splitlines()) == 1
     assert {p: p.read_bytes() for p in src.iterdir()} == before
-    assert not os.path.exists(tmp_path / 'data' / 'train.bin')
+    assert not os.path.exists(tmp_path / "data" / "train.bin")
 
 
 def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    src = tmp_path / 'src'
+    src = tmp_path / "src"
     os.makedirs(src)
     for i, _, _ in _PD_BOOKS:
-        (src / f'{i}.txt').write_bytes(_PD_RAW[i])
-    err = _pd_error(capsys, _pd_run, tmp_path / 'data', '--source', str(src), '--vocab_size', '60000', books_tsv=tsv)
-    assert 'smaller --vocab_size' in err
+        (src / f"{i}.txt").write_bytes(_PD_RAW[i])
+    err = _pd_error(
+        capsys, _pd_run, tmp_path / "data", "--source", str(src), "--vocab_size", "60000", books_tsv=tsv
+    )
+    assert "smaller --vocab_size" in err
 
 
-# =============================================================================
-# train.py, sample.py, plot.py: data order, resume, logging, plots, bad inputs, DDP, end to end
-
-
+# ======== training and sampling (train.py, sample.py): data order, resume, logging, bad inputs, DDP ========
 
 
 _TR_ROOT = os.path.dirname(os.path.abspath(__file__))
-_TR_TINY = ["--n_layer", "2", "--n_embd", "32", "--n_hidden", "64", "--block_size", "16", "--batch_size", "8",
-            "--n_head", "4", "--eval_batches", "2", "--log_interval", "5"]
+_TR_TINY = [
+    "--n_layer",
+    "2",
+    "--n_embd",
+    "32",
+    "--n_hidden",
+    "64",
+    "--block_size",
+    "16",
+    "--batch_size",
+    "8",
+    "--n_head",
+    "4",
+    "--eval_batches",
+    "2",
+    "--log_interval",
+    "5",
+]
 
 
 def _tr_make_data(path, vocab=64, n_words=5000, seed=0):
@@ -949,7 +1114,7 @@ def test_train_batch_order_is_a_seeded_permutation_per_epoch():
     epoch1 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
     assert len(set(epoch0.tolist())) == per_epoch * b  # no start repeats within an epoch
     assert 0 <= epoch0.min() and epoch0.max() < n
-    assert not torch.equal(epoch0, epoch1)             # a new permutation for the next epoch
+    assert not torch.equal(epoch0, epoch1)  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), train.batch_starts(2, n, b, 3))
     assert not torch.equal(train.batch_starts(0, n, b, 3), train.batch_starts(0, n, b, 4))
 
@@ -963,14 +1128,30 @@ def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
             x, y = real_get_batch(data, starts, block_size, device)
             seen.setdefault(run, []).append((x.clone(), y.clone()))
             return x, y
+
         return get_batch
-    runs = {"sa": ["--mixer", "sa", "--seed", "1", "--dropout", "0.1"],
-            "me": ["--mixer", "me", "--seed", "2", "--dropout", "0.0"],
-            "other_data_seed": ["--mixer", "me", "--data_seed", "99"]}
+
+    runs = {
+        "sa": ["--mixer", "sa", "--seed", "1", "--dropout", "0.1"],
+        "me": ["--mixer", "me", "--seed", "2", "--dropout", "0.0"],
+        "other_data_seed": ["--mixer", "me", "--data_seed", "99"],
+    }
     for run, flags in runs.items():
         monkeypatch.setattr(train, "get_batch", recording(run))
-        rc = train.main(_TR_TINY + flags + ["--data_dir", tr_data, "--out_dir", str(tmp_path / run),
-                                                 "--max_iters", "6", "--eval_interval", "3"])
+        rc = train.main(
+            _TR_TINY
+            + flags
+            + [
+                "--data_dir",
+                tr_data,
+                "--out_dir",
+                str(tmp_path / run),
+                "--max_iters",
+                "6",
+                "--eval_interval",
+                "3",
+            ]
+        )
         assert rc == 0
     assert len(seen["sa"]) == len(seen["me"]) > 6  # 6 training batches plus the validation batches
     for (xa, ya), (xm, ym) in zip(seen["sa"], seen["me"]):
@@ -988,8 +1169,18 @@ def _tr_train_loss_column(run_dir):
 
 
 def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
-    flags = _TR_TINY + ["--mixer", "sa", "--dropout", "0.1", "--data_dir", tr_data, "--eval_interval", "4",
-                        "--ckpt_interval", "3"]
+    flags = _TR_TINY + [
+        "--mixer",
+        "sa",
+        "--dropout",
+        "0.1",
+        "--data_dir",
+        tr_data,
+        "--eval_interval",
+        "4",
+        "--ckpt_interval",
+        "3",
+    ]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
     assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
@@ -1006,8 +1197,20 @@ def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
 
 
 def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
-    flags = _TR_TINY + ["--mixer", "me", "--dropout", "0.1", "--data_dir", tr_data, "--eval_interval", "100",
-                        "--ckpt_interval", "100", "--max_iters", "10"]
+    flags = _TR_TINY + [
+        "--mixer",
+        "me",
+        "--dropout",
+        "0.1",
+        "--data_dir",
+        tr_data,
+        "--eval_interval",
+        "100",
+        "--ckpt_interval",
+        "100",
+        "--max_iters",
+        "10",
+    ]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     assert train.main(flags + ["--out_dir", full]) == 0
     real_get_batch, calls = train.get_batch, []
@@ -1017,6 +1220,7 @@ def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_pat
         if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
             os.kill(os.getpid(), signal.SIGINT)
         return real_get_batch(data, starts, block_size, device)
+
     monkeypatch.setattr(train, "get_batch", interrupting)
     assert train.main(flags + ["--out_dir", cut]) == 130
     assert torch.load(os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
@@ -1029,8 +1233,26 @@ def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
     runs = []
     for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
         run = str(tmp_path / f"{m}-{layers}")
-        assert train.main(_TR_TINY + ["--mixer", m, "--n_layer", layers, "--data_dir", tr_data,
-                                          "--out_dir", run, "--max_iters", "12", "--eval_interval", "6"]) == 0
+        assert (
+            train.main(
+                _TR_TINY
+                + [
+                    "--mixer",
+                    m,
+                    "--n_layer",
+                    layers,
+                    "--data_dir",
+                    tr_data,
+                    "--out_dir",
+                    run,
+                    "--max_iters",
+                    "12",
+                    "--eval_interval",
+                    "6",
+                ]
+            )
+            == 0
+        )
         runs.append(run)
     out = capsys.readouterr().out
     assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
@@ -1062,8 +1284,20 @@ def test_plot_window_medians():
     assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
 
 
-@pytest.mark.parametrize("case", ["unknown mixer", "missing data", "n_head", "negative", "other config",
-                                  "existing run", "token beyond vocab", "resume nothing", "bad batch"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown mixer",
+        "missing data",
+        "n_head",
+        "negative",
+        "other config",
+        "existing run",
+        "token beyond vocab",
+        "resume nothing",
+        "bad batch",
+    ],
+)
 def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
     out_dir = str(tmp_path / "run")
     base = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out_dir, "--max_iters", "2"]
@@ -1075,26 +1309,60 @@ def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
         with open(os.path.join(bad, "meta.json"), "w") as f:
             json.dump({"vocab_size": 32}, f)
         base = base + ["--data_dir", bad]
-    argv = base + {"unknown mixer": ["--mixer", "nope"], "missing data": ["--data_dir", str(tmp_path / "none")],
-                   "n_head": ["--n_embd", "30", "--n_head", "4", "--mixer", "sa"], "negative": ["--n_layer", "-2"],
-                   "other config": ["--resume", "--n_layer", "3"], "existing run": [], "token beyond vocab": [],
-                   "resume nothing": ["--resume"], "bad batch": ["--batch_size", "0"]}[case]
+    argv = (
+        base
+        + {
+            "unknown mixer": ["--mixer", "nope"],
+            "missing data": ["--data_dir", str(tmp_path / "none")],
+            "n_head": ["--n_embd", "30", "--n_head", "4", "--mixer", "sa"],
+            "negative": ["--n_layer", "-2"],
+            "other config": ["--resume", "--n_layer", "3"],
+            "existing run": [],
+            "token beyond vocab": [],
+            "resume nothing": ["--resume"],
+            "bad batch": ["--batch_size", "0"],
+        }[case]
+    )
     before = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
     rc = train.main(argv)
     err = capsys.readouterr().err
     assert rc != 0
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
-    key = {"unknown mixer": "nope", "missing data": "prepare_data", "n_head": "n_head", "negative": "n_layer",
-           "other config": "n_layer", "existing run": "--resume", "token beyond vocab": "vocab_size",
-           "resume nothing": "no checkpoint", "bad batch": "batch_size"}[case]
+    key = {
+        "unknown mixer": "nope",
+        "missing data": "prepare_data",
+        "n_head": "n_head",
+        "negative": "n_layer",
+        "other config": "n_layer",
+        "existing run": "--resume",
+        "token beyond vocab": "vocab_size",
+        "resume nothing": "no checkpoint",
+        "bad batch": "batch_size",
+    }[case]
     assert key in err
     after = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
     assert after == before  # nothing written, nothing half-written
 
 
+@pytest.mark.slow
 def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--mixer", "sa", "--n_embd", "30", "--n_head", "4",
-                            "--data_dir", str(tmp_path / "missing")], cwd=_TR_ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--mixer",
+            "sa",
+            "--n_embd",
+            "30",
+            "--n_head",
+            "4",
+            "--data_dir",
+            str(tmp_path / "missing"),
+        ],
+        cwd=_TR_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
@@ -1102,6 +1370,7 @@ def test_train_help_lists_every_config_field_with_its_symbol(capsys):
     assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
     import dataclasses
+
     fields = [f.name for f in dataclasses.fields(train.Config) if f.name != "vocab_size"]
     for name in fields:
         assert f"--{name}" in text
@@ -1109,15 +1378,37 @@ def test_train_help_lists_every_config_field_with_its_symbol(capsys):
         assert symbol in text
 
 
+@pytest.mark.slow
 def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
     """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
     whole global batch, as in one process."""
-    flags = _TR_TINY + ["--mixer", "sa", "--dropout", "0", "--data_dir", tr_data, "--max_iters", "6",
-                        "--eval_interval", "3", "--ckpt_interval", "3", "--device", "cpu"]
+    flags = _TR_TINY + [
+        "--mixer",
+        "sa",
+        "--dropout",
+        "0",
+        "--data_dir",
+        tr_data,
+        "--max_iters",
+        "6",
+        "--eval_interval",
+        "3",
+        "--ckpt_interval",
+        "3",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc_per_node=2", "train.py"] + flags + ["--out_dir", str(tmp_path / "ddp")],
-                           cwd=_TR_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+        + flags
+        + ["--out_dir", str(tmp_path / "ddp")],
+        cwd=_TR_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
     ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
@@ -1133,9 +1424,11 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
 
 # ---- end to end: fixture books on a loopback server -> prepare_data -> train sa and me -> sample
 
-_TR_WORDS = ("the a little old fox owl hen miller baker lantern river garden moon kettle meadow sang found "
-             "carried laughed whispered wandered over under beside quickly softly bright green silver "
-             "morning evening and but so then once upon time there was who").split()
+_TR_WORDS = (
+    "the a little old fox owl hen miller baker lantern river garden moon kettle meadow sang found "
+    "carried laughed whispered wandered over under beside quickly softly bright green silver "
+    "morning evening and but so then once upon time there was who"
+).split()
 
 
 def _tr_book(book_id, n_sentences, seed):
@@ -1145,11 +1438,13 @@ def _tr_book(book_id, n_sentences, seed):
     for _ in range(n_sentences):
         words = [_TR_WORDS[i] for i in rng.integers(0, len(_TR_WORDS), size=rng.integers(5, 12))]
         sentences.append(" ".join(words).capitalize() + ".")
-    body = "\n\n".join(" ".join(sentences[i:i + 5]) for i in range(0, len(sentences), 5))
-    return (f"The Project Gutenberg eBook of Made-up Tales {book_id}\n\nTitle: Made-up Tales {book_id}\n"
-            f"Author: Nobody\n\n*** START OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n\n"
-            f"{body}\n\n\n*** END OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n"
-            "Updated editions will replace the previous one.\n")
+    body = "\n\n".join(" ".join(sentences[i : i + 5]) for i in range(0, len(sentences), 5))
+    return (
+        f"The Project Gutenberg eBook of Made-up Tales {book_id}\n\nTitle: Made-up Tales {book_id}\n"
+        f"Author: Nobody\n\n*** START OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n\n"
+        f"{body}\n\n\n*** END OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n"
+        "Updated editions will replace the previous one.\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -1167,11 +1462,14 @@ def tr_mirror(tmp_path_factory):
 
         def log_message(self, *args):
             pass
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     tsv = tmp_path_factory.mktemp("trbooks") / "books.tsv"
-    tsv.write_text("rank\tid\ttitle\tauthor\n" + "".join(f"{r}\t{i}\tMade-up Tales {i}\tNobody\n"
-                                                        for r, i in enumerate(books, 1)))
+    tsv.write_text(
+        "rank\tid\ttitle\tauthor\n"
+        + "".join(f"{r}\t{i}\tMade-up Tales {i}\tNobody\n" for r, i in enumerate(books, 1))
+    )
     yield f"http://127.0.0.1:{server.server_address[1]}", str(tsv)
     server.shutdown()
 
@@ -1179,16 +1477,32 @@ def tr_mirror(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tr_prepared(tr_mirror, tmp_path_factory):
     import prepare_data
+
     mirror, books = tr_mirror
     data = str(tmp_path_factory.mktemp("trprep") / "data")
-    assert prepare_data.main(["--data_dir", data, "--mirror", mirror, "--books", books, "--vocab_size", "300",
-                              "--pause", "0", "--min_chars", "1000"]) in (0, None)
+    assert prepare_data.main(
+        [
+            "--data_dir",
+            data,
+            "--mirror",
+            mirror,
+            "--books",
+            books,
+            "--vocab_size",
+            "300",
+            "--pause",
+            "0",
+            "--min_chars",
+            "1000",
+        ]
+    ) in (0, None)
     return data
 
 
 def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
     """A byte-level token may hold part of a UTF-8 character: nothing is printed until it is whole."""
     from prepare_data import load_tokenizer
+
     enc = load_tokenizer(tr_prepared)
     text = "é€ ok"
     ids = [enc.encode_single_token(bytes([c])) for c in text.encode("utf-8")]  # one token per byte
@@ -1197,19 +1511,50 @@ def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
         def generate_stream(self, idx, max_new_tokens, **kw):
             for i in ids[:max_new_tokens]:
                 yield torch.tensor([[i]])
+
     args = sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
     sample.stream(FakeModel(), None, enc, args)
     assert capsys.readouterr().out == text + "\n"
 
 
+@pytest.mark.slow
 def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, capsys, monkeypatch):
     data = tr_prepared
     monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
     for mixer in ("sa", "me"):
-        assert train.main(["--mixer", mixer, "--data_dir", data, "--n_layer", "2", "--n_embd", "32",
-                               "--n_hidden", "64", "--block_size", "32", "--batch_size", "16", "--n_head", "4",
-                               "--max_iters", "40", "--eval_interval", "20", "--eval_batches", "2",
-                               "--lr", "3e-3", "--out_dir", "out/sa-4" if mixer == "sa" else "out/me"]) == 0
+        assert (
+            train.main(
+                [
+                    "--mixer",
+                    mixer,
+                    "--data_dir",
+                    data,
+                    "--n_layer",
+                    "2",
+                    "--n_embd",
+                    "32",
+                    "--n_hidden",
+                    "64",
+                    "--block_size",
+                    "32",
+                    "--batch_size",
+                    "16",
+                    "--n_head",
+                    "4",
+                    "--max_iters",
+                    "40",
+                    "--eval_interval",
+                    "20",
+                    "--eval_batches",
+                    "2",
+                    "--lr",
+                    "3e-3",
+                    "--out_dir",
+                    "out/sa-4" if mixer == "sa" else "out/me",
+                ]
+            )
+            == 0
+        )
         loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
         assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
     capsys.readouterr()
@@ -1217,11 +1562,17 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     assert sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
     first = capsys.readouterr()
     assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
-    assert sample.main(["--out_dir", "out/me", "--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0
+    assert (
+        sample.main(["--out_dir", "out/me", "--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0
+    )
     assert capsys.readouterr().out == first.out  # the seed makes it reproducible
     long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
-    assert sample.main(["--out_dir", "out/sa-4", "--prompt", long_prompt, "--max_new_tokens", "5",
-                            "--num_samples", "2"]) == 0
+    assert (
+        sample.main(
+            ["--out_dir", "out/sa-4", "--prompt", long_prompt, "--max_new_tokens", "5", "--num_samples", "2"]
+        )
+        == 0
+    )
     res = capsys.readouterr()
     assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
     assert sample.main(["--out_dir", "out/nothing"]) == 1
@@ -1229,15 +1580,20 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     assert len(err.strip().splitlines()) == 1 and "no checkpoint" in err
 
 
-# =============================================================================
-# The Synthesizer family (Tay et al., 2021) against its equations written as literal loops (float64)
-
-
+# ======== Synthesizers (synthesizer.py) against their equations as literal loops (float64) ========
 
 
 SYNTH_TOL = 1e-9
-SYNTHS = ["dense", "dense-fact", "random", "random-fixed", "random-fact", "random+dense", "random+sa",
-          "dense+sa"]
+SYNTHS = [
+    "dense",
+    "dense-fact",
+    "random",
+    "random-fixed",
+    "random-fact",
+    "random+dense",
+    "random+sa",
+    "dense+sa",
+]
 
 
 def synth_random_mixer(name, d=12, l=12, n=3, seed=0):
@@ -1255,45 +1611,45 @@ def synth_literal(name, m, x):
     """Synthesizer Eq. (1)-(7) and the mixture formula per head j and row i, with the causal row
     softmax of Eq. (14), then Eq. (15)-(17). x (B, t, d) -> (B, t, d)."""
     B, t, d = x.shape
-    n, l = m.n, m.l
+    n = m.n
     h = d // n
-    V = x @ m.W_V.weight.T                                    # Eq. (12), all heads
+    V = x @ m.W_V.weight.T  # Eq. (12), all heads
     out = torch.zeros(B, t, d, dtype=x.dtype)
     for j in range(n):
         cols = slice(j * h, (j + 1) * h)
 
-        def dense():                                          # Synthesizer Eq. (1), (2): (B, t, t)
+        def dense():  # Synthesizer Eq. (1), (2): (B, t, t)
             S = torch.zeros(B, t, t, dtype=x.dtype)
             for i in range(t):
-                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]       # head j's h hidden units
-                S[:, i] = hid @ m.W_2[j, :t].T                             # B_i, l values, first t
+                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]  # head j's h hidden units
+                S[:, i] = hid @ m.W_2[j, :t].T  # B_i, l values, first t
             return S
 
-        def dense_fact():                                     # Synthesizer Eq. (5), (6)
+        def dense_fact():  # Synthesizer Eq. (5), (6)
             S = torch.zeros(B, t, t, dtype=x.dtype)
             for i in range(t):
                 hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]
-                A, Bv = hid @ m.W_A[j], hid @ m.W_B[j]                    # (B, a), (B, b)
-                for p in range(t):                                         # C_p = A_{p // b} B_{p mod b}
+                A, Bv = hid @ m.W_A[j], hid @ m.W_B[j]  # (B, a), (B, b)
+                for p in range(t):  # C_p = A_{p // b} B_{p mod b}
                     S[:, i, p] = A[:, p // m.b] * Bv[:, p % m.b]
             return S
 
-        def random_():                                        # Synthesizer Eq. (4)
+        def random_():  # Synthesizer Eq. (4)
             return m.R[j, :t, :t].expand(B, t, t)
 
-        def random_fact():                                    # Synthesizer Eq. (7)
+        def random_fact():  # Synthesizer Eq. (7)
             S = torch.zeros(t, t, dtype=x.dtype)
             for i in range(t):
                 for k in range(t):
                     S[i, k] = sum(m.R_1[j, i, r] * m.R_2[j, k, r] for r in range(m.R_1.shape[2]))
             return S.expand(B, t, t)
 
-        def dot():                                            # Eq. (10), (11), (13)
-            W = m.W_QK.weight.T                               # (d, 2d): Q of all heads, then K
-            Q, K = x @ W[:, j * h: (j + 1) * h], x @ W[:, d + j * h: d + (j + 1) * h]
+        def dot():  # Eq. (10), (11), (13)
+            W = m.W_QK.weight.T  # (d, 2d): Q of all heads, then K
+            Q, K = x @ W[:, j * h : (j + 1) * h], x @ W[:, d + j * h : d + (j + 1) * h]
             return Q @ K.transpose(1, 2) / math.sqrt(h)
 
-        def alphas():                                         # softmax of alpha_h: positive, sum 1
+        def alphas():  # softmax of alpha_h: positive, sum 1
             e = torch.exp(m.alpha[j])
             return e[0] / e.sum(), e[1] / e.sum()
 
@@ -1317,10 +1673,10 @@ def synth_literal(name, m, x):
         else:
             raise KeyError(name)
         for i in range(t):
-            e = torch.exp(S[:, i, : i + 1])                   # Eq. (14): only k <= i
+            e = torch.exp(S[:, i, : i + 1])  # Eq. (14): only k <= i
             a = e / e.sum(dim=1, keepdim=True)
             out[:, i, cols] = (a[:, :, None] * V[:, : i + 1, cols]).sum(1)  # Eq. (15), (16)
-    return out @ m.W_out_att.weight.T                         # Eq. (17)
+    return out @ m.W_out_att.weight.T  # Eq. (17)
 
 
 @pytest.mark.parametrize("name", SYNTHS)
@@ -1336,7 +1692,7 @@ def test_synth_forward_and_gradients_equal_literal_equations(name, d, l, n):
         grads = torch.autograd.grad(y, params, g, allow_unused=True)
         grads_ref = torch.autograd.grad(y_ref, params, g, allow_unused=True)
         for p, a, b in zip(["x"] + [k for k, _ in m.named_parameters()], grads, grads_ref):
-            zero = torch.zeros((), dtype=torch.float64)       # None: the output does not use it
+            zero = torch.zeros((), dtype=torch.float64)  # None: the output does not use it
             a, b = (zero if z is None else z for z in (a, b))
             assert torch.allclose(a, b, atol=SYNTH_TOL, rtol=0), p
 
@@ -1362,7 +1718,7 @@ def test_synth_cache_in_chunks_equals_full_forward(name):
     m = synth_random_mixer(name, d=12, l=12, n=3, seed=1)
     x = torch.randn(2, 12, 12, dtype=torch.float64)
     cache = {}
-    steps = [m(x[:, :3], cache), m(x[:, 3:7], cache)] + [m(x[:, i: i + 1], cache) for i in range(7, 12)]
+    steps = [m(x[:, :3], cache), m(x[:, 3:7], cache)] + [m(x[:, i : i + 1], cache) for i in range(7, 12)]
     assert torch.allclose(torch.cat(steps, 1), m(x), atol=SYNTH_TOL, rtol=0)
     assert cache["v"].shape == (2, 3, 12, 4)
     with pytest.raises(ValueError, match="exceeds block_size l=12"):
@@ -1371,8 +1727,9 @@ def test_synth_cache_in_chunks_equals_full_forward(name):
 
 def synth_tiny_model(name, l=16, seed=0):
     torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, block_size=l, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.0,
-                 mixer=name)
+    cfg = Config(
+        vocab_size=50, block_size=l, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.0, mixer=name
+    )
     model = Transformer(cfg).double().eval()
     with torch.no_grad():
         for p in list(model.parameters()) + list(model.buffers()):
@@ -1395,29 +1752,38 @@ def test_synth_generation_beyond_block_size_is_a_sliding_window(name):
 
 # ---- parameter counts: the Synthesizer paper's Table 1 and text, plus W_V and W_out_att (2 d^2)
 
+
 def synth_param_formula(name, d, l, n, k=synthesizer.SYN_RANK):
     a, b = synthesizer._syn_factors(l)
-    dense, random, mix = d * d + d * l, n * l * l, 2 * n       # Table 1; "each head adds N^2"; alphas
-    align = {"dense": dense, "dense-fact": d * d + d * (a + b), "random": random, "random-fixed": 0,
-             "random-fact": 2 * n * l * k, "random+dense": random + dense + mix,
-             "random+sa": random + 2 * d * d + mix, "dense+sa": dense + 2 * d * d + mix}[name]
+    dense, random, mix = d * d + d * l, n * l * l, 2 * n  # Table 1; "each head adds N^2"; alphas
+    align = {
+        "dense": dense,
+        "dense-fact": d * d + d * (a + b),
+        "random": random,
+        "random-fixed": 0,
+        "random-fact": 2 * n * l * k,
+        "random+dense": random + dense + mix,
+        "random+sa": random + 2 * d * d + mix,
+        "dense+sa": dense + 2 * d * d + mix,
+    }[name]
     return align + 2 * d * d
 
 
-@pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 4), (128, 128, 32), (64, 32, 4), (24, 7, 3),
-                                   (16, 256, 16)])
+@pytest.mark.parametrize(
+    "d,l,n", [(128, 128, 1), (128, 128, 4), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)]
+)
 def test_synth_parameter_counts_equal_formulas(d, l, n):
     for name in SYNTHS:
         assert extractor.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
     fixed = MIXERS["random-fixed"](Config(n_embd=d, block_size=l, n_head=n, mixer="random-fixed"))
-    assert fixed.state_dict()["R"].shape == (n, l, l)          # stored, but not a parameter
+    assert fixed.state_dict()["R"].shape == (n, l, l)  # stored, but not a parameter
 
 
 def test_synth_factorized_dense_factors():
     for l in range(1, 300):
         a, b = synthesizer._syn_factors(l)
         assert a * b == l and a <= b
-        assert not any(l % f == 0 for f in range(a + 1, math.isqrt(l) + 1))   # a is the largest
+        assert not any(l % f == 0 for f in range(a + 1, math.isqrt(l) + 1))  # a is the largest
 
 
 def test_synth_whole_model_parameter_count():
@@ -1430,8 +1796,9 @@ def test_synth_whole_model_parameter_count():
 def test_synth_initialisation():
     """nn.Linear and raw weights ~ N(0, 0.01) (Section 6), mixing alphas zero (weights 1/2 each)."""
     for name in SYNTHS:
-        model = Transformer(Config(vocab_size=50, block_size=64, n_embd=64, n_hidden=64, n_layer=1, n_head=4,
-                                   mixer=name))
+        model = Transformer(
+            Config(vocab_size=50, block_size=64, n_embd=64, n_hidden=64, n_layer=1, n_head=4, mixer=name)
+        )
         mixer = model.layers[0].mixer
         for p_name, p in list(mixer.named_parameters()) + list(mixer.named_buffers()):
             if p_name == "alpha":
@@ -1444,27 +1811,30 @@ def test_synth_initialisation():
 
 # ---- Fixed Random: a random alignment, not trained, but saved
 
+
 def _row_entropy(mixer, t):
     """Mean entropy (nats) of the rows of softmax(R) over their causal columns, for positions 8..t-1."""
-    p = synthesizer._syn_softmax(mixer.logits(0, t), 0)                      # (n, t, t)
-    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)                             # (n, t)
+    p = synthesizer._syn_softmax(mixer.logits(0, t), 0)  # (n, t, t)
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (n, t)
     return ent[:, 8:].mean().item()
 
 
 def test_synth_fixed_random_rows_are_far_from_uniform():
     torch.manual_seed(0)
     l = 128
-    uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)             # a running mean's rows
+    uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)  # a running mean's rows
     fixed = MIXERS["random-fixed"](Config(n_embd=64, block_size=l, n_head=4, mixer="random-fixed"))
     learned = MIXERS["random"](Config(n_embd=64, block_size=l, n_head=4, mixer="random"))
-    assert _row_entropy(fixed, l) < uniform - 0.4                             # N(0, 1) logits
-    assert _row_entropy(learned, l) > uniform - 0.01                          # N(0, 0.01): uniform at init
-    p = synthesizer._syn_softmax(fixed.logits(0, l), 0)[:, -1]                # the last row, (n, l)
-    assert (p.max(-1).values > 5 / l).all()                                   # peaked, not 1/l everywhere
+    assert _row_entropy(fixed, l) < uniform - 0.4  # N(0, 1) logits
+    assert _row_entropy(learned, l) > uniform - 0.01  # N(0, 0.01): uniform at init
+    p = synthesizer._syn_softmax(fixed.logits(0, l), 0)[:, -1]  # the last row, (n, l)
+    assert (p.max(-1).values > 5 / l).all()  # peaked, not 1/l everywhere
 
 
 def test_synth_fixed_random_is_not_trained_and_is_saved():
-    cfg = Config(vocab_size=40, block_size=8, n_embd=16, n_hidden=16, n_layer=2, n_head=4, mixer="random-fixed")
+    cfg = Config(
+        vocab_size=40, block_size=8, n_embd=16, n_hidden=16, n_layer=2, n_head=4, mixer="random-fixed"
+    )
     torch.manual_seed(0)
     model = Transformer(cfg)
     assert not any("R" in name.split(".") for name, _ in model.named_parameters())
@@ -1475,8 +1845,8 @@ def test_synth_fixed_random_is_not_trained_and_is_saved():
     model(idx[:, :-1], idx[:, 1:])[1].backward()
     opt.step()
     for layer, R, W in zip(model.layers, R0, W0):
-        assert torch.equal(layer.mixer.R, R)                  # the alignment did not move
-        assert not torch.equal(layer.mixer.W_V.weight, W)     # the values did
+        assert torch.equal(layer.mixer.R, R)  # the alignment did not move
+        assert not torch.equal(layer.mixer.W_V.weight, W)  # the values did
     # a checkpoint (plain tensors, weights_only) reproduces R; the seed decides it
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
@@ -1507,10 +1877,7 @@ def test_synth_trains_under_bfloat16_autocast(name):
     assert torch.allclose(y.float(), y32, atol=0.05 * y32.abs().max().item(), rtol=0)
 
 
-# =============================================================================
-# bench.py: the quick mode runs every section and prints a row per mixer (numbers are not asserted)
-
-
+# ======== bench (bench.py): the quick mode runs every section, a row per mixer (no numbers asserted) ========
 
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -1518,18 +1885,24 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "bench.py", "--quick", "--mixers", "all", "--threads", "1",
-                                "--json", str(out)],
-                               cwd=BENCH_DIR, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--quick", "--mixers", "all", "--threads", "1", "--json", str(out)],
+        cwd=BENCH_DIR,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     mixers = list(extractor.MIXERS)
-    tables = run.stdout.split("\n\n")[1:]                       # the header line, then one block per section
+    tables = run.stdout.split("\n\n")[1:]  # the header line, then one block per section
     titles = [t.splitlines()[0][:2] for t in tables]
     assert titles[:5] == ["1.", "2.", "3.", "4.", "5."]
     for block in tables[:5]:
         rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
-        if block.startswith("3."):                               # one row per mixer and model size
-            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), block
+        if block.startswith("3."):  # one row per mixer and model size
+            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
+                block
+            )
         else:
             assert [r[0] for r in rows if r[0] in mixers] == mixers, block
     res = json.loads(out.read_text())
@@ -1562,7 +1935,7 @@ def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
     for name in extractor.MIXERS:
         cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
         module = extractor.MIXERS[name](cfg)
-        for t in (4, 12):                                        # both sides of the scalar-tap threshold
+        for t in (4, 12):  # both sides of the scalar-tap threshold
             taken.clear()
             module(torch.randn(1, t, 4))
             want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
@@ -1571,7 +1944,7 @@ def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
 
 def test_bench_loglog_slope_recovers_a_power_law():
     for b in (0.5, 1.0, 2.0):
-        ms = {t: 3.0 * t ** b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
+        ms = {t: 3.0 * t**b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
         assert abs(bench.loglog_slope(ms, 8192) - b) < 1e-9
 
 
@@ -1632,8 +2005,12 @@ def test_plot_default_window_fits_a_short_run(tmp_path, capsys):
 
 def test_plot_bad_input_gives_one_line(tmp_path, capsys):
     _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0] * 10, val_every=5)
-    cases = [[str(tmp_path / "nope")], [str(tmp_path / "run"), "--window", "50"],
-             [str(tmp_path / "run"), "--sweep", "colour"], [str(tmp_path / "run"), "--window", "0"]]
+    cases = [
+        [str(tmp_path / "nope")],
+        [str(tmp_path / "run"), "--window", "50"],
+        [str(tmp_path / "run"), "--sweep", "colour"],
+        [str(tmp_path / "run"), "--window", "0"],
+    ]
     for argv in cases:
         assert plot.main(argv + ["-o", str(tmp_path / "x.png")]) == 1, argv
         err = capsys.readouterr().err.strip().splitlines()
@@ -1670,9 +2047,13 @@ def _tr_one_error_line(rc, err, needle):
 def test_train_default_run_folders_differ_for_different_settings():
     folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
     assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
-    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder("--mixer=sa", "--n_head=1").endswith("sa-1")
+    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
+        "--mixer=sa", "--n_head=1"
+    ).endswith("sa-1")
     quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
-    assert quick == os.path.join("out", "me-m2-l64-b32")  # max_iters does not name the run: extend with --resume
+    assert quick == os.path.join(
+        "out", "me-m2-l64-b32"
+    )  # max_iters does not name the run: extend with --resume
     assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
 
 
@@ -1681,7 +2062,9 @@ def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr
     flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
     assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
     os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
-    open(os.path.join(out, "log.csv"), "w").write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,")
+    open(os.path.join(out, "log.csv"), "w").write(
+        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
+    )
     open(os.path.join(out, "run.json"), "w").write("{}")
     assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
     assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
@@ -1708,13 +2091,20 @@ def test_train_resume_refuses_other_data_unless_asked_and_accepts_old_checkpoint
     other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
     out = str(tmp_path / "run")
     assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"] == os.path.abspath(data)
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"] == os.path.abspath(
+        data
+    )
     capsys.readouterr()
     before = _tr_files(out)
     rc = train.main(["--out_dir", out, "--max_iters", "8", "--resume", "--data_dir", other])
     _tr_one_error_line(rc, capsys.readouterr().err, "other data (train, val differ)")
     assert _tr_files(out) == before
-    assert train.main(["--out_dir", out, "--max_iters", "8", "--resume", "--data_dir", other, "--allow_other_data"]) == 0
+    assert (
+        train.main(
+            ["--out_dir", out, "--max_iters", "8", "--resume", "--data_dir", other, "--allow_other_data"]
+        )
+        == 0
+    )
     # a checkpoint written before checksums were recorded still resumes, with a note
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     del ckpt["data"]
@@ -1727,16 +2117,24 @@ def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, caps
     for case in ("odd size", "changed"):
         data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
         raw = open(os.path.join(data, "train.bin"), "rb").read()
-        open(os.path.join(data, "train.bin"), "wb").write(raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0")
+        open(os.path.join(data, "train.bin"), "wb").write(
+            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
+        )
         out = str(tmp_path / "run")
         rc = train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"])
-        _tr_one_error_line(rc, capsys.readouterr().err, "odd number of bytes" if case == "odd size" else "sha256")
+        _tr_one_error_line(
+            rc, capsys.readouterr().err, "odd number of bytes" if case == "odd size" else "sha256"
+        )
         assert not os.path.exists(out)
 
 
-def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tr_data, tmp_path, capsys, monkeypatch):
+def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
+    tr_data, tmp_path, capsys, monkeypatch
+):
     out = str(tmp_path / "run")
-    _tr_one_error_line(train.main(_TR_TINY + ["--data_dir", tr_data, "--lr", "inf"]), capsys.readouterr().err, "--lr")
+    _tr_one_error_line(
+        train.main(_TR_TINY + ["--data_dir", tr_data, "--lr", "inf"]), capsys.readouterr().err, "--lr"
+    )
     real, calls = train.train_step, []
 
     def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
@@ -1744,7 +2142,9 @@ def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tr_data,
         return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
 
     monkeypatch.setattr(train, "train_step", diverging)
-    rc = train.main(_TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"])
+    rc = train.main(
+        _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
+    )
     _tr_one_error_line(rc, capsys.readouterr().err, "became nan at batch 15")
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
 
@@ -1754,9 +2154,24 @@ def _tr_signal_run(tmp_path, data, sig):
     first console line, at batch 10, has come through."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
     out = str(tmp_path / f"run-{sig}")
-    argv = _TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "1000000", "--log_interval", "500"]
-    p = subprocess.Popen([sys.executable, "train.py"] + argv, cwd=_TR_ROOT, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    argv = _TR_TINY + [
+        "--data_dir",
+        data,
+        "--out_dir",
+        out,
+        "--max_iters",
+        "1000000",
+        "--log_interval",
+        "500",
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "train.py"] + argv,
+        cwd=_TR_ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 120
     while "iter 10/" not in p.stdout.readline():
         assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
@@ -1790,16 +2205,46 @@ sys.exit(rc)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status; the glibc tweak is Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self/status; the glibc tweak is Linux's"
+)
 def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
     """With 8 MB of logits per batch, a tensor kept per batch until the next log point would let the
     process grow by gigabytes over 200 batches (it did, before the loss buffer)."""
     data = _tr_make_data(tmp_path / "data", vocab=2000, n_words=40000)
-    argv = ["--mixer", "me", "--n_layer", "1", "--n_embd", "16", "--n_hidden", "16", "--block_size", "32", "--batch_size", "32",
-            "--max_iters", "200", "--log_interval", "1000", "--ckpt_interval", "1000", "--eval_batches", "0",
-            "--data_dir", data, "--out_dir", str(tmp_path / "run")]  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", _TR_MEMORY_DRIVER] + argv, cwd=_TR_ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    argv = [
+        "--mixer",
+        "me",
+        "--n_layer",
+        "1",
+        "--n_embd",
+        "16",
+        "--n_hidden",
+        "16",
+        "--block_size",
+        "32",
+        "--batch_size",
+        "32",
+        "--max_iters",
+        "200",
+        "--log_interval",
+        "1000",
+        "--ckpt_interval",
+        "1000",
+        "--eval_batches",
+        "0",
+        "--data_dir",
+        data,
+        "--out_dir",
+        str(tmp_path / "run"),
+    ]
+    r = subprocess.run(
+        [sys.executable, "-c", _TR_MEMORY_DRIVER] + argv,
+        cwd=_TR_ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr
     after_20, end = map(float, r.stdout.split("RSS")[1].split())
     assert end < after_20 + 150, f"resident memory grew from {after_20:.0f} MB to {end:.0f} MB"
@@ -1812,7 +2257,10 @@ def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, 
     # --temperature 0 is greedy: the seed no longer matters
     texts = []
     for seed in ("1", "2"):
-        assert sample.main(["--out_dir", out, "--temperature", "0", "--seed", seed, "--max_new_tokens", "8"]) == 0
+        assert (
+            sample.main(["--out_dir", out, "--temperature", "0", "--seed", seed, "--max_new_tokens", "8"])
+            == 0
+        )
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1]
     # from another directory, with the old relative data path in the checkpoint
@@ -1827,7 +2275,9 @@ def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, 
     os.makedirs(other)
     tok = open(os.path.join(tr_prepared, "tokenizer.tiktoken"), "rb").read().splitlines()
     open(other / "tokenizer.tiktoken", "wb").write(b"\n".join(tok[:-1]) + b"\n")
-    _tr_one_error_line(sample.main(["--out_dir", out, "--data_dir", str(other)]), capsys.readouterr().err, "tokenizer")
+    _tr_one_error_line(
+        sample.main(["--out_dir", out, "--data_dir", str(other)]), capsys.readouterr().err, "tokenizer"
+    )
     # Ctrl-C while sampling ends quietly
     capsys.readouterr()
     monkeypatch.setattr(sample, "stream", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
