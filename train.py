@@ -459,6 +459,7 @@ class RunLog:
         )
         self.buf = torch.zeros(max(1, min(args.log_interval, args.max_iters - start_iter)), device=device)
         self.pending, self.t_session, self.t_chunk = [], time.time(), time.time()
+        self.saved_at = start_iter or None  # the batch of the last checkpoint
         self.file = open(path, "a", newline="") if master else None
         self.writer = csv.writer(self.file, lineterminator="\n") if master else None
 
@@ -476,9 +477,10 @@ class RunLog:
         losses, now = losses.tolist(), time.time()
         bad = [(i, v) for (i, _), v in zip(self.pending, losses) if not math.isfinite(v)]
         if bad:
+            kept = f"ckpt.pt keeps batch {self.saved_at}, the last good state; " if self.saved_at else ""
             fail(
-                f"the training cost became {bad[0][1]} at batch {bad[0][0]}; the last checkpoint keeps the "
-                "last good state: resume from it with a smaller --lr, or set --grad_clip"
+                f"the training cost became {bad[0][1]} at batch {bad[0][0]}; {kept}start the run again"
+                f"{' (--overwrite)' if kept else ''} with a smaller --lr or with --grad_clip"
             )
         tok_s = (
             self.args.batch_size * self.args.block_size * len(self.pending) / max(now - self.t_chunk, 1e-9)
@@ -658,6 +660,7 @@ def train(argv):
                     save_checkpoint(
                         ckpt_path, raw_model, optimizer, scaler, cfg, args, it, log.elapsed(), rngs, data
                     )
+                log.saved_at = it
             if stopping:
                 name = signal.Signals(stop["signal"] or signal.SIGINT).name
                 say(f"{name}: stopped at batch {it}; continue with the same command plus --resume")
