@@ -968,6 +968,11 @@ def _pd_naive_bpe(word_counts, n_tokens):
     return vocab
 
 
+def test_pd_bpe_worked_example_of_the_docstring():
+    vocab = prepare_data.train_bpe(collections.Counter({"aaab": 2, "ab": 1}), 259, log_every=0)
+    assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
+
+
 def test_pd_incremental_bpe_matches_full_recount():
     for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
         rng = random.Random(seed)
