@@ -70,73 +70,77 @@ LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s
 say = functools.partial(print, flush=True)  # every line shows at once, also under nohup
 
 
+# every other flag: (group, name, default, help); False means an on/off switch
+FLAGS = [
+    ("training (Table 1)", "batch_size", 64, "batch size (global: split over DDP ranks)"),
+    ("training (Table 1)", "max_iters", 60000, "number of batches to train on"),
+    ("training (Table 1)", "lr", 1e-3, "AdamW learning rate gamma, constant (no warm-up)"),
+    ("training (Table 1)", "beta1", 0.9, "AdamW beta_1"),
+    ("training (Table 1)", "beta2", 0.999, "AdamW beta_2"),
+    ("training (Table 1)", "weight_decay", 0.01, "AdamW weight decay (the paper gives none)"),
+    ("training (Table 1)", "grad_clip", 0.0, "clip the gradient norm to this; 0 = off"),
+    ("training (Table 1)", "seed", 1337, "seed of initialisation and dropout"),
+    ("training (Table 1)", "data_seed", 1337, "seed of the batch order, the same for every run"),
+    ("files and logging", "data_dir", "data", "folder with train.bin, val.bin, meta.json"),
+    (
+        "files and logging",
+        "out_dir",
+        None,
+        "run folder; default out/<mixer> (out/sa-<n_head> for sa) "
+        "plus -<symbol><value> for each setting that differs from Table 1",
+    ),
+    ("files and logging", "resume", False, "continue the run in out_dir from its ckpt.pt"),
+    ("files and logging", "overwrite", False, "start afresh even if out_dir holds a run"),
+    ("files and logging", "allow_other_data", False, "with --resume: go on with other data (fine-tuning)"),
+    ("files and logging", "eval_interval", 1000, "validation loss every this many batches"),
+    ("files and logging", "eval_batches", 20, "batches in the fixed validation set; 0 = none"),
+    (
+        "files and logging",
+        "ckpt_interval",
+        1000,
+        "ckpt.pt every this many batches (and at the first console line, at the end, and when stopped)",
+    ),
+    ("files and logging", "log_interval", 100, "console line every this many batches (the first at 10)"),
+    ("system", "device", "auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps"),
+    (
+        "system",
+        "dtype",
+        "float32",
+        "float32 (TF32 matmuls on CUDA) compares every mixer in one "
+        "precision; bfloat16 or float16 (with loss scaling) autocast is faster on GPUs",
+    ),
+    ("system", "compile", False, "torch.compile the model"),
+]
+
+
 def build_parser():
     """All settings, with the paper's Table 1 as defaults."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(
-        description="Train a Transformer LM with a chosen token mixer (Section 6).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a Transformer LM with a token mixer (Section 6).", formatter_class=fmt
     )
     g = p.add_argument_group("model: every extractor.Config field (u comes from the data's meta.json)")
     for f in dataclasses.fields(Config):
         if f.name != "vocab_size":
-            extra = {"choices": sorted(MIXERS)} if f.name == "mixer" else {}
+            choices = sorted(MIXERS) if f.name == "mixer" else None
             g.add_argument(
-                f"--{f.name}", type=type(f.default), default=f.default, help=CONFIG_HELP[f.name], **extra
+                f"--{f.name}",
+                type=type(f.default),
+                default=f.default,
+                choices=choices,
+                help=CONFIG_HELP[f.name],
             )
-    g = p.add_argument_group("training (Table 1)")
-    g.add_argument("--batch_size", type=int, default=64, help="batch size (global: split over DDP ranks)")
-    g.add_argument("--max_iters", type=int, default=60000, help="number of batches to train on")
-    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate gamma, constant (no warm-up)")
-    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta_1")
-    g.add_argument("--beta2", type=float, default=0.999, help="AdamW beta_2")
-    g.add_argument(
-        "--weight_decay", type=float, default=0.01, help="AdamW weight decay (the paper gives none)"
-    )
-    g.add_argument("--grad_clip", type=float, default=0.0, help="clip the gradient norm to this; 0 = off")
-    g.add_argument("--seed", type=int, default=1337, help="seed of initialisation and dropout")
-    g.add_argument("--data_seed", type=int, default=1337, help="seed of the batch order, shared by every run")
-    g = p.add_argument_group("files, evaluation and logging")
-    g.add_argument("--data_dir", default="data", help="folder with train.bin, val.bin, meta.json")
-    g.add_argument(
-        "--out_dir",
-        default=None,
-        help="run folder; default out/<mixer> (out/sa-<n_head> for sa) "
-        "plus -<symbol><value> for each setting that differs from Table 1",
-    )
-    g.add_argument("--resume", action="store_true", help="continue the run in out_dir from its ckpt.pt")
-    g.add_argument("--overwrite", action="store_true", help="start afresh even if out_dir holds a run")
-    g.add_argument(
-        "--allow_other_data",
-        action="store_true",
-        help="with --resume: continue on data other than the checkpoint's (fine-tuning)",
-    )
-    g.add_argument("--eval_interval", type=int, default=1000, help="validation loss every this many batches")
-    g.add_argument(
-        "--eval_batches", type=int, default=20, help="batches in the fixed validation set; 0 = none"
-    )
-    g.add_argument(
-        "--ckpt_interval",
-        type=int,
-        default=1000,
-        help="write ckpt.pt every this many batches "
-        "(and at the first log line, at the end, and when stopped)",
-    )
-    g.add_argument(
-        "--log_interval",
-        type=int,
-        default=100,
-        help="console line every this many batches (the first at batch 10)",
-    )
-    g = p.add_argument_group("system")
-    g.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    g.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="float32 (TF32 matmuls on CUDA) compares every mixer in one precision; bfloat16 or "
-        "float16 autocast (with loss scaling) is faster on GPUs",
-    )
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    groups = {}
+    for group, name, default, help in FLAGS:
+        if group not in groups:
+            groups[group] = p.add_argument_group(group)
+        g = groups[group]
+        if default is False:
+            g.add_argument(f"--{name}", action="store_true", help=help)
+        else:
+            choices = ["float32", "bfloat16", "float16"] if name == "dtype" else None
+            kind = str if default is None else type(default)
+            g.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help)
     return p
 
 
@@ -546,6 +550,25 @@ def build_model(cfg, args, device, rank, ckpt):
     return model, optimizer, ckpt["iter"], ckpt["elapsed_s"]
 
 
+def start_log(args, cfg, counts, world, start, device, dtype, n_val, n_starts):
+    """run.json, a new (or, resuming, a truncated) log.csv, and what the run is, on the console."""
+    run = {"config": dataclasses.asdict(cfg), "args": dict(vars(args)), "params": counts, "world_size": world}
+    atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(run, indent=1) + "\n")
+    log_path = os.path.join(args.out_dir, "log.csv")
+    if start:
+        truncate_log(log_path, start)
+    else:
+        atomic_write(log_path, ",".join(LOG_HEADER) + "\n")
+    say(f"{cfg}\non {device} ({dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
+    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    epochs = args.max_iters * args.batch_size / n_starts
+    say(
+        f"data: {n_starts + args.block_size:,} train tokens ({n_starts:,} windows), {n_val:,} val tokens; "
+        f"{args.max_iters:,} batches of {args.batch_size} = {epochs:.3f} epochs"
+    )
+    say(f"training from batch {start} to {args.max_iters}")
+
+
 def gather_rng(device, world):
     if world == 1:
         return [rng_state(device)]
@@ -608,29 +631,9 @@ def train(argv):
     if world > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     eval_model = model.module if world > 1 else model
-    counts = raw_model.param_counts()
     n_starts = len(train_data) - args.block_size  # windows of l+1 tokens start at 0 .. N-l-1
     if master:
-        run = {
-            "config": dataclasses.asdict(cfg),
-            "args": dict(vars(args)),
-            "params": counts,
-            "world_size": world,
-        }
-        atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(run, indent=1) + "\n")
-        if start:
-            truncate_log(log_path, start)
-        else:
-            atomic_write(log_path, ",".join(LOG_HEADER) + "\n")
-    if master:
-        say(f"{cfg}\non {device} ({dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
-        say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-        say(
-            f"data: {len(train_data):,} train tokens ({n_starts:,} windows), {len(val_data):,} val tokens; "
-            f"{args.max_iters:,} batches of {args.batch_size} = "
-            f"{args.max_iters * args.batch_size / n_starts:.3f} epochs"
-        )
-        say(f"training from batch {start} to {args.max_iters}")
+        start_log(args, cfg, raw_model.param_counts(), world, start, device, dtype, len(val_data), n_starts)
     log = RunLog(log_path, args, start, elapsed0, device, master, world)
     first_log, b, it, val = start + min(10, args.log_interval), args.batch_size // world, start, None
 
