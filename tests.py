@@ -455,32 +455,7 @@ def test_sequence_longer_than_block_size_is_refused():
 
 
 _PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
-_PD_SYLLABLES = [
-    "ka",
-    "lo",
-    "mi",
-    "ren",
-    "tho",
-    "va",
-    "quil",
-    "sa",
-    "ne",
-    "dor",
-    "bri",
-    "el",
-    "fen",
-    "u",
-    "ya",
-    "zo",
-    "pe",
-    "gra",
-    "ish",
-    "om",
-    "tü",
-    "ça",
-    "wy",
-    "har",
-]
+_PD_SYLLABLES = "ka lo mi ren tho va quil sa ne dor bri el fen u ya zo pe gra ish om tü ça wy har".split()
 
 
 def _pd_body(seed, n_sentences=220):
@@ -1067,24 +1042,8 @@ def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, 
 
 
 _TR_ROOT = os.path.dirname(os.path.abspath(__file__))
-_TR_TINY = [
-    "--n_layer",
-    "2",
-    "--n_embd",
-    "32",
-    "--n_hidden",
-    "64",
-    "--block_size",
-    "16",
-    "--batch_size",
-    "8",
-    "--n_head",
-    "4",
-    "--eval_batches",
-    "2",
-    "--log_interval",
-    "5",
-]
+_TR_TINY = "--n_layer 2 --n_embd 32 --n_hidden 64 --block_size 16 --batch_size 8 --n_head 4".split()
+_TR_TINY += "--eval_batches 2 --log_interval 5".split()
 
 
 def _tr_make_data(path, vocab=64, n_words=5000, seed=0):
@@ -1589,16 +1548,7 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
 
 
 SYNTH_TOL = 1e-9
-SYNTHS = [
-    "dense",
-    "dense-fact",
-    "random",
-    "random-fixed",
-    "random-fact",
-    "random+dense",
-    "random+sa",
-    "dense+sa",
-]
+SYNTHS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
 
 
 def synth_random_mixer(name, d=12, l=12, n=3, seed=0):
