@@ -613,7 +613,7 @@ def show(results, s, args):
                 "ms/tok: median time of one new token; tok/s includes the prompt's forward",
                 "same tokens: leading tokens on which cached and full recomputation agree"
                 + (
-                    " (the cache refills every l/2 tokens once the window is full)"
+                    " (beyond l both run a forward over the last l tokens per token, Eq. 2)"
                     if s["gen_prompt"] + s["gen_new"] > s["gen_block"]
                     else ""
                 ),
