@@ -6,7 +6,7 @@ the last window against a swept setting (Figures 10-11). Prints a table of the r
     python plot.py out/sa-1 out/sa-32 out/she out/he out/we out/me -o fig8.png   # window medians
     python plot.py out/sa-32 out/she --raw -o fig9.png                            # every batch
     python plot.py out/me-l* --sweep block_size -o fig10.png                      # last window vs l
-    python plot.py RUNS... --window 500 --results results -o results/fig8.png     # + the CSVs
+    python plot.py RUNS... --window 500 --batches 6000 --results results -o results/fig.png  # + CSVs
 
 Each run folder is one written by train.py (log.csv and run.json). --window defaults to the
 paper's 2000 batches, or to about 30 windows for shorter runs. Lines keep one colour and order
@@ -40,8 +40,9 @@ STYLE = {
 }
 
 
-def read_log(run_dir):
-    """log.csv of a run as arrays: iter, train_loss, tokens_per_s, and the iterations with a val_loss."""
+def read_log(run_dir, until=None):
+    """log.csv of a run as arrays: iter, train_loss, tokens_per_s, and the iterations with a val_loss;
+    with `until`, only its first `until` batches (for comparing runs at the same length)."""
     path = os.path.join(run_dir, "log.csv")
     if not os.path.isfile(path):
         fail(f"{path} not found; pass folders written by train.py")
@@ -53,6 +54,8 @@ def read_log(run_dir):
                 v = float(row["val_loss"]) if row["val_loss"] else None
             except (KeyError, TypeError, ValueError):
                 continue  # a half-written last row of a run that is still going
+            if until is not None and i > until:
+                break
             it.append(i), loss.append(l), tok_s.append(t)
             if v is not None:
                 val_it.append(i), val.append(v)
@@ -130,11 +133,11 @@ def plot_run(run_dir, path):
     finish(fig, ax, os.path.basename(os.path.normpath(run_dir)), path)
 
 
-def plot_runs(runs, path, window, raw=False, title=None):
+def plot_runs(runs, path, window, raw=False, title=None, until=None):
     """Several runs overlaid: window medians (Figures 7-8) or, with raw, every batch (Figure 9)."""
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, d in runs:
-        loss = read_log(d)["train_loss"]
+        loss = read_log(d, until)["train_loss"]
         if raw:
             ax.plot(np.arange(1, len(loss) + 1), loss, lw=0.5, alpha=0.6, color=STYLE.get(name), label=name)
             continue
@@ -146,12 +149,12 @@ def plot_runs(runs, path, window, raw=False, title=None):
     finish(fig, ax, title or what, path)
 
 
-def plot_sweep(runs, key, path, window, title=None):
+def plot_sweep(runs, key, path, window, title=None, until=None):
     """The median of each run's last `window` batches against a swept setting (Figures 10-11),
     one line per mixer (sa per head count)."""
     lines = {}
     for _, d in runs:
-        settings, loss = read_settings(d), read_log(d)["train_loss"]
+        settings, loss = read_settings(d), read_log(d, until)["train_loss"]
         if key not in settings:
             fail(f"{d} has no setting {key!r}; choose one of {', '.join(sorted(settings))}")
         lines.setdefault(label(settings), []).append((settings[key], np.median(loss[-window:])))
@@ -185,12 +188,12 @@ def finish(fig, ax, title, path):
 # ----------------------------------------------------------------------------- tables and CSVs
 
 
-def summary_rows(runs, last=1000):
+def summary_rows(runs, last=1000, until=None):
     """One dict per run: batches, median of the last `last` batches, last validation loss,
     parameters, and the median of the logged tokens/s."""
     rows = []
     for name, d in runs:
-        log, settings = read_log(d), read_settings(d)
+        log, settings = read_log(d, until), read_settings(d)
         rows.append(
             {
                 "run": name,
@@ -221,18 +224,18 @@ def csv_text(header, rows):
     return buf.getvalue()
 
 
-def write_results(runs, folder, window, last=1000):
+def write_results(runs, folder, window, last=1000, until=None):
     """The figure's numbers as CSV in `folder`: medians.csv (median of every `window` batches, a
     column per run), val_loss.csv (every validation loss, a column per run) and summary.csv."""
     os.makedirs(folder, exist_ok=True)
-    logs = {name: read_log(d) for name, d in runs}
+    logs = {name: read_log(d, until) for name, d in runs}
     meds = {name: dict(zip(*window_medians(log["train_loss"], window))) for name, log in logs.items()}
     vals = {name: dict(zip(log["val_iter"], log["val_loss"])) for name, log in logs.items()}
     for file, table in (("medians.csv", meds), ("val_loss.csv", vals)):
         batches = sorted({int(b) for col in table.values() for b in col})
         rows = [[b] + [repr(float(table[n][b])) if b in table[n] else "" for n in table] for b in batches]
         atomic_write(os.path.join(folder, file), csv_text(["batches"] + list(table), rows))
-    rows = summary_rows(runs, last)
+    rows = summary_rows(runs, last, until)
     atomic_write(
         os.path.join(folder, "summary.csv"), csv_text(list(rows[0]), [list(r.values()) for r in rows])
     )
@@ -260,24 +263,33 @@ def main(argv=None):
     p.add_argument(
         "--results", metavar="DIR", help="also write medians.csv, val_loss.csv and summary.csv here"
     )
+    p.add_argument(
+        "--batches", type=int, help="use the first N batches of each run (compare runs at one length)"
+    )
     p.add_argument("--title", help="figure title")
     p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
     try:
         args = p.parse_args(argv)
         runs = in_paper_order(run_names(args.runs))
+        if args.batches is not None:
+            short = [d for _, d in runs if read_log(d)["iter"][-1] < args.batches]
+            if args.batches < 1 or short:
+                fail(
+                    f"--batches {args.batches}: {', '.join(short) or 'must be at least 1'} has fewer batches"
+                )
         window = args.window
         if window is None:
-            window = auto_window(min(len(read_log(d)["train_loss"]) for _, d in runs))
+            window = auto_window(min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs))
         if window < 1:
             fail(f"--window must be at least 1, got {window}")
         os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
         if args.sweep:
-            plot_sweep(runs, args.sweep, args.output, window, args.title)
+            plot_sweep(runs, args.sweep, args.output, window, args.title, args.batches)
         else:
-            plot_runs(runs, args.output, window, args.raw, args.title)
+            plot_runs(runs, args.output, window, args.raw, args.title, args.batches)
         if args.results:
-            write_results(runs, args.results, window)
-        print_summary(summary_rows(runs))
+            write_results(runs, args.results, window, until=args.batches)
+        print_summary(summary_rows(runs, until=args.batches))
         print(f"wrote {args.output}" + (f" and {args.results}/*.csv" if args.results else ""))
     except OSError as e:  # an unwritable output folder, a full disk
         print(

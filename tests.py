@@ -1949,6 +1949,14 @@ def test_plot_results_csvs_are_the_window_medians_of_the_logs(tmp_path):
     assert summary["she"]["batches"] == "21" and summary["sa-32"]["params_mixers"] == "1000"
     assert float(summary["she"]["median_last_1000"]) == float(np.median(logs["she"]))
     assert float(summary["sa-32"]["val_loss"]) == logs["sa-32"][19] - 0.5
+    # --batches compares the runs at one length: the first 16 batches of each
+    assert plot.main(argv + ["--batches", "16"]) == 0
+    assert [int(r[0]) for r in read("medians.csv")[1:]] == [4, 8, 12, 16]
+    summary = {r["run"]: r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert summary["sa-32"]["batches"] == "16" and float(summary["she"]["median_last_1000"]) == float(
+        np.median(logs["she"][:16])
+    )
+    assert plot.main(argv + ["--batches", "22"]) == 1  # she has only 21
 
 
 def test_plot_default_window_fits_a_short_run(tmp_path, capsys):
