@@ -470,38 +470,20 @@ class FIRFFT(torch.autograd.Function):
 
 
 def complexity_training(d, l, n=1):
-    """Tables 3 and 4: multiplications, additions, divisions, exponentiations, parameters."""
-    return {
-        "sa": dict(
-            mult=l * l * d + 4 * l * d * d + l * d,
-            add=l * l * d + 4 * l * d * d - 4 * l * d - l * n,
-            div=n * l * l + n * l,
-            exp=(n * l * l + n * l) // 2,
-            params=4 * d * d,
-        ),
-        "she": dict(
-            mult=(l * l * d * d + 5 * l * d * d) // 2 + l * d,  # the summand's last term is d*d (Notes, 5)
-            add=(l * l * d * d + 5 * l * d * d) // 2 - 3 * l * d,
-            div=0,
-            exp=0,
-            params=l * d * d + 2 * d * d,
-        ),
-        "he": dict(
-            mult=(l * l * d + 3 * l * d) // 2 + 3 * l * d * d,
-            add=3 * l * d * d + (l * l * d - 7 * l * d) // 2,
-            div=0,
-            exp=0,
-            params=l * d + 3 * d * d,
-        ),
-        "we": dict(
-            mult=(l * l * d + 3 * l * d) // 2 + 2 * l * d * d,
-            add=2 * l * d * d + (l * l * d - 5 * l * d) // 2,
-            div=0,
-            exp=0,
-            params=l * d + 2 * d * d,
-        ),
-        "me": dict(mult=(l * l * d + l * d) // 2, add=(l * l * d - l * d) // 2, div=0, exp=0, params=l),
-    }
+    """Tables 3 and 4: multiplications, additions, divisions, exponentiations, parameters. SHE's
+    multiplications use the summand d*d*t + d*d + d + d*d (Notes on the paper, 5)."""
+    counts = {  # (mult, add, div, exp, params)
+        "sa": (l * l * d + 4 * l * d * d + l * d, l * l * d + 4 * l * d * d - 4 * l * d - l * n,
+               n * l * l + n * l, (n * l * l + n * l) // 2, 4 * d * d),
+        "she": ((l * l * d * d + 5 * l * d * d) // 2 + l * d,
+                (l * l * d * d + 5 * l * d * d) // 2 - 3 * l * d, 0, 0, l * d * d + 2 * d * d),
+        "he": ((l * l * d + 3 * l * d) // 2 + 3 * l * d * d, 3 * l * d * d + (l * l * d - 7 * l * d) // 2,
+               0, 0, l * d + 3 * d * d),
+        "we": ((l * l * d + 3 * l * d) // 2 + 2 * l * d * d, 2 * l * d * d + (l * l * d - 5 * l * d) // 2,
+               0, 0, l * d + 2 * d * d),
+        "me": ((l * l * d + l * d) // 2, (l * l * d - l * d) // 2, 0, 0, l),
+    }  # fmt: skip
+    return {k: dict(zip(("mult", "add", "div", "exp", "params"), v)) for k, v in counts.items()}
 
 
 def complexity_inference(d, t, n=1):
