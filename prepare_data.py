@@ -717,6 +717,22 @@ def main(argv=None):
         fail(f"{e.filename}: {e.strerror}; check --data_dir" if e.filename else str(e))
 
 
+def book_body(book, raw, where, min_chars):
+    """The text of one book without Project Gutenberg's header, licence and footer; refused when
+    what is left is too short to be the book (an error page, an empty file)."""
+    book_id, title, _ = book
+    body, warning = strip_gutenberg(book_text(raw, where))
+    if warning:
+        print(f"  warning: ebook {book_id} ({title}): {warning}")
+    if len(body.strip()) < min_chars:
+        fail(
+            f"ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project "
+            f"Gutenberg's header and licence (need {min_chars}); it is probably not the book: "
+            f"replace or delete {where} and re-run, or fix --books"
+        )
+    return body
+
+
 def prepare(args):
     books = read_books_tsv(args.books) if args.books else BOOKS
     source = os.path.abspath(args.source) if args.source else args.mirror
@@ -731,18 +747,7 @@ def prepare(args):
     times["download"] = time.time() - t
 
     t = time.time()
-    texts = []
-    for (book_id, title, _), (raw, where) in zip(books, raws):
-        body, warning = strip_gutenberg(book_text(raw, where))
-        if warning:
-            print(f"  warning: ebook {book_id} ({title}): {warning}")
-        if len(body.strip()) < args.min_chars:
-            fail(
-                f"ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project "
-                f"Gutenberg's header and licence (need {args.min_chars}); it is probably not the book: "
-                f"replace or delete {where} and re-run, or fix --books"
-            )
-        texts.append(body)
+    texts = [book_body(book, raw, where, args.min_chars) for book, (raw, where) in zip(books, raws)]
     ids = [b for b, _, _ in books]
     train_idx, val_idx = split_books(ids, texts, args.val_fraction)
     train_texts, val_texts = [texts[i] for i in train_idx], [texts[i] for i in val_idx]
