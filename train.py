@@ -576,19 +576,14 @@ def gather_rng(device, world):
 # ---------------------------------------------------------------------------------------------- train
 
 
-def train(argv):
+def settle_run(argv, world):
+    """The settings (a resumed run's come from its checkpoint), the checkpoint or None, the data and
+    the model's Config, all checked before anything is written."""
     parser = build_parser()
     parser.error = lambda msg: fail(f"{msg} (see python train.py --help)")  # one line, not usage + error
     args, given = parser.parse_args(argv), given_flags(argv)
     check_args(args)
-    rank, world, local_rank = (
-        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
-    master = rank == 0
     args.out_dir = args.out_dir or default_out_dir(args)
-    ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.csv")
-
-    # settle the run, check the model and the data: nothing is written before all of it holds
     ckpt = open_run(args, given)
     if args.batch_size % world:
         fail(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
@@ -601,9 +596,21 @@ def train(argv):
     train_data, val_data, data = load_data(args.data_dir, args.block_size, args.batch_size)
     cfg = Config(vocab_size=data["vocab_size"], **model_args)
     if ckpt is not None:
-        check_same_data(ckpt, data, ckpt_path, args.allow_other_data)
+        path = os.path.join(args.out_dir, "ckpt.pt")
+        check_same_data(ckpt, data, path, args.allow_other_data)
         if dataclasses.asdict(cfg) != ckpt["config"]:
-            fail(f"{ckpt_path} is from another model ({ckpt['config']}); check --data_dir or --out_dir")
+            fail(f"{path} is from another model ({ckpt['config']}); check --data_dir or --out_dir")
+    return args, ckpt, train_data, val_data, data, cfg
+
+
+def train(argv):
+    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
+    rank, world, local_rank = (
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    )
+    master = rank == 0
+    args, ckpt, train_data, val_data, data, cfg = settle_run(argv, world)
+    ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.csv")
     start = ckpt["iter"] if ckpt else 0
     if start >= args.max_iters:
         say(f"{args.out_dir} is at batch {start} >= --max_iters {args.max_iters}: nothing to train")
