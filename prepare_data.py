@@ -39,6 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import regex  # comes with tiktoken; unlike re it knows \p{L} and \p{N}
@@ -66,120 +67,10 @@ TOKENIZER_FILE = "tokenizer.tiktoken"
 # GPT-2's pre-tokenizer split pattern (the same one tiktoken's gpt2 encoding uses)
 SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-# The corpus: the top 100 of gutenberg.org's "Children's Literature" bookshelf (bookshelf 20) by
-# downloads, from a 2025/26 snapshot of that page with poems, readers and audio-only entries left
-# out (ebooks 47 and 54 are the text editions of two audio entries). (ebook id, title, author),
-# in rank order.
-BOOKS = [
-    (11, "Alice's Adventures in Wonderland", "Lewis Carroll"),
-    (120, "Treasure Island", "Robert Louis Stevenson"),
-    (55, "The Wonderful Wizard of Oz", "L. Frank Baum"),
-    (16, "Peter Pan (Peter and Wendy)", "J. M. Barrie"),
-    (421, "Kidnapped", "Robert Louis Stevenson"),
-    (236, "The Jungle Book", "Rudyard Kipling"),
-    (1874, "The Railway Children", "E. Nesbit"),
-    (113, "The Secret Garden", "Frances Hodgson Burnett"),
-    (41, "The Legend of Sleepy Hollow", "Washington Irving"),
-    (45, "Anne of Green Gables", "L. M. Montgomery"),
-    (46, "A Christmas Carol", "Charles Dickens"),
-    (12, "Through the Looking-Glass", "Lewis Carroll"),
-    (514, "Little Women", "Louisa May Alcott"),
-    (25581, "Rinkitink in Oz", "L. Frank Baum"),
-    (
-        20916,
-        "The Arabian Nights: Their Best-known Tales",
-        "Anonymous (ed. Kate Douglas Wiggin & Nora A. Smith)",
-    ),
-    (22566, "Dorothy and the Wizard in Oz", "L. Frank Baum"),
-    (25564, "The Water-Babies", "Charles Kingsley"),
-    (23869, "Little Mr. Thimblefinger and His Queer Country", "Joel Chandler Harris"),
-    (23661, "The Book of Dragons", "E. Nesbit"),
-    (22022, "Shawl-Straps (Aunt Jo's Scrap-Bag, Vol. 2)", "Louisa May Alcott"),
-    (289, "The Wind in the Willows", "Kenneth Grahame"),
-    (902, "The Happy Prince and Other Tales", "Oscar Wilde"),
-    (25496, "New Treasure Seekers", "E. Nesbit"),
-    (47, "Anne of Avonlea", "L. M. Montgomery"),
-    (25519, "Little Wizard Stories of Oz", "L. Frank Baum"),
-    (22234, "Aunt Jo's Scrap-Bag, Vol. 5: Jimmy's Cruise in the Pinafore, Etc.", "Louisa May Alcott"),
-    (2781, "Just So Stories", "Rudyard Kipling"),
-    (146, "A Little Princess", "Frances Hodgson Burnett"),
-    (51, "Anne of the Island", "L. M. Montgomery"),
-    (54, "The Marvelous Land of Oz", "L. Frank Baum"),
-    (23871, "A Little Union Scout", "Joel Chandler Harris"),
-    (503, "The Blue Fairy Book", "Andrew Lang (ed.)"),
-    (21015, "The Adventures of Jimmy Skunk", "Thornton W. Burgess"),
-    (544, "Anne's House of Dreams", "L. M. Montgomery"),
-    (11757, "The Velveteen Rabbit", "Margery Williams (Bianco)"),
-    (20997, "The Nürnberg Stove", "Ouida (Louise de la Ramée)"),
-    (21935, "Prince Prigio", "Andrew Lang"),
-    (2226, "Kim", "Rudyard Kipling"),
-    (708, "The Princess and the Goblin", "George MacDonald"),
-    (1430, "Beautiful Stories from Shakespeare", "E. Nesbit"),
-    (501, "The Story of Doctor Dolittle", "Hugh Lofting"),
-    (540, "The Red Fairy Book", "Andrew Lang (ed.)"),
-    (20781, "Heidi", "Johanna Spyri"),
-    (2788, "Little Men", "Louisa May Alcott"),
-    (17314, "Five Children and It", "E. Nesbit"),
-    (13707, "Twice-Told Tales", "Nathaniel Hawthorne"),
-    (479, "Little Lord Fauntleroy", "Frances Hodgson Burnett"),
-    (225, "At the Back of the North Wind", "George MacDonald"),
-    (3499, "Jo's Boys", "Louisa May Alcott"),
-    (5343, "Rainbow Valley", "L. M. Montgomery"),
-    (1937, "The Second Jungle Book", "Rudyard Kipling"),
-    (2787, "An Old-Fashioned Girl", "Louisa May Alcott"),
-    (641, "The Violet Fairy Book", "Andrew Lang (ed.)"),
-    (2804, "Rose in Bloom", "Louisa May Alcott"),
-    (498, "Rebecca of Sunnybrook Farm", "Kate Douglas Wiggin"),
-    (770, "The Story of the Treasure Seekers", "E. Nesbit"),
-    (2726, "Eight Cousins", "Louisa May Alcott"),
-    (5342, "The Story Girl", "L. M. Montgomery"),
-    (316, "The Golden Road", "L. M. Montgomery"),
-    (2770, "Five Little Peppers and How They Grew", "Margaret Sidney"),
-    (640, "The Yellow Fairy Book", "Andrew Lang (ed.)"),
-    (836, "The Phoenix and the Carpet", "E. Nesbit"),
-    (1354, "Chronicles of Avonlea", "L. M. Montgomery"),
-    (7277, "The Green Fairy Book", "Andrew Lang (ed.)"),
-    (163, "Flower Fables", "Louisa May Alcott"),
-    (2557, "Old Mother West Wind", "Thornton W. Burgess"),
-    (1154, "The Voyages of Doctor Dolittle", "Hugh Lofting"),
-    (517, "The Emerald City of Oz", "L. Frank Baum"),
-    (5340, "Further Chronicles of Avonlea", "L. M. Montgomery"),
-    (2786, "Jack and Jill", "Louisa May Alcott"),
-    (5615, "The Pink Fairy Book", "Andrew Lang (ed.)"),
-    (976, "Tanglewood Tales", "Nathaniel Hawthorne"),
-    (1825, "The Adventures of Reddy Fox", "Thornton W. Burgess"),
-    (8994, "What Katy Did", "Susan Coolidge"),
-    (837, "The Story of the Amulet", "E. Nesbit"),
-    (678, "The Cricket on the Hearth", "Charles Dickens"),
-    (496, "The Little Lame Prince", "Dinah Maria Mulock Craik"),
-    (419, "The Magic of Oz", "L. Frank Baum"),
-    (2435, "The Crimson Fairy Book", "Andrew Lang (ed.)"),
-    (384, "The Lost Prince", "Frances Hodgson Burnett"),
-    (518, "The Enchanted Island of Yew", "L. Frank Baum"),
-    (3454, "The Lilac Fairy Book", "Andrew Lang (ed.)"),
-    (956, "Tik-Tok of Oz", "L. Frank Baum"),
-    (520, "The Life and Adventures of Santa Claus", "L. Frank Baum"),
-    (5347, "Understood Betsy", "Dorothy Canfield Fisher"),
-    (961, "Glinda of Oz", "L. Frank Baum"),
-    (5341, "Kilmeny of the Orchard", "L. M. Montgomery"),
-    (709, "The Princess and Curdie", "George MacDonald"),
-    (
-        13815,
-        "The Talking Beasts: A Book of Fable Wisdom",
-        "Kate Douglas Wiggin & Nora Archibald Smith (eds.)",
-    ),
-    (3282, "The Brown Fairy Book", "Andrew Lang (ed.)"),
-    (3027, "The Orange Fairy Book", "Andrew Lang (ed.)"),
-    (4357, "American Fairy Tales", "L. Frank Baum"),
-    (794, "The Wouldbegoods", "E. Nesbit"),
-    (6746, "The Grey Fairy Book", "Andrew Lang (ed.)"),
-    (557, "Puck of Pook's Hill", "Rudyard Kipling"),
-    (519, "A Kidnapped Santa Claus", "L. Frank Baum"),
-    (8995, "What Katy Did Next", "Susan Coolidge"),
-    (848, "The Black Arrow", "Robert Louis Stevenson"),
-    (9255, "The Gorgon's Head", "Nathaniel Hawthorne"),
-    (1375, "New Chronicles of Rebecca", "Kate Douglas Wiggin"),
-]
+# The corpus, books.tsv beside this file: the top 100 of gutenberg.org's "Children's Literature"
+# bookshelf (bookshelf 20) by downloads, from a 2025/26 snapshot of that page with poems, readers and
+# audio-only entries left out (ebooks 47 and 54 are the text editions of two audio entries).
+BOOKS_TSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "books.tsv")
 # -----------------------------------------------------------------------------
 
 
@@ -311,33 +202,35 @@ def download_book(book_id, mirror, timeout, retries, backoff):
     raise FetchError("; ".join(reasons), retry=False, reached=err.reached)
 
 
-def read_source(book_id, source):
-    """A local copy of ebook <id> in source: <id>.txt, pg<id>.txt or a gutenberg.org-style tree."""
-    names = (f"{book_id}.txt", f"pg{book_id}.txt", f"cache/epub/{book_id}/pg{book_id}.txt")
-    for name in names:
-        path = os.path.join(source, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                return f.read(), path
-    return None, None
+def read_source_books(books, source):
+    """Raw bytes and path of every book in a local folder: <id>.txt, pg<id>.txt or gutenberg.org's tree."""
+    found, missing = [], []
+    for book_id, _, _ in books:
+        names = (f"{book_id}.txt", f"pg{book_id}.txt", f"cache/epub/{book_id}/pg{book_id}.txt")
+        path = next((p for p in (os.path.join(source, n) for n in names) if os.path.isfile(p)), None)
+        if path is None:
+            missing.append(book_id)
+            continue
+        with open(path, "rb") as f:
+            found.append((f.read(), path))
+    if missing:
+        fail(
+            f"{len(missing)} book(s) not found in --source {source} (looked for <ID>.txt, "
+            f"pg<ID>.txt, cache/epub/<ID>/pg<ID>.txt): ebooks {', '.join(map(str, missing))}"
+        )
+    return found
 
 
-def get_raw_books(books, args):
-    """Raw bytes of every book: from --source, else the cache in data_dir/raw, else the network."""
+def download_books(books, args):
+    """Raw bytes and path of every book: from the cache in data_dir/raw, else from --mirror, one
+    request at a time with a pause; what is fetched is cached at once, so a rerun resumes."""
     raw_dir = os.path.join(args.data_dir, "raw")
-    if not args.source:
-        os.makedirs(raw_dir, exist_ok=True)
-    raws, where, failed, missing_src = {}, {}, [], []
-    n_cached = n_fetched = 0
+    os.makedirs(raw_dir, exist_ok=True)
+    raws, failed, n_cached, n_fetched = {}, [], 0, 0
     to_fetch = sum(not os.path.exists(os.path.join(raw_dir, f"{b}.txt")) for b, _, _ in books)
     t0 = time.time()
     for i, (book_id, title, _) in enumerate(books):
-        if args.source:
-            raws[book_id], where[book_id] = read_source(book_id, args.source)
-            if raws[book_id] is None:
-                missing_src.append(book_id)
-            continue
-        path = where[book_id] = os.path.join(raw_dir, f"{book_id}.txt")
+        path = os.path.join(raw_dir, f"{book_id}.txt")
         if os.path.exists(path):  # written atomically, so a file here is whole
             with open(path, "rb") as f:
                 raws[book_id] = f.read()
@@ -346,31 +239,25 @@ def get_raw_books(books, args):
         if n_fetched or failed:
             time.sleep(args.pause)  # politeness: one request at a time, with a pause
         try:
-            data = download_book(book_id, args.mirror, args.timeout, args.retries, args.backoff)
+            raws[book_id] = data = download_book(
+                book_id, args.mirror, args.timeout, args.retries, args.backoff
+            )
         except FetchError as e:
             failed.append(f"  ebook {book_id} ({title}): {e}")
-            if not e.reached:
+            if not e.reached and i + 1 < len(books):
                 left = len(books) - i - 1
-                if left:
-                    failed.append(
-                        f"  ... and {left} more not tried: the server could not be reached or did not answer"
-                    )
+                failed.append(
+                    f"  ... and {left} more not tried: the server could not be reached or did not answer"
+                )
+            if not e.reached:
                 break
             continue
         atomic_write(path, data)
-        raws[book_id] = data
         n_fetched += 1
-        done = n_fetched + len(failed)
-        eta = (time.time() - t0) / done * (to_fetch - done)
+        eta = (time.time() - t0) / (n_fetched + len(failed)) * (to_fetch - n_fetched - len(failed))
+        kb, name = f"{len(data) / 1e3:6.0f} kB", f"{title[:44]:44s}"
         print(
-            f"  [{i + 1:3d}/{len(books)}] ebook {book_id:<6d} {len(data) / 1e3:6.0f} kB  {title[:44]:44s}"
-            f"  eta {fmt_time(eta)}",
-            flush=True,
-        )
-    if missing_src:
-        fail(
-            f"{len(missing_src)} book(s) not found in --source {args.source} (looked for <ID>.txt, "
-            f"pg<ID>.txt, cache/epub/<ID>/pg<ID>.txt): ebooks {', '.join(map(str, missing_src))}"
+            f"  [{i + 1:3d}/{len(books)}] ebook {book_id:<6d} {kb}  {name}  eta {fmt_time(eta)}", flush=True
         )
     if failed:
         n_have = n_cached + n_fetched
@@ -381,9 +268,8 @@ def get_raw_books(books, args):
             + f"\nWhat to do: {kept}re-run to resume (when online), or use "
             "--mirror URL (another Gutenberg mirror) or --source DIR (a folder of <ID>.txt files)."
         )
-    if not args.source:
-        print(f"books: {n_cached} from the cache in {raw_dir}, {n_fetched} downloaded")
-    return [(raws[b], where[b]) for b, _, _ in books]
+    print(f"books: {n_cached} from the cache in {raw_dir}, {n_fetched} downloaded")
+    return [(raws[b], os.path.join(raw_dir, f"{b}.txt")) for b, _, _ in books]
 
 
 # -----------------------------------------------------------------------------
@@ -647,51 +533,22 @@ def encode_books(enc, texts):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--data_dir", default=DATA_DIR, help="outputs and the raw/ cache (default: %(default)s)")
-    p.add_argument(
-        "--books",
-        help="a book list in books.tsv format (rank, id, title, author) instead of "
-        "the 100 pinned in this file",
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--mirror", default=MIRROR, help="host with gutenberg.org's paths (default: %(default)s)")
+    p.add_argument("--data_dir", default=DATA_DIR, help="outputs and the raw/ cache")
+    p.add_argument(
+        "--books", default=BOOKS_TSV, help="the book list: rank, ebook id, title, author (tab-separated)"
+    )
+    p.add_argument("--mirror", default=MIRROR, help="host with gutenberg.org's paths")
     p.add_argument("--source", help="read <ID>.txt or pg<ID>.txt from this folder instead of downloading")
-    p.add_argument(
-        "--vocab_size",
-        type=int,
-        default=VOCAB_SIZE,
-        help="tokens, <|endoftext|> included (default: %(default)s)",
-    )
-    p.add_argument(
-        "--val_fraction",
-        type=float,
-        default=VAL_FRACTION,
-        help="share of the text held out as whole books (default: %(default)s)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=TIMEOUT, help="seconds per request (default: %(default)s)"
-    )
-    p.add_argument(
-        "--retries",
-        type=int,
-        default=RETRIES,
-        help="retries per URL after a timeout, 5xx or broken transfer (default: %(default)s)",
-    )
-    p.add_argument(
-        "--backoff",
-        type=float,
-        default=BACKOFF,
-        help="seconds before the first retry, doubling after (default: %(default)s)",
-    )
-    p.add_argument(
-        "--pause", type=float, default=PAUSE, help="seconds between downloads (default: %(default)s)"
-    )
-    p.add_argument(
-        "--min_chars",
-        type=int,
-        default=MIN_CHARS,
-        help="refuse a book shorter than this after stripping (default: %(default)s)",
-    )
+    p.add_argument("--vocab_size", type=int, default=VOCAB_SIZE, help="tokens, <|endoftext|> included")
+    p.add_argument("--val_fraction", type=float, default=VAL_FRACTION, help="share held out as whole books")
+    p.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per request")
+    p.add_argument("--retries", type=int, default=RETRIES, help="retries per URL after a timeout, 5xx, cut")
+    p.add_argument("--backoff", type=float, default=BACKOFF, help="seconds before the first retry, doubling")
+    p.add_argument("--pause", type=float, default=PAUSE, help="seconds between downloads")
+    p.add_argument("--min_chars", type=int, default=MIN_CHARS, help="refuse a shorter book (after stripping)")
     args = p.parse_args(argv)
     if not 257 <= args.vocab_size <= 65536:
         fail(
@@ -733,84 +590,79 @@ def book_body(book, raw, where, min_chars):
     return body
 
 
+@contextmanager
+def stage(times, name):
+    """Time a stage of prepare() into times[name]."""
+    t = time.time()
+    yield
+    times[name] = time.time() - t
+
+
 def prepare(args):
-    books = read_books_tsv(args.books) if args.books else BOOKS
-    source = os.path.abspath(args.source) if args.source else args.mirror
-    times = {}
+    books, times = read_books_tsv(args.books), {}
+    ids, source = [b for b, _, _ in books], os.path.abspath(args.source) if args.source else args.mirror
+    with stage(times, "download"):
+        print(f"getting {len(books)} books from {source}")
+        try:
+            raws = read_source_books(books, source) if args.source else download_books(books, args)
+        except KeyboardInterrupt:
+            fail("interrupted; the books downloaded so far are kept: re-run to resume")
 
-    t = time.time()
-    print(f"getting {len(books)} books from {source}")
-    try:
-        raws = get_raw_books(books, args)
-    except KeyboardInterrupt:
-        fail("interrupted; the books downloaded so far are kept: re-run to resume")
-    times["download"] = time.time() - t
-
-    t = time.time()
-    texts = [book_body(book, raw, where, args.min_chars) for book, (raw, where) in zip(books, raws)]
-    ids = [b for b, _, _ in books]
-    train_idx, val_idx = split_books(ids, texts, args.val_fraction)
+    with stage(times, "strip"):
+        texts = [book_body(book, raw, where, args.min_chars) for book, (raw, where) in zip(books, raws)]
+        train_idx, val_idx = split_books(ids, texts, args.val_fraction)
     train_texts, val_texts = [texts[i] for i in train_idx], [texts[i] for i in val_idx]
-    times["strip"] = time.time() - t
     print(
         f"stripped {len(texts)} books: {sum(map(len, texts)):,} characters "
         f"({fmt_time(times['strip'])}); validation: ebooks {', '.join(str(ids[i]) for i in val_idx)}"
     )
 
-    t = time.time()
     print(f"training a byte-level BPE with {args.vocab_size} tokens on {len(train_texts)} books")
-    words = count_words(train_texts)
-    times["pre-tokenize"] = time.time() - t
-    t = time.time()
+    with stage(times, "pre-tokenize"):
+        words = count_words(train_texts)
     print(f"  {sum(words.values()):,} words, {len(words):,} distinct ({fmt_time(times['pre-tokenize'])})")
-    vocab = train_bpe(words, args.vocab_size - 1)
-    enc = make_encoding(vocab)
-    times["train BPE"] = time.time() - t
+    with stage(times, "train BPE"):
+        vocab = train_bpe(words, args.vocab_size - 1)
+        enc = make_encoding(vocab)
+    with stage(times, "encode"):
+        train_ids, val_ids = encode_books(enc, train_texts), encode_books(enc, val_texts)
 
-    t = time.time()
-    train_ids = encode_books(enc, train_texts)
-    val_ids = encode_books(enc, val_texts)
-    times["encode"] = time.time() - t
-
-    t = time.time()
-    os.makedirs(args.data_dir, exist_ok=True)
-    tok = tokenizer_bytes(vocab)
-    files = {"train.bin": train_ids.tobytes(), "val.bin": val_ids.tobytes(), TOKENIZER_FILE: tok}
-    meta = {
-        "vocab_size": enc.n_vocab,
-        "eot_token": enc.eot_token,
-        "dtype": "uint16",
-        "train_tokens": int(train_ids.size),
-        "val_tokens": int(val_ids.size),
-        "train_books": [ids[i] for i in train_idx],
-        "val_books": [ids[i] for i in val_idx],
-        "train_chars": sum(map(len, train_texts)),
-        "val_chars": sum(map(len, val_texts)),
-        "source": source,
-        "tokenizer": TOKENIZER_FILE,
-        "tokenizer_sha256": hashlib.sha256(tok).hexdigest(),
-        "train_sha256": hashlib.sha256(files["train.bin"]).hexdigest(),
-        "val_sha256": hashlib.sha256(files["val.bin"]).hexdigest(),
-        "split_pattern": SPLIT_PATTERN,
-    }
-    files["meta.json"] = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-    for name, data in files.items():  # meta.json last: it vouches for the others
-        atomic_write(os.path.join(args.data_dir, name), data)
-    times["write"] = time.time() - t
+    with stage(times, "write"):
+        os.makedirs(args.data_dir, exist_ok=True)
+        tok = tokenizer_bytes(vocab)
+        files = {"train.bin": train_ids.tobytes(), "val.bin": val_ids.tobytes(), TOKENIZER_FILE: tok}
+        meta = {
+            "vocab_size": enc.n_vocab,
+            "eot_token": enc.eot_token,
+            "dtype": "uint16",
+            "train_tokens": int(train_ids.size),
+            "val_tokens": int(val_ids.size),
+            "train_books": [ids[i] for i in train_idx],
+            "val_books": [ids[i] for i in val_idx],
+            "train_chars": sum(map(len, train_texts)),
+            "val_chars": sum(map(len, val_texts)),
+            "source": source,
+            "tokenizer": TOKENIZER_FILE,
+            "tokenizer_sha256": hashlib.sha256(tok).hexdigest(),
+            "train_sha256": hashlib.sha256(files["train.bin"]).hexdigest(),
+            "val_sha256": hashlib.sha256(files["val.bin"]).hexdigest(),
+            "split_pattern": SPLIT_PATTERN,
+        }
+        files["meta.json"] = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        for name, data in files.items():  # meta.json last: it vouches for the others
+            atomic_write(os.path.join(args.data_dir, name), data)
 
     n_train, n_val = meta["train_tokens"], meta["val_tokens"]
     offline = sum(v for k, v in times.items() if k != "download")
     print(f"\nwrote {args.data_dir}/: train.bin, val.bin, {TOKENIZER_FILE}, meta.json")
     print(f"books       {len(train_texts)} train + {len(val_texts)} val")
     print(f"characters  {meta['train_chars']:,} train + {meta['val_chars']:,} val")
-    print(
-        f"tokens      {n_train:,} train + {n_val:,} val = {n_train + n_val:,} "
-        f"({n_val / (n_train + n_val):.1%} val; the paper: 8.4M with Hugging Face's BPE)"
-    )
+    share = f"{n_val / (n_train + n_val):.1%} val; the paper: 8.4M with Hugging Face's BPE"
+    print(f"tokens      {n_train:,} train + {n_val:,} val = {n_train + n_val:,} ({share})")
     print(
         "time        "
         + ", ".join(f"{k} {fmt_time(v)}" for k, v in times.items())
-        + f"; offline part {fmt_time(offline)}"
+        + f"; offline {fmt_time(offline)}"
     )
     return 0
 

@@ -976,6 +976,18 @@ def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
     assert sorted(ids[order[i]] for i in val2) == sorted(ids[i] for i in val)
 
 
+def test_pd_default_book_list_is_the_100_ranked_books_in_the_repository():
+    path = prepare_data.parse_args([]).books
+    assert os.path.dirname(path) == os.path.dirname(os.path.abspath(prepare_data.__file__))
+    books = prepare_data.read_books_tsv(path)
+    ranks = [line.split("\t")[0] for line in open(path, encoding="utf-8").read().splitlines()[1:]]
+    assert len(books) == 100 and ranks == [str(r) for r in range(1, 101)]
+    assert all(title and author for _, title, author in books)
+    assert books[0] == (11, "Alice's Adventures in Wonderland", "Lewis Carroll")
+    # the six validation books the docstring names are on the list
+    assert {55, 146, 51, 2726, 2557, 1154} <= {i for i, _, _ in books}
+
+
 def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     bad = tmp_path / "bad.tsv"
