@@ -37,80 +37,52 @@ import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 from extractor import MIXERS, Config, Transformer
 from prepare_data import atomic_write, fail, fmt_time
 
-# the paper's symbol for each extractor.Config field (Table 1), shown in --help
+# every extractor.Config field but u (which comes from the data's meta.json): (the paper's symbol, help)
 CONFIG_HELP = {
-    "block_size": "l: length of the context window",
-    "n_embd": "d: dimension of the model",
-    "n_hidden": "c: nodes in the hidden layer of the FFN",
-    "n_layer": "m: number of layers",
-    "n_head": "n: heads of self-attention (used only by mixers with heads)",
-    "dropout": "p: dropout rate",
-    "mixer": "the first sublayer of each layer",
+    "n_layer": ("m", "number of layers"),
+    "block_size": ("l", "length of the context window"),
+    "n_embd": ("d", "dimension of the model"),
+    "n_hidden": ("c", "nodes in the hidden layer of the FFN"),
+    "n_head": ("n", "heads of self-attention (used only by mixers with heads)"),
+    "dropout": ("p", "dropout rate"),
+    "mixer": (None, "the first sublayer of each layer"),
+}
+# every other flag: (name, default, symbol, help); False means an on/off switch. A setting with a
+# symbol that differs from its default names the default run folder (out/me-m2-l64-b32), as do the
+# Config fields; max_iters does not, so a longer run of the same model continues in the same folder.
+FLAGS = {
+    "training (Table 1)": [
+        ("batch_size", 64, "b", "batch size (global: split over DDP ranks)"),
+        ("max_iters", 60000, None, "number of batches to train on"),
+        ("lr", 1e-3, "lr", "AdamW learning rate gamma, constant (no warm-up)"),
+        ("weight_decay", 0.01, "wd", "AdamW weight decay (the paper gives none)"),
+        ("grad_clip", 0.0, "clip", "clip the gradient norm to this; 0 = off"),
+        ("seed", 1337, "seed", "seed of initialisation and dropout"),
+        ("data_seed", 1337, "dseed", "seed of the batch order, the same for every run"),
+        ("beta1", 0.9, "b1", "AdamW beta_1"),
+        ("beta2", 0.999, "b2", "AdamW beta_2"),
+    ],
+    "files and logging": [
+        ("data_dir", "data", None, "folder with train.bin, val.bin, meta.json"),
+        ("out_dir", None, None, "run folder (default: out/<mixer>, plus -<symbol><value> for each change)"),
+        ("resume", False, None, "continue the run in out_dir from its ckpt.pt"),
+        ("overwrite", False, None, "start afresh even if out_dir holds a run"),
+        ("allow_other_data", False, None, "with --resume: go on with other data (fine-tuning)"),
+        ("eval_interval", 1000, None, "validation loss every this many batches"),
+        ("eval_batches", 20, None, "batches in the fixed validation set; 0 = none"),
+        ("ckpt_interval", 1000, None, "ckpt.pt every this many batches; also at batch 10, end, stop"),
+        ("log_interval", 100, None, "console line every this many batches (the first at 10)"),
+    ],
+    "system": [
+        ("device", "auto", None, "auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps"),
+        ("dtype", "float32", None, "float32 (TF32 matmuls on CUDA); bfloat16, float16 autocast: faster GPUs"),
+        ("compile", False, None, "torch.compile the model"),
+    ],
 }
 # settings a --resume must keep: changing them would no longer continue the same run
 FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "weight_decay", "grad_clip")
-# settings that name the default run folder when they differ from Table 1: out/me-m2-l64-b32
-FOLDER_KEYS = {
-    "n_layer": "m",
-    "block_size": "l",
-    "n_embd": "d",
-    "n_hidden": "c",
-    "n_head": "n",
-    "dropout": "p",
-    "batch_size": "b",
-    "lr": "lr",
-    "weight_decay": "wd",
-    "grad_clip": "clip",
-    "seed": "seed",
-    "data_seed": "dseed",
-    "beta1": "b1",
-    "beta2": "b2",
-}
 LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
 say = functools.partial(print, flush=True)  # every line shows at once, also under nohup
-
-
-# every other flag: (group, name, default, help); False means an on/off switch
-FLAGS = [
-    ("training (Table 1)", "batch_size", 64, "batch size (global: split over DDP ranks)"),
-    ("training (Table 1)", "max_iters", 60000, "number of batches to train on"),
-    ("training (Table 1)", "lr", 1e-3, "AdamW learning rate gamma, constant (no warm-up)"),
-    ("training (Table 1)", "beta1", 0.9, "AdamW beta_1"),
-    ("training (Table 1)", "beta2", 0.999, "AdamW beta_2"),
-    ("training (Table 1)", "weight_decay", 0.01, "AdamW weight decay (the paper gives none)"),
-    ("training (Table 1)", "grad_clip", 0.0, "clip the gradient norm to this; 0 = off"),
-    ("training (Table 1)", "seed", 1337, "seed of initialisation and dropout"),
-    ("training (Table 1)", "data_seed", 1337, "seed of the batch order, the same for every run"),
-    ("files and logging", "data_dir", "data", "folder with train.bin, val.bin, meta.json"),
-    (
-        "files and logging",
-        "out_dir",
-        None,
-        "run folder; default out/<mixer> (out/sa-<n_head> for sa) "
-        "plus -<symbol><value> for each setting that differs from Table 1",
-    ),
-    ("files and logging", "resume", False, "continue the run in out_dir from its ckpt.pt"),
-    ("files and logging", "overwrite", False, "start afresh even if out_dir holds a run"),
-    ("files and logging", "allow_other_data", False, "with --resume: go on with other data (fine-tuning)"),
-    ("files and logging", "eval_interval", 1000, "validation loss every this many batches"),
-    ("files and logging", "eval_batches", 20, "batches in the fixed validation set; 0 = none"),
-    (
-        "files and logging",
-        "ckpt_interval",
-        1000,
-        "ckpt.pt every this many batches (and at the first console line, at the end, and when stopped)",
-    ),
-    ("files and logging", "log_interval", 100, "console line every this many batches (the first at 10)"),
-    ("system", "device", "auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps"),
-    (
-        "system",
-        "dtype",
-        "float32",
-        "float32 (TF32 matmuls on CUDA) compares every mixer in one "
-        "precision; bfloat16 or float16 (with loss scaling) autocast is faster on GPUs",
-    ),
-    ("system", "compile", False, "torch.compile the model"),
-]
 
 
 def build_parser():
@@ -122,25 +94,19 @@ def build_parser():
     g = p.add_argument_group("model: every extractor.Config field (u comes from the data's meta.json)")
     for f in dataclasses.fields(Config):
         if f.name != "vocab_size":
+            symbol, help = CONFIG_HELP[f.name]
             choices = sorted(MIXERS) if f.name == "mixer" else None
-            g.add_argument(
-                f"--{f.name}",
-                type=type(f.default),
-                default=f.default,
-                choices=choices,
-                help=CONFIG_HELP[f.name],
-            )
-    groups = {}
-    for group, name, default, help in FLAGS:
-        if group not in groups:
-            groups[group] = p.add_argument_group(group)
-        g = groups[group]
-        if default is False:
-            g.add_argument(f"--{name}", action="store_true", help=help)
-        else:
-            choices = ["float32", "bfloat16", "float16"] if name == "dtype" else None
-            kind = str if default is None else type(default)
-            g.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help)
+            help = f"{symbol}: {help}" if symbol else help
+            g.add_argument(f"--{f.name}", type=type(f.default), default=f.default, choices=choices, help=help)
+    for group, flags in FLAGS.items():
+        g = p.add_argument_group(group)
+        for name, default, _, help in flags:
+            if default is False:
+                g.add_argument(f"--{name}", action="store_true", help=help)
+            else:
+                choices = ["float32", "bfloat16", "float16"] if name == "dtype" else None
+                kind = str if default is None else type(default)
+                g.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help)
     return p
 
 
@@ -165,9 +131,11 @@ def given_flags(argv):
 def default_out_dir(args):
     """out/<mixer> (out/sa-<n> for attention) for Table 1, plus -<symbol><value> for each other setting."""
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
+    symbols = {k: v[0] for k, v in CONFIG_HELP.items() if v[0] and not (k == "n_head" and args.mixer == "sa")}
+    symbols.update({f[0]: f[2] for flags in FLAGS.values() for f in flags if f[2]})
     defaults = vars(build_parser().parse_args([]))
-    for key, symbol in FOLDER_KEYS.items():
-        if getattr(args, key) != defaults[key] and not (key == "n_head" and args.mixer == "sa"):
+    for key, symbol in symbols.items():
+        if getattr(args, key) != defaults[key]:
             name += f"-{symbol}{getattr(args, key):g}"
     return os.path.join("out", name)
 
@@ -306,20 +274,6 @@ def precision(device, dtype):
     return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
 
-def rng_state(device):
-    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        s["cuda"] = torch.cuda.get_rng_state(device)
-    return s
-
-
-def set_rng_state(s, device):
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    if device.type == "cuda" and "cuda" in s:
-        torch.cuda.set_rng_state(s["cuda"], device)
-
-
 @contextmanager
 def stop_signals():
     """Ctrl-C (SIGINT), kill (SIGTERM) and a closed terminal (SIGHUP) ask the loop to stop after
@@ -450,13 +404,8 @@ class RunLog:
     memory and the process would grow without bound) and there is no GPU sync per batch."""
 
     def __init__(self, path, args, start_iter, elapsed0, device, master, world):
-        self.args, self.start_iter, self.elapsed0, self.master, self.world = (
-            args,
-            start_iter,
-            elapsed0,
-            master,
-            world,
-        )
+        self.args, self.start_iter, self.elapsed0 = args, start_iter, elapsed0
+        self.master, self.world = master, world
         self.buf = torch.zeros(max(1, min(args.log_interval, args.max_iters - start_iter)), device=device)
         self.pending, self.t_session, self.t_chunk = [], time.time(), time.time()
         self.saved_at = start_iter or None  # the batch of the last checkpoint
@@ -566,11 +515,21 @@ def start_log(args, cfg, counts, world, start, device, dtype, n_val, n_starts):
 
 
 def gather_rng(device, world):
-    if world == 1:
-        return [rng_state(device)]
-    rngs = [None] * world
-    dist.all_gather_object(rngs, rng_state(device))
+    """Every rank's RNG states, for the checkpoint (each rank has its own dropout stream)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    rngs = [state] * world
+    if world > 1:
+        dist.all_gather_object(rngs, state)
     return rngs
+
+
+def set_rng_state(s, device):
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if device.type == "cuda" and "cuda" in s:
+        torch.cuda.set_rng_state(s["cuda"], device)
 
 
 # ---------------------------------------------------------------------------------------------- train
