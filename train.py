@@ -271,7 +271,7 @@ def precision(device, dtype):
     if device.type == "cuda":  # TF32 matmuls: float32 range, every mixer alike
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
-    return dtype, ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
+    return ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
 
 @contextmanager
@@ -472,8 +472,9 @@ def open_run(args, given):
     return None
 
 
-def build_model(cfg, args, device, rank, ckpt):
-    """The model (the same initialisation on every rank), AdamW, and the state of a resumed run."""
+def build_model(cfg, args, device, rank, world, scaler, ckpt):
+    """The model (the same initialisation on every rank), AdamW, the state of a resumed run, and the
+    model to train: compiled with --compile, wrapped for DDP with several processes."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + rank)  # then a dropout stream per rank
@@ -482,20 +483,23 @@ def build_model(cfg, args, device, rank, ckpt):
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay, fused=fused
     )
-    if ckpt is None:
-        return model, optimizer, 0, 0.0
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    world = len(ckpt["rng"])
-    if world == int(os.environ.get("WORLD_SIZE", 1)):
-        set_rng_state(ckpt["rng"][rank], device)
-    else:  # another number of processes: the dropout streams cannot continue, so start new ones
-        say(f"note: checkpoint from {world} processes: dropout RNG reseeded")
-        torch.manual_seed(args.seed + rank + 1_000_003 * ckpt["iter"])
-    return model, optimizer, ckpt["iter"], ckpt["elapsed_s"]
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["scaler"]:
+            scaler.load_state_dict(ckpt["scaler"])
+        if len(ckpt["rng"]) == world:
+            set_rng_state(ckpt["rng"][rank], device)
+        else:  # another number of processes: the dropout streams cannot continue, so start new ones
+            say(f"note: checkpoint from {len(ckpt['rng'])} processes: dropout RNG reseeded")
+            torch.manual_seed(args.seed + rank + 1_000_003 * ckpt["iter"])
+    trained = torch.compile(model) if args.compile else model
+    if world > 1:
+        trained = DDP(trained, device_ids=[device.index] if device.type == "cuda" else None)
+    return model, trained, optimizer
 
 
-def start_log(args, cfg, counts, world, start, device, dtype, n_val, n_starts):
+def start_log(args, cfg, counts, world, start, device, n_val, n_starts):
     """run.json, a new (or, resuming, a truncated) log.csv, and what the run is, on the console."""
     run = {"config": dataclasses.asdict(cfg), "args": dict(vars(args)), "params": counts, "world_size": world}
     atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(run, indent=1) + "\n")
@@ -504,7 +508,7 @@ def start_log(args, cfg, counts, world, start, device, dtype, n_val, n_starts):
         truncate_log(log_path, start)
     else:
         atomic_write(log_path, ",".join(LOG_HEADER) + "\n")
-    say(f"{cfg}\non {device} ({dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
+    say(f"{cfg}\non {device} ({args.dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
     say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
     epochs = args.max_iters * args.batch_size / n_starts
     say(
@@ -582,20 +586,14 @@ def train(argv):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cpu" and sys.platform.startswith("linux"):
         keep_freed_memory()
-    dtype, ctx, scaler = precision(device, args.dtype)
-    model, optimizer, start, elapsed0 = build_model(cfg, args, device, rank, ckpt)
-    if ckpt and ckpt["scaler"]:
-        scaler.load_state_dict(ckpt["scaler"])
+    ctx, scaler = precision(device, args.dtype)
+    raw_model, model, optimizer = build_model(cfg, args, device, rank, world, scaler, ckpt)
+    elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
     del ckpt
-    raw_model = model
-    if args.compile:
-        model = torch.compile(model)
-    if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     eval_model = model.module if world > 1 else model
     n_starts = len(train_data) - args.block_size  # windows of l+1 tokens start at 0 .. N-l-1
     if master:
-        start_log(args, cfg, raw_model.param_counts(), world, start, device, dtype, len(val_data), n_starts)
+        start_log(args, cfg, raw_model.param_counts(), world, start, device, len(val_data), n_starts)
     log = RunLog(log_path, args, start, elapsed0, device, master, world)
     first_log, b, it, val = start + min(10, args.log_interval), args.batch_size // world, start, None
 
