@@ -117,14 +117,8 @@ def plot_run(run_dir, path):
     log = read_log(run_dir)
     window = auto_window(len(log["train_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(
-        log["iter"],
-        log["train_loss"],
-        lw=0.5,
-        alpha=0.35 if window > 1 else 1,
-        color="C0",
-        label="training cost, every batch",
-    )
+    alpha, every = 0.35 if window > 1 else 1, "training cost, every batch"
+    ax.plot(log["iter"], log["train_loss"], lw=0.5, alpha=alpha, color="C0", label=every)
     if window > 1:
         ends, med = window_medians(log["train_loss"], window)
         ax.plot(ends, med, "-o", ms=3, color="C0", label=f"median of every {window} batches")
@@ -176,12 +170,8 @@ def finish(fig, ax, title, path):
     ax.grid(alpha=0.3)
     ax.legend()
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    atomic_write(
-        path,
-        lambda f: fig.savefig(
-            f, format=fmt, dpi=120, bbox_inches="tight", metadata={"Software": None} if fmt == "png" else None
-        ),
-    )
+    metadata = {"Software": None} if fmt == "png" else None  # no version stamp in the file
+    atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight", metadata=metadata))
     plt.close(fig)
 
 
@@ -249,23 +239,16 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders written by train.py")
     p.add_argument("-o", "--output", default="loss.png", help="image file to write (.png, .pdf, .svg)")
     p.add_argument(
-        "--window",
-        type=int,
-        help="batches per median (the paper: 2000; default: 2000, or about 30 windows for shorter runs)",
+        "--window", type=int, help="batches per median (default: the paper's 2000, or ~30 windows)"
     )
     p.add_argument("--raw", action="store_true", help="plot every batch's cost instead of medians (Figure 9)")
     p.add_argument(
-        "--sweep",
-        metavar="KEY",
-        help="plot the last window's median against this setting, "
-        "e.g. block_size (Figure 10) or n_layer (Figure 11)",
+        "--sweep", metavar="KEY", help="last window's median against this setting (Figures 10, 11)"
     )
     p.add_argument(
         "--results", metavar="DIR", help="also write medians.csv, val_loss.csv and summary.csv here"
     )
-    p.add_argument(
-        "--batches", type=int, help="use the first N batches of each run (compare runs at one length)"
-    )
+    p.add_argument("--batches", type=int, help="use the first N batches of each run (compare at one length)")
     p.add_argument("--title", help="figure title")
     p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
     try:
