@@ -210,17 +210,13 @@ def get_batch(data, starts, block_size, device):
 def evaluate(model, val, args, ctx, rank, world, device):
     """Mean loss over a fixed validation set: eval_batches * batch_size windows spread evenly over
     val.bin, the same at every evaluation; each global batch is split over the ranks like training."""
-    starts = torch.from_numpy(
-        np.linspace(0, len(val) - args.block_size - 1, args.eval_batches * args.batch_size)
-        .round()
-        .astype(np.int64)
-    )
+    n = args.eval_batches * args.batch_size
+    starts = torch.from_numpy(np.linspace(0, len(val) - args.block_size - 1, n).round().astype(np.int64))
     model.eval()
     total, b = torch.zeros((), device=device), args.batch_size // world
-    for k in range(0, len(starts), args.batch_size):
-        x, y = get_batch(
-            val, starts[k : k + args.batch_size][rank * b : (rank + 1) * b], args.block_size, device
-        )
+    for k in range(0, n, args.batch_size):
+        mine = starts[k : k + args.batch_size][rank * b : (rank + 1) * b]  # this rank's part of the batch
+        x, y = get_batch(val, mine, args.block_size, device)
         with ctx:
             total += model(x, y)[1].float()
     if world > 1:
