@@ -9,7 +9,8 @@ on the training books, and write the token files.
 
 Writes to --data_dir (default data/):
     train.bin, val.bin   uint16 token ids, np.memmap(path, dtype=np.uint16, mode='r'); every book
-                         is followed by <|endoftext|> (id vocab_size - 1)
+                         is followed by <|endoftext|> (id vocab_size - 1); train.py reads them
+                         with load_data(data_dir, ...), which checks them against meta.json
     tokenizer.tiktoken   tiktoken's text format: one "base64(token) rank" line for each of the
                          vocab_size - 1 learned tokens (<|endoftext|> is the next id, implied);
                          load it with load_tokenizer(data_dir)
@@ -483,6 +484,23 @@ def tokenizer_bytes(vocab):
     return b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(vocab))
 
 
+def encode_books(enc, texts):
+    """Token ids of the books, each followed by <|endoftext|>, as one uint16 array."""
+
+    def encode(text):  # a literal "<|endoftext|>" in a book is encoded as plain text
+        return enc.encode_to_numpy(text, disallowed_special=())
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # tiktoken releases the GIL
+        parts = list(pool.map(encode, texts))
+    eot = np.array([enc.eot_token], dtype=np.uint32)
+    ids = np.concatenate([x for p in parts for x in (p, eot)])
+    return ids.astype(np.uint16)
+
+
+# -----------------------------------------------------------------------------
+# reading the prepared data back: the tokenizer (sample.py) and the token files (train.py)
+
+
 def load_tokenizer(data_dir):
     """The tokenizer that prepare_data.py wrote to data_dir, as a tiktoken.Encoding.
     Reads the file fresh on every call (no pickle, no cache, no network); <|endoftext|> is id
@@ -516,17 +534,43 @@ def load_tokenizer(data_dir):
     return make_encoding(vocab)
 
 
-def encode_books(enc, texts):
-    """Token ids of the books, each followed by <|endoftext|>, as one uint16 array."""
+def load_data(data_dir, block_size, batch_size):
+    """For train.py: train.bin and val.bin, memory-mapped and checked against meta.json, and the
+    data's fingerprint (vocab size and sha256 of the token files and the tokenizer) for its checkpoint."""
+    meta_path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(meta_path):
+        fail(f"{meta_path} is missing; run `python prepare_data.py --data_dir {data_dir}` or pass --data_dir")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta["vocab_size"] = int(meta["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        fail(f"{meta_path} has no valid vocab_size ({e}); re-run prepare_data.py")
+    train = token_file(data_dir, "train", meta, need=block_size + batch_size)  # a batch of windows of l+1
+    val = token_file(data_dir, "val", meta, need=block_size + 1)
+    keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
+    return train, val, {k: meta.get(k) for k in keys}
 
-    def encode(text):  # a literal "<|endoftext|>" in a book is encoded as plain text
-        return enc.encode_to_numpy(text, disallowed_special=())
 
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # tiktoken releases the GIL
-        parts = list(pool.map(encode, texts))
-    eot = np.array([enc.eot_token], dtype=np.uint32)
-    ids = np.concatenate([x for p in parts for x in (p, eot)])
-    return ids.astype(np.uint16)
+def token_file(data_dir, split, meta, need):
+    """One split's uint16 tokens, memory-mapped, once its size, sha256 (0.05 s for 19 MB) and largest
+    token agree with meta.json."""
+    path = os.path.join(data_dir, f"{split}.bin")
+    if not os.path.isfile(path):
+        fail(f"{path} is missing; run `python prepare_data.py --data_dir {data_dir}` or pass --data_dir")
+    with open(path, "rb") as f:
+        raw = f.read()
+    n, digest = len(raw) // 2, hashlib.sha256(raw).hexdigest()
+    if len(raw) % 2:
+        fail(f"{path} has an odd number of bytes ({len(raw)}): not uint16 tokens; re-run prepare_data.py")
+    if meta.get(f"{split}_tokens", n) != n or meta.get(f"{split}_sha256", digest) != digest:
+        fail(f"{path} is not the file meta.json describes (size or sha256 differ); re-run prepare_data.py")
+    if n < need:
+        fail(f"{path} holds {n} tokens, fewer than one batch needs ({need}); use more data or a smaller l")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    if int(tokens.max()) >= meta["vocab_size"]:
+        fail(f"{path} holds token {int(tokens.max())}, beyond meta.json's vocab_size; re-run prepare_data.py")
+    return tokens
 
 
 # -----------------------------------------------------------------------------

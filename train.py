@@ -18,7 +18,6 @@ import csv
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 from extractor import MIXERS, Config, Transformer
-from prepare_data import atomic_write, fail, fmt_time
+from prepare_data import atomic_write, fail, fmt_time, load_data
 
 # every extractor.Config field but u (which comes from the data's meta.json): (the paper's symbol, help)
 CONFIG_HELP = {
@@ -141,45 +140,6 @@ def default_out_dir(args):
 
 
 # ---------------------------------------------------------------------------------------------- data
-
-
-def load_data(data_dir, block_size, batch_size):
-    """train.bin and val.bin, memory-mapped and checked against meta.json, and the data's
-    fingerprint (vocab size and sha256 of the token files and the tokenizer) for the checkpoint."""
-    meta_path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(meta_path):
-        fail(f"{meta_path} is missing; run `python prepare_data.py --data_dir {data_dir}` or pass --data_dir")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        meta["vocab_size"] = int(meta["vocab_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        fail(f"{meta_path} has no valid vocab_size ({e}); re-run prepare_data.py")
-    train = token_file(data_dir, "train", meta, need=block_size + batch_size)  # a batch of windows of l+1
-    val = token_file(data_dir, "val", meta, need=block_size + 1)
-    keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
-    return train, val, {k: meta.get(k) for k in keys}
-
-
-def token_file(data_dir, split, meta, need):
-    """One split's uint16 tokens, memory-mapped, once its size, sha256 (0.05 s for 19 MB) and largest
-    token agree with meta.json."""
-    path = os.path.join(data_dir, f"{split}.bin")
-    if not os.path.isfile(path):
-        fail(f"{path} is missing; run `python prepare_data.py --data_dir {data_dir}` or pass --data_dir")
-    with open(path, "rb") as f:
-        raw = f.read()
-    n, digest = len(raw) // 2, hashlib.sha256(raw).hexdigest()
-    if len(raw) % 2:
-        fail(f"{path} has an odd number of bytes ({len(raw)}): not uint16 tokens; re-run prepare_data.py")
-    if meta.get(f"{split}_tokens", n) != n or meta.get(f"{split}_sha256", digest) != digest:
-        fail(f"{path} is not the file meta.json describes (size or sha256 differ); re-run prepare_data.py")
-    if n < need:
-        fail(f"{path} holds {n} tokens, fewer than one batch needs ({need}); use more data or a smaller l")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    if int(tokens.max()) >= meta["vocab_size"]:
-        fail(f"{path} holds token {int(tokens.max())}, beyond meta.json's vocab_size; re-run prepare_data.py")
-    return tokens
 
 
 @functools.lru_cache(maxsize=1)
