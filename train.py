@@ -74,7 +74,7 @@ FLAGS = {
     ],
     "system": [
         ("device", "auto", None, "auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps"),
-        ("dtype", "float32", None, "float32 (TF32 matmuls on CUDA); bfloat16, float16 autocast: faster GPUs"),
+        ("dtype", "float32", None, "float32 (TF32 on CUDA); or bfloat16/float16 autocast, faster on GPUs"),
         ("compile", False, None, "torch.compile the model"),
     ],
 }
