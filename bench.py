@@ -32,8 +32,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import extractor
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 import train
+from common import atomic_write, fail, pick_device
 from extractor import MIXERS, Config, Transformer
-from prepare_data import atomic_write, fail
 
 # name: (the paper's Table 1 shapes, the tiny ones of --quick)
 SETTINGS = {
@@ -574,7 +574,7 @@ def main(argv=None):
     tuned = not args.no_malloc_tune and sys.platform.startswith("linux")
     if tuned:
         train.keep_freed_memory()  # the allocator setting of a training run, so bench measures the same
-    device = train.pick_device(args.device)  # auto: cuda, then mps, then cpu; one clear line if absent
+    device = pick_device(args.device)  # auto: cuda, then mps, then cpu; one clear line if absent
     if args.threads:
         torch.set_num_threads(args.threads)
     s = {k: v[1] if args.quick else v[0] for k, v in SETTINGS.items()}

@@ -26,7 +26,7 @@ import numpy as np
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from prepare_data import atomic_write, fail  # noqa: E402
+from common import atomic_write, fail  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others follow in matplotlib's cycle)
 STYLE = {

@@ -35,7 +35,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +44,8 @@ from contextlib import contextmanager
 import numpy as np
 import regex  # comes with tiktoken; unlike re it knows \p{L} and \p{N}
 import tiktoken
+
+from common import atomic_write, fail, fmt_time
 
 # -----------------------------------------------------------------------------
 # settings
@@ -73,49 +74,6 @@ SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # audio-only entries left out (ebooks 47 and 54 are the text editions of two audio entries).
 BOOKS_TSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "books.tsv")
 # -----------------------------------------------------------------------------
-
-
-def fail(msg):
-    """Bad input, for every script of the project: one line on stderr saying what is wrong and what
-    to do, exit status 1, no traceback."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
-def fmt_time(s):
-    """Seconds for progress lines and ETAs, for every script: 4.2s, 3m05s, 1h02m."""
-    s = max(0.0, s)
-    if s < 60:
-        return f"{s:.1f}s"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-UMASK = os.umask(0o022)
-os.umask(UMASK)  # (reading the umask means setting it)
-
-
-def atomic_write(path, data):
-    """Write data (bytes, str, or a function that writes to a binary file object, such as
-    `lambda f: torch.save(obj, f)`) to path through a temp file of this process in the same
-    folder, then rename: path is never half-written, and two processes never share a temp file.
-    Every script of the project writes its files with this."""
-    fd, tmp = tempfile.mkstemp(
-        dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
-    )
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def read_books_tsv(path):

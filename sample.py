@@ -19,9 +19,9 @@ import sys
 import torch
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
+from common import fail, pick_device
 from extractor import Config, Transformer
-from prepare_data import TOKENIZER_FILE, fail, load_tokenizer
-from train import pick_device
+from prepare_data import TOKENIZER_FILE, load_tokenizer
 
 
 def build_parser():

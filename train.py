@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
+from common import atomic_write, fail, fmt_time, pick_device
 from extractor import MIXERS, Config, Transformer
-from prepare_data import atomic_write, fail, fmt_time, load_data
+from prepare_data import load_data
 
 # every extractor.Config field but u (which comes from the data's meta.json): (the paper's symbol, help)
 CONFIG_HELP = {
@@ -187,23 +188,6 @@ def evaluate(model, val, args, ctx, rank, world, device):
 
 
 # ------------------------------------------------------------------------------------ system helpers
-
-
-def pick_device(name, local_rank=0):
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        fail(f"unknown --device {name!r}; use auto, cpu, cuda, cuda:N or mps")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            fail("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
-        device = torch.device("cuda", local_rank) if device.index is None else device
-        torch.cuda.set_device(device)
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        fail("--device mps asked for, but MPS is not available; use --device cpu")
-    return device
 
 
 def keep_freed_memory():

@@ -1,0 +1,96 @@
+"""
+What every script of the project shares: one-line errors, files written whole or not at all, times
+for progress lines, output that never crashes on a terminal's encoding, and the device.
+"""
+
+import os
+import sys
+import tempfile
+
+
+def fail(msg):
+    """Bad input: one line on stderr saying what is wrong and what to do, exit status 1, no traceback."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def one_line_errors(parser, script):
+    """argparse's errors as one fail() line instead of the usage block and a message."""
+    parser.error = lambda msg: fail(f"{msg} (see python {script} --help)")
+    return parser
+
+
+def plain_output():
+    """A character the terminal cannot encode (a curly quote on an ASCII terminal) prints as '?'
+    instead of ending the script with UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+
+
+def fmt_time(s):
+    """Seconds for progress lines and ETAs: 4.2s, 3m05s, 1h02m."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f}s"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+UMASK = os.umask(0o022)
+os.umask(UMASK)  # (reading the umask means setting it)
+
+
+def atomic_write(path, data):
+    """Write data (bytes, str, or a function that writes to a binary file object, such as
+    `lambda f: torch.save(obj, f)`) to path through a temp file `.<name>*.tmp` of this process in the
+    same folder, then rename: path is never half-written, and two processes never share a temp file."""
+    fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
+    )
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def pick_device(name, local_rank=0):
+    """A torch.device from a --device flag: auto is cuda, then mps, then cpu; one clear line if absent."""
+    import torch  # here, so that scripts without torch (prepare_data.py) can use the rest
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        fail(f"unknown --device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            fail("--device cuda asked for, but torch sees no CUDA GPU; use --device cpu")
+        device = torch.device("cuda", local_rank) if device.index is None else device
+        torch.cuda.set_device(device)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        fail("--device mps asked for, but MPS is not available; use --device cpu")
+    return device
+
+
+def peak_memory(device):
+    """(bytes, what) of this process's peak memory so far: on CUDA the most the tensors ever held
+    (max_memory_allocated), elsewhere the peak resident memory of the whole process (ru_maxrss)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
+    import resource  # Unix; ru_maxrss is in kB on Linux, in bytes on macOS
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "peak resident memory"
