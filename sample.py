@@ -14,12 +14,14 @@ import codecs
 import hashlib
 import math
 import os
+import shlex
 import sys
+import time
 
 import torch
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
-from common import fail, pick_device
+from common import fail, one_line_errors, peak_memory, pick_device, plain_output
 from extractor import Config, Transformer
 from prepare_data import TOKENIZER_FILE, load_tokenizer
 
@@ -30,18 +32,11 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out_dir", default="out/me", help="run folder holding ckpt.pt")
-    p.add_argument(
-        "--prompt", default="Once upon a time", help="text to continue (its last l tokens are used)"
-    )
+    p.add_argument("--prompt", default="Once upon a time", help="text to continue (its last l tokens)")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this; 0 = greedy")
     p.add_argument("--top_k", type=int, default=None, help="sample from the k most likely tokens only")
-    p.add_argument(
-        "--top_p",
-        type=float,
-        default=0.6,
-        help="nucleus sampling: the smallest set of tokens with probability >= p (Table 2: 0.6); 1 = off",
-    )
+    p.add_argument("--top_p", type=float, default=0.6, help="nucleus sampling (Table 2: 0.6); 1 = off")
     p.add_argument("--num_samples", type=int, default=1, help="number of samples")
     p.add_argument("--seed", type=int, default=1337, help="random seed, for reproducible samples")
     p.add_argument("--data_dir", default=None, help="folder with tokenizer.tiktoken; default: the run's")
@@ -53,9 +48,7 @@ def check_args(args):
     if args.max_new_tokens < 0 or args.num_samples < 1:
         fail("--max_new_tokens must be >= 0 and --num_samples >= 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        fail(
-            f"--temperature must be >= 0 (0 is greedy: always the most likely token), got {args.temperature}"
-        )
+        fail(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         fail(f"--top_k must be at least 1, got {args.top_k}")
     if not 0 < args.top_p <= 1:
@@ -66,7 +59,7 @@ def load_model(out_dir, device):
     """The model of a run's ckpt.pt (plain dicts and tensors only: weights_only=True) and the checkpoint."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        fail(f"no checkpoint {path}; train one first (python train.py --out_dir {out_dir}) or pass --out_dir")
+        fail(f"no checkpoint {path}; train one first (python train.py --out_dir {shlex.quote(out_dir)})")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model = Transformer(Config(**ckpt["config"]))
@@ -76,26 +69,15 @@ def load_model(out_dir, device):
     return model.to(device).eval(), ckpt
 
 
-def find_data_dir(saved, out_dir):
-    """The run's data folder: absolute in new checkpoints; an old relative one is tried from here, then
-    from the folders above the run folder (it was relative to where train.py ran)."""
-    bases, folder = [""], os.path.abspath(out_dir)
-    for _ in range(4):  # the run folder and three above it
-        bases.append(folder)
-        folder = os.path.dirname(folder)
-    for base in bases:
-        if os.path.isfile(os.path.join(base, saved, TOKENIZER_FILE)):
-            return os.path.join(base, saved)
-    fail(f"no {TOKENIZER_FILE} in the run's data folder {saved!r}; pass --data_dir")
-
-
 def load_run_tokenizer(data_dir, ckpt):
     """The tokenizer, refused unless it is the one the run was trained with."""
     path = os.path.join(data_dir, TOKENIZER_FILE)
     if not os.path.isfile(path):
         fail(f"no tokenizer {path}; pass the run's --data_dir")
-    want = (ckpt.get("data") or {}).get("tokenizer_sha256")
-    if want and hashlib.sha256(open(path, "rb").read()).hexdigest() != want:
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    want = ckpt["data"].get("tokenizer_sha256")  # (None for data made without prepare_data.py)
+    if want and digest != want:
         fail(f"{path} is not the tokenizer the run was trained with (sha256 differs); pass its --data_dir")
     enc = load_tokenizer(data_dir)
     if enc.n_vocab != ckpt["config"]["vocab_size"]:
@@ -117,16 +99,20 @@ def stream(model, idx, enc, args):
 
 
 def main(argv=None):
-    parser = build_parser()
-    parser.error = lambda msg: fail(f"{msg} (see python sample.py --help)")
+    plain_output()  # a character the terminal cannot show prints as '?', not a crash
     try:
-        args = parser.parse_args(argv)
+        args = one_line_errors(build_parser(), "sample.py").parse_args(argv)
         check_args(args)
         device = pick_device(args.device)  # auto: cuda, then mps, then cpu
         model, ckpt = load_model(args.out_dir, device)
-        enc = load_run_tokenizer(args.data_dir or find_data_dir(ckpt["args"]["data_dir"], args.out_dir), ckpt)
+        enc = load_run_tokenizer(args.data_dir or ckpt["args"]["data_dir"], ckpt)
     except SystemExit as e:  # the message is already printed
         return e.code
+    except OSError as e:  # an unreadable file
+        print(
+            f"error: cannot read {e.filename} ({e.strerror}); check --out_dir and --data_dir", file=sys.stderr
+        )
+        return 1
 
     ids = enc.encode(args.prompt, disallowed_special=()) or [enc.eot_token]  # empty: a new document
     l = model.cfg.block_size
@@ -138,6 +124,7 @@ def main(argv=None):
         ids = ids[-l:]
     print(f"# {args.out_dir} after {ckpt['iter']} batches, seed {args.seed}", file=sys.stderr)
     torch.manual_seed(args.seed)
+    t0 = time.time()
     try:
         for k in range(args.num_samples):
             print(("-" * 40 + "\n" if k else "") + args.prompt, end="", flush=True)
@@ -145,6 +132,9 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C ends the sample, quietly
         print()
         return 130
+    peak, what = peak_memory(device)
+    n = args.num_samples * args.max_new_tokens
+    print(f"# {n} tokens in {time.time() - t0:.1f} s; {what} {peak / 2**30:.2f} GB", file=sys.stderr)
     return 0
 
 

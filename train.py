@@ -10,7 +10,11 @@ Every run sees the same batches in the same order (Section 6): batch i is slice 
 all start positions of train.bin, seeded by --data_seed alone. The run folder (default out/<mixer>,
 plus a suffix for each setting that differs from Table 1) gets log.csv (every batch's training cost,
 validation losses, tokens/s), ckpt.pt (everything --resume needs to continue bit for bit), run.json
-and, at the end, loss.png. Ctrl-C, kill (SIGTERM) and SIGHUP finish the batch, checkpoint and stop.
+(the settings, the parameter counts and, at the end, the peak memory) and loss.png. Ctrl-C, kill
+(SIGTERM) and SIGHUP finish the batch, checkpoint and stop.
+
+The file reads in the order a run happens: settings, run folder, data, model, the loop, checkpoint;
+then train(), which calls them in that order, and main().
 """
 
 import argparse
@@ -22,10 +26,11 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 
 import numpy as np
 import torch
@@ -33,84 +38,87 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
-from common import atomic_write, fail, fmt_time, pick_device
+from common import atomic_write, fail, fmt_time, one_line_errors, peak_memory, pick_device, plain_output
 from extractor import MIXERS, Config, Transformer
 from prepare_data import load_data
 
-# every extractor.Config field but u (which comes from the data's meta.json): (the paper's symbol, help)
-CONFIG_HELP = {
-    "n_layer": ("m", "number of layers"),
-    "block_size": ("l", "length of the context window"),
-    "n_embd": ("d", "dimension of the model"),
-    "n_hidden": ("c", "nodes in the hidden layer of the FFN"),
-    "n_head": ("n", "heads of self-attention (used only by mixers with heads)"),
-    "dropout": ("p", "dropout rate"),
-    "mixer": (None, "the first sublayer of each layer"),
-}
-# every other flag: (name, default, symbol, help); False means an on/off switch. A setting with a
-# symbol that differs from its default names the default run folder (out/me-m2-l64-b32), as do the
-# Config fields; max_iters does not, so a longer run of the same model continues in the same folder.
-FLAGS = {
-    "training (Table 1)": [
-        ("batch_size", 64, "b", "batch size (global: split over DDP ranks)"),
-        ("max_iters", 60000, None, "number of batches to train on"),
-        ("lr", 1e-3, "lr", "AdamW learning rate gamma, constant (no warm-up)"),
-        ("weight_decay", 0.01, "wd", "AdamW weight decay (the paper gives none)"),
-        ("grad_clip", 0.0, "clip", "clip the gradient norm to this; 0 = off"),
-        ("seed", 1337, "seed", "seed of initialisation and dropout"),
-        ("data_seed", 1337, "dseed", "seed of the batch order, the same for every run"),
-        ("beta1", 0.9, "b1", "AdamW beta_1"),
-        ("beta2", 0.999, "b2", "AdamW beta_2"),
-    ],
-    "files and logging": [
-        ("data_dir", "data", None, "folder with train.bin, val.bin, meta.json"),
-        ("out_dir", None, None, "run folder (default: out/<mixer>, plus -<symbol><value> for each change)"),
-        ("resume", False, None, "continue the run in out_dir from its ckpt.pt"),
-        ("overwrite", False, None, "start afresh even if out_dir holds a run"),
-        ("allow_other_data", False, None, "with --resume: go on with other data (fine-tuning)"),
-        ("eval_interval", 1000, None, "validation loss every this many batches"),
-        ("eval_batches", 20, None, "batches in the fixed validation set; 0 = none"),
-        ("ckpt_interval", 1000, None, "ckpt.pt every this many batches; also at batch 10, end, stop"),
-        ("log_interval", 100, None, "console line every this many batches (the first at 10)"),
-    ],
-    "system": [
-        ("device", "auto", None, "auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps"),
-        ("dtype", "float32", None, "float32 (TF32 on CUDA); or bfloat16/float16 autocast, faster on GPUs"),
-        ("compile", False, None, "torch.compile the model"),
-    ],
-}
+# ---------------------------------------------------------------------------------------------- settings
+
+# The paper's symbol of each setting (Table 1), or a short name where it gives none: --help shows it,
+# and the default run folder is named by the settings that differ from Table 1 (out/me-m2-l64-b32).
+# max_iters has none, so a longer run of the same model continues in the same folder.
+SYMBOLS = {
+    "n_layer": "m", "block_size": "l", "n_embd": "d", "n_hidden": "c", "n_head": "n", "dropout": "p",
+    "batch_size": "b", "lr": "lr", "weight_decay": "wd", "grad_clip": "clip", "seed": "seed",
+    "data_seed": "dseed", "beta1": "b1", "beta2": "b2",
+}  # fmt: skip
 # settings a --resume must keep: changing them would no longer continue the same run
 FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "weight_decay", "grad_clip")
+NOT_SAVED = ("out_dir", "resume", "overwrite", "allow_other_data")  # flags about this command, not the run
 LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
-say = functools.partial(print, flush=True)  # every line shows at once, also under nohup
+RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png")  # what a run folder holds, beside train.lock
+
+
+def say(*args):
+    """A console line, shown at once (also under nohup); under torchrun only rank 0 prints."""
+    if os.environ.get("RANK", "0") == "0":
+        print(*args, flush=True)
 
 
 def build_parser():
     """All settings, with the paper's Table 1 as defaults."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(
-        description="Train a Transformer LM with a token mixer (Section 6).", formatter_class=fmt
+        description="Train a Transformer LM with a token mixer (Section 6).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = p.add_argument_group("model: every extractor.Config field (u comes from the data's meta.json)")
-    for f in dataclasses.fields(Config):
-        if f.name != "vocab_size":
-            symbol, help = CONFIG_HELP[f.name]
-            choices = sorted(MIXERS) if f.name == "mixer" else None
-            help = f"{symbol}: {help}" if symbol else help
-            g.add_argument(f"--{f.name}", type=type(f.default), default=f.default, choices=choices, help=help)
-    for group, flags in FLAGS.items():
-        g = p.add_argument_group(group)
-        for name, default, _, help in flags:
-            if default is False:
-                g.add_argument(f"--{name}", action="store_true", help=help)
-            else:
-                choices = ["float32", "bfloat16", "float16"] if name == "dtype" else None
-                kind = str if default is None else type(default)
-                g.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help)
-    return p
+    s = lambda key, text: f"{SYMBOLS[key]}: {text}"  # help text led by the setting's symbol
+
+    g = p.add_argument_group("model (extractor.Config; the vocabulary size u comes from the data)")
+    g.add_argument("--mixer", default=Config.mixer, choices=sorted(MIXERS), help="the first sublayer")
+    g.add_argument("--n_layer", type=int, default=Config.n_layer, help=s("n_layer", "number of layers"))
+    g.add_argument(
+        "--block_size", type=int, default=Config.block_size, help=s("block_size", "context length")
+    )
+    g.add_argument("--n_embd", type=int, default=Config.n_embd, help=s("n_embd", "dimension of the model"))
+    g.add_argument("--n_hidden", type=int, default=Config.n_hidden, help=s("n_hidden", "nodes in the FFN"))
+    g.add_argument("--n_head", type=int, default=Config.n_head, help=s("n_head", "heads (mixers with heads)"))
+    g.add_argument("--dropout", type=float, default=Config.dropout, help=s("dropout", "dropout rate"))
+
+    g = p.add_argument_group("training (Table 1)")
+    g.add_argument("--batch_size", type=int, default=64, help=s("batch_size", "batch size (over all ranks)"))
+    g.add_argument("--max_iters", type=int, default=60000, help="number of batches to train on")
+    g.add_argument("--lr", type=float, default=1e-3, help=s("lr", "AdamW learning rate gamma, constant"))
+    g.add_argument("--weight_decay", type=float, default=0.01, help=s("weight_decay", "AdamW weight decay"))
+    g.add_argument("--grad_clip", type=float, default=0.0, help=s("grad_clip", "clip the grad norm; 0 = off"))
+    g.add_argument("--seed", type=int, default=1337, help=s("seed", "seed of initialisation and dropout"))
+    g.add_argument("--data_seed", type=int, default=1337, help=s("data_seed", "seed of the batch order"))
+    g.add_argument("--beta1", type=float, default=0.9, help=s("beta1", "AdamW beta_1"))
+    g.add_argument("--beta2", type=float, default=0.999, help=s("beta2", "AdamW beta_2"))
+
+    g = p.add_argument_group("files and logging")
+    g.add_argument("--data_dir", default="data", help="folder with train.bin, val.bin, meta.json")
+    g.add_argument("--out_dir", help="run folder (default: out/<mixer>, plus -<symbol><value> per change)")
+    g.add_argument("--resume", action="store_true", help="continue the run in out_dir from its ckpt.pt")
+    g.add_argument("--overwrite", action="store_true", help="start afresh even if out_dir holds a run")
+    g.add_argument("--allow_other_data", action="store_true", help="with --resume: go on with other data")
+    g.add_argument("--eval_interval", type=int, default=1000, help="validation loss every this many batches")
+    g.add_argument(
+        "--eval_batches", type=int, default=20, help="batches in the fixed validation set; 0 = none"
+    )
+    g.add_argument(
+        "--ckpt_interval", type=int, default=1000, help="ckpt.pt every this many batches (and at 10)"
+    )
+    g.add_argument("--log_interval", type=int, default=100, help="console line every this many batches")
+
+    g = p.add_argument_group("system")
+    g.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    return one_line_errors(p, "train.py")
 
 
 def check_args(args):
+    """Bounds that would otherwise only fail later, in the middle of a run."""
     for name in ("batch_size", "eval_interval", "ckpt_interval", "log_interval"):
         if getattr(args, name) < 1:
             fail(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -119,6 +127,15 @@ def check_args(args):
             fail(f"--{name} must not be negative, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         fail(f"--lr must be a positive finite number, got {args.lr}")
+    try:
+        Config(**model_settings(args))
+    except ValueError as e:
+        fail(str(e))
+
+
+def model_settings(args):
+    """The Config fields among the settings (all but vocab_size, which comes from the data)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name != "vocab_size"}
 
 
 def given_flags(argv):
@@ -130,17 +147,182 @@ def given_flags(argv):
 
 def default_out_dir(args):
     """out/<mixer> (out/sa-<n> for attention) for Table 1, plus -<symbol><value> for each other setting."""
-    name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
-    symbols = {k: v[0] for k, v in CONFIG_HELP.items() if v[0] and not (k == "n_head" and args.mixer == "sa")}
-    symbols.update({f[0]: f[2] for flags in FLAGS.values() for f in flags if f[2]})
-    defaults = vars(build_parser().parse_args([]))
-    for key, symbol in symbols.items():
-        if getattr(args, key) != defaults[key]:
+    name, defaults = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer, build_parser().parse_args([])
+    for key, symbol in SYMBOLS.items():
+        if getattr(args, key) != getattr(defaults, key) and not (key == "n_head" and args.mixer == "sa"):
             name += f"-{symbol}{getattr(args, key):g}"
     return os.path.join("out", name)
 
 
-# ---------------------------------------------------------------------------------------------- data
+def resume_settings(args, given, ckpt, path):
+    """A resumed run's settings: flags not given keep the checkpoint's values; given ones must not
+    change the run."""
+    saved = {**ckpt["args"], **ckpt["config"]}
+    differ = [
+        k for k in FIXED_ON_RESUME + tuple(ckpt["config"]) if k in given and getattr(args, k) != saved[k]
+    ]
+    if differ:
+        was = ", ".join(f"{k}={saved[k]!r}" for k in differ)
+        now = ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
+        fail(f"{path} was trained with {was} but the flags give {now}; drop those flags to resume")
+    for k in (set(vars(args)) - given - set(NOT_SAVED)) & set(saved):
+        setattr(args, k, saved[k])
+    check_args(args)
+
+
+# -------------------------------------------------------------------------------------------- run folder
+
+
+def lock_run_dir(out_dir):
+    """An exclusive OS lock on the run folder (made if need be), held while the returned file is open
+    and released when the process ends, even by kill -9."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        fail(f"--out_dir {out_dir} is a file, not a folder; pick another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(os.path.join(out_dir, "train.lock"), "a")
+    except OSError as e:
+        fail(f"cannot write in {out_dir} ({e.strerror}); pick another --out_dir")
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here
+        return f
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fail(f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir")
+    return f
+
+
+@contextmanager
+def locked_run_dir(out_dir, master):
+    """The run folder, locked before anything in it is judged or written (under DDP rank 0 holds the
+    lock for all). A refused run takes back the folder it made; stale temp files of a killed write go."""
+    if not master:
+        yield
+        return
+    made = not os.path.exists(out_dir)
+    lock = lock_run_dir(out_dir)
+    remove_stale_temp_files(out_dir)
+    try:
+        yield
+    except SystemExit:
+        if made and os.listdir(out_dir) == ["train.lock"]:
+            lock.close()
+            os.remove(os.path.join(out_dir, "train.lock"))
+            os.rmdir(out_dir)
+        raise
+    finally:
+        lock.close()
+
+
+def remove_stale_temp_files(out_dir):
+    """atomic_write's temp files (.ckpt.pt*.tmp, ...) left by a run killed while writing; with the
+    folder locked, no other process is writing them."""
+    prefixes = tuple("." + name for name in RUN_FILES)
+    stale = [n for n in os.listdir(out_dir) if n.startswith(prefixes) and n.endswith(".tmp")]
+    size = sum(os.path.getsize(os.path.join(out_dir, n)) for n in stale)
+    for n in stale:
+        os.remove(os.path.join(out_dir, n))
+    if stale:
+        say(f"removed {len(stale)} temp file(s) of a killed write ({size / 1e6:.1f} MB) from {out_dir}")
+
+
+def read_checkpoint(path):
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        missing = {
+            "model",
+            "optimizer",
+            "scaler",
+            "iter",
+            "elapsed_s",
+            "rng",
+            "args",
+            "config",
+            "data",
+        } - set(ckpt)
+        if missing:
+            raise KeyError(", ".join(sorted(missing)))
+        return ckpt
+    except Exception as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged or not from this train.py")
+
+
+def judge_run_dir(args, given):
+    """The checkpoint to resume, or None for a fresh start. A folder whose run never reached a
+    checkpoint simply starts again; one that holds a run needs --resume or --overwrite."""
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if args.resume:
+        if not os.path.isfile(path):
+            fail(f"no checkpoint {path} to resume; drop --resume to start the run, or pass its --out_dir")
+        ckpt = read_checkpoint(path)
+        resume_settings(args, given, ckpt, path)
+        return ckpt
+    if os.path.isfile(path) and not args.overwrite:
+        fail(
+            f"{args.out_dir} already holds a run; pass --resume to continue it, --overwrite to start again, "
+            "or pick another --out_dir"
+        )
+    return None
+
+
+def clear_old_run(out_dir):
+    """Before a fresh run writes anything: the old run's files go, its checkpoint first, so that at every
+    moment the folder holds either the old run whole or no checkpoint at all (never the old model beside
+    the new run's log)."""
+    for name in RUN_FILES:
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, name))
+
+
+def truncate_log(path, last_iter):
+    """Keep the header and rows up to the checkpoint's iteration: a run stopped after its last
+    checkpoint may have logged later rows, which the resumed run writes again."""
+    rows = open(path, newline="").read().splitlines()[1:] if os.path.exists(path) else []
+    whole = [r for r in rows if r.count(",") == len(LOG_HEADER) - 1 and r.split(",", 1)[0].isdigit()]
+    keep = [r for r in whole if int(r.split(",", 1)[0]) <= last_iter]
+    atomic_write(path, "\n".join([",".join(LOG_HEADER)] + keep) + "\n")
+
+
+def start_log(args, cfg, counts, world, start, device, n_val, n_starts):
+    """run.json, a new (or, resuming, a truncated) log.csv, and what the run is, on the console."""
+    run = {"config": dataclasses.asdict(cfg), "args": dict(vars(args)), "params": counts, "world_size": world}
+    atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(run, indent=1) + "\n")
+    log_path = os.path.join(args.out_dir, "log.csv")
+    if start:
+        truncate_log(log_path, start)
+    else:
+        atomic_write(log_path, ",".join(LOG_HEADER) + "\n")
+    say(f"{cfg}\non {device} ({args.dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
+    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    epochs = args.max_iters * args.batch_size / n_starts
+    say(
+        f"data: {n_starts + args.block_size:,} train tokens ({n_starts:,} windows), {n_val:,} val tokens; "
+        f"{args.max_iters:,} batches of {args.batch_size} = {epochs:.3f} epochs"
+    )
+    say(f"training from batch {start} to {args.max_iters}")
+
+
+# -------------------------------------------------------------------------------------------------- data
+
+
+def check_data(args, ckpt, data, val):
+    """What the settings ask of the data: a validation set that fits in val.bin, and, resuming, the
+    checkpoint's corpus and tokenizer (or --allow_other_data)."""
+    windows = len(val) - args.block_size
+    if args.eval_batches * args.batch_size > windows:
+        fail(
+            f"--eval_batches {args.eval_batches} x --batch_size {args.batch_size} windows are more than the "
+            f"{windows:,} windows of l = {args.block_size} in val.bin; use --eval_batches "
+            f"{windows // args.batch_size} or fewer"
+        )
+    if ckpt is not None and ckpt["data"] != data and not args.allow_other_data:
+        what = [k.replace("_sha256", "") for k in data if ckpt["data"].get(k) != data[k]]
+        fail(
+            f"{args.out_dir}/ckpt.pt was trained on other data ({', '.join(what)} differ); pass its "
+            "--data_dir, or --allow_other_data to continue on this one"
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,27 +349,7 @@ def get_batch(data, starts, block_size, device):
     return x.to(device), y.to(device)
 
 
-@torch.no_grad()
-def evaluate(model, val, args, ctx, rank, world, device):
-    """Mean loss over a fixed validation set: eval_batches * batch_size windows spread evenly over
-    val.bin, the same at every evaluation; each global batch is split over the ranks like training."""
-    n = args.eval_batches * args.batch_size
-    starts = torch.from_numpy(np.linspace(0, len(val) - args.block_size - 1, n).round().astype(np.int64))
-    model.eval()
-    total, b = torch.zeros((), device=device), args.batch_size // world
-    for k in range(0, n, args.batch_size):
-        mine = starts[k : k + args.batch_size][rank * b : (rank + 1) * b]  # this rank's part of the batch
-        x, y = get_batch(val, mine, args.block_size, device)
-        with ctx:
-            total += model(x, y)[1].float()
-    if world > 1:
-        dist.all_reduce(total)
-        total /= world
-    model.train()
-    return total.item() / args.eval_batches
-
-
-# ------------------------------------------------------------------------------------ system helpers
+# ------------------------------------------------------------------------------------------------- model
 
 
 def keep_freed_memory():
@@ -212,204 +374,6 @@ def precision(device, dtype):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     return ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
-
-
-@contextmanager
-def stop_signals():
-    """Ctrl-C (SIGINT), kill (SIGTERM) and a closed terminal (SIGHUP) ask the loop to stop after
-    this batch with a checkpoint; a second Ctrl-C aborts at once. Yields {'signal': None or number}."""
-    stop, old = {"signal": None}, {}
-
-    def ask(signum, frame):
-        stop["signal"] = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # (no print here: it may interrupt one)
-
-    for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        try:
-            old[s] = signal.signal(s, ask)
-        except (ValueError, TypeError):  # not the main thread, or no such signal here
-            pass
-    try:
-        yield stop
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-# ------------------------------------------------------------------ run folder: lock, checkpoint, log
-
-
-def lock_run_dir(out_dir):
-    """An exclusive OS lock on the run folder, held until the process ends (even by kill -9)."""
-    os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, "train.lock"), "a")
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks here
-        return f
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fail(f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir")
-    return f
-
-
-def read_checkpoint(path):
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        missing = {"model", "optimizer", "scaler", "iter", "elapsed_s", "rng", "args", "config"} - set(ckpt)
-        if missing:
-            raise KeyError(", ".join(sorted(missing)))
-        return ckpt
-    except Exception as e:
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged or not from train.py")
-
-
-def resume_settings(args, given, ckpt, path):
-    """Flags not given keep the checkpoint's values; given ones must not change the run."""
-    saved = {**ckpt["args"], **ckpt["config"]}
-    differ = [
-        k for k in FIXED_ON_RESUME + tuple(ckpt["config"]) if k in given and getattr(args, k) != saved.get(k)
-    ]
-    if differ:
-        fail(
-            f"{path} was trained with "
-            + ", ".join(f"{k}={saved[k]!r}" for k in differ)
-            + " but the flags give "
-            + ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
-            + "; drop those flags to resume"
-        )
-    keep = set(vars(args)) - given - {"out_dir", "resume", "overwrite", "allow_other_data"}
-    for k in keep & set(saved):
-        setattr(args, k, saved[k])
-    if args.dtype == "auto":  # checkpoints from before float32 became the default (auto: float32 on CPU)
-        args.dtype = "float32"
-    check_args(args)
-
-
-def check_same_data(ckpt, data, path, allow_other):
-    """--resume continues on the checkpoint's corpus and tokenizer, or says why it will not."""
-    saved = ckpt.get("data")
-    if saved is None:
-        say(f"note: {path} predates data checksums, so the data could not be verified")
-    elif saved != data and not allow_other:
-        what = [k.replace("_sha256", "") for k in data if saved.get(k) != data[k]]
-        fail(
-            f"{path} was trained on other data ({', '.join(what)} differ); pass its --data_dir, or "
-            "--allow_other_data to continue on this one"
-        )
-
-
-def save_checkpoint(path, model, optimizer, scaler, cfg, args, it, elapsed, rngs, data):
-    ckpt = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "config": dataclasses.asdict(cfg),
-        "args": dict(vars(args)),
-        "iter": it,  # batches done; batch `it` (0-based) comes next
-        "elapsed_s": elapsed,
-        "rng": rngs,  # one dict per DDP rank (dropout streams differ per rank)
-        "data": data,  # vocab size and sha256 of train.bin, val.bin and the tokenizer
-    }
-    atomic_write(path, lambda f: torch.save(ckpt, f))
-
-
-def truncate_log(path, last_iter):
-    """Keep the header and rows up to the checkpoint's iteration: a run stopped after its last
-    checkpoint may have logged later rows, which the resumed run writes again."""
-    rows = open(path, newline="").read().splitlines()[1:] if os.path.exists(path) else []
-    keep = [r for r in rows if r.split(",", 1)[0].isdigit() and int(r.split(",", 1)[0]) <= last_iter]
-    atomic_write(path, "\n".join([",".join(LOG_HEADER)] + [r for r in keep if r.count(",") == 5]) + "\n")
-
-
-def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: forward, the loss of Eq. (3), backward, optional clipping, AdamW. Returns the
-    loss (detached). bench.py times exactly this."""
-    with ctx:
-        _, loss = model(x, y)  # mean cross-entropy of the batch, Eq. (3)
-    scaler.scale(loss).backward()
-    if grad_clip > 0:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
-class RunLog:
-    """log.csv and the console. Each batch's loss waits in a preallocated buffer until the next log
-    point, so no tensor outlives its step (with keep_freed_memory, one that did would pin freed
-    memory and the process would grow without bound) and there is no GPU sync per batch."""
-
-    def __init__(self, path, args, start_iter, elapsed0, device, master, world):
-        self.args, self.start_iter, self.elapsed0 = args, start_iter, elapsed0
-        self.master, self.world = master, world
-        self.buf = torch.zeros(max(1, min(args.log_interval, args.max_iters - start_iter)), device=device)
-        self.pending, self.t_session, self.t_chunk = [], time.time(), time.time()
-        self.saved_at = start_iter or None  # the batch of the last checkpoint
-        self.file = open(path, "a", newline="") if master else None
-        self.writer = csv.writer(self.file, lineterminator="\n") if master else None
-
-    def add(self, it, loss):
-        self.buf[len(self.pending)] = loss
-        self.pending.append((it, time.time()))
-
-    def flush(self, it, val, stop, lr):
-        """Write the pending rows, print one line, and return whether every rank agrees to stop."""
-        losses = self.buf[: len(self.pending)].clone()  # (k,)
-        if self.world > 1:  # mean over ranks = the loss of the global batch; also agree on stopping
-            agreed = torch.cat([losses / self.world, torch.tensor([float(stop)], device=losses.device)])
-            dist.all_reduce(agreed)
-            losses, stop = agreed[:-1], bool(agreed[-1].item() > 0)
-        losses, now = losses.tolist(), time.time()
-        bad = [(i, v) for (i, _), v in zip(self.pending, losses) if not math.isfinite(v)]
-        if bad:
-            kept = f"ckpt.pt keeps batch {self.saved_at}, the last good state; " if self.saved_at else ""
-            fail(
-                f"the training cost became {bad[0][1]} at batch {bad[0][0]}; {kept}start the run again"
-                f"{' (--overwrite)' if kept else ''} with a smaller --lr or with --grad_clip"
-            )
-        tok_s = (
-            self.args.batch_size * self.args.block_size * len(self.pending) / max(now - self.t_chunk, 1e-9)
-        )
-        if self.master:
-            for (i, t), v in zip(self.pending, losses):  # val_loss only in the row it was measured at
-                row = [i, repr(v), repr(val) if (i == it and val is not None) else "", lr, f"{tok_s:.1f}"]
-                self.writer.writerow(row + [f"{self.elapsed0 + t - self.t_session:.3f}"])
-            self.file.flush()
-        n = self.args.max_iters
-        eta = (n - it) * (now - self.t_session) / (it - self.start_iter)  # at this session's pace
-        say(
-            f"iter {it}/{n} ({100 * it / n:.1f}%) | loss {np.mean(losses):.4f}"
-            + (f" | val {val:.4f}" if val is not None else "")
-            + f" | {tok_s / 1000:.1f}k tok/s"
-            + f" | elapsed {fmt_time(self.elapsed0 + now - self.t_session)} | ETA {fmt_time(eta)}"
-        )
-        self.pending, self.t_chunk = [], time.time()
-        return stop
-
-    def elapsed(self):
-        return self.elapsed0 + time.time() - self.t_session
-
-
-def open_run(args, given):
-    """The checkpoint to resume, or None for a fresh start; a folder whose run never reached a
-    checkpoint simply starts again."""
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    if args.resume:
-        if not os.path.isfile(path):
-            fail(f"no checkpoint {path} to resume; drop --resume to start the run, or pass its --out_dir")
-        ckpt = read_checkpoint(path)
-        resume_settings(args, given, ckpt, path)
-        return ckpt
-    if os.path.isfile(path) and not args.overwrite:
-        fail(
-            f"{args.out_dir} already holds a run; pass --resume to continue it, --overwrite to start again, "
-            "or pick another --out_dir"
-        )
-    return None
 
 
 def build_model(cfg, args, device, rank, world, scaler, ckpt):
@@ -439,23 +403,11 @@ def build_model(cfg, args, device, rank, world, scaler, ckpt):
     return model, trained, optimizer
 
 
-def start_log(args, cfg, counts, world, start, device, n_val, n_starts):
-    """run.json, a new (or, resuming, a truncated) log.csv, and what the run is, on the console."""
-    run = {"config": dataclasses.asdict(cfg), "args": dict(vars(args)), "params": counts, "world_size": world}
-    atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(run, indent=1) + "\n")
-    log_path = os.path.join(args.out_dir, "log.csv")
-    if start:
-        truncate_log(log_path, start)
-    else:
-        atomic_write(log_path, ",".join(LOG_HEADER) + "\n")
-    say(f"{cfg}\non {device} ({args.dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
-    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    epochs = args.max_iters * args.batch_size / n_starts
-    say(
-        f"data: {n_starts + args.block_size:,} train tokens ({n_starts:,} windows), {n_val:,} val tokens; "
-        f"{args.max_iters:,} batches of {args.batch_size} = {epochs:.3f} epochs"
-    )
-    say(f"training from batch {start} to {args.max_iters}")
+def set_rng_state(s, device):
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if device.type == "cuda" and "cuda" in s:
+        torch.cuda.set_rng_state(s["cuda"], device)
 
 
 def gather_rng(device, world):
@@ -469,116 +421,304 @@ def gather_rng(device, world):
     return rngs
 
 
-def set_rng_state(s, device):
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    if device.type == "cuda" and "cuda" in s:
-        torch.cuda.set_rng_state(s["cuda"], device)
+# ---------------------------------------------------------------------------------------------- the loop
 
 
-# ---------------------------------------------------------------------------------------------- train
+def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
+    """One batch: forward, the loss of Eq. (3), backward, optional clipping, AdamW. Returns the
+    loss (detached). bench.py times exactly this."""
+    with ctx:
+        _, loss = model(x, y)  # mean cross-entropy of the batch, Eq. (3)
+    scaler.scale(loss).backward()
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
-def settle_run(argv, world):
-    """The settings (a resumed run's come from its checkpoint), the checkpoint or None, the data and
-    the model's Config, all checked before anything is written."""
-    parser = build_parser()
-    parser.error = lambda msg: fail(f"{msg} (see python train.py --help)")  # one line, not usage + error
-    args, given = parser.parse_args(argv), given_flags(argv)
-    check_args(args)
-    args.out_dir = args.out_dir or default_out_dir(args)
-    ckpt = open_run(args, given)
-    if args.batch_size % world:
-        fail(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
-    model_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name != "vocab_size"}
+@torch.no_grad()
+def evaluate(run, args):
+    """Mean loss over a fixed validation set: eval_batches * batch_size windows spread evenly over
+    val.bin, the same at every evaluation; each global batch is split over the ranks like training."""
+    n, b = args.eval_batches * args.batch_size, args.batch_size // run.world
+    starts = torch.from_numpy(
+        np.linspace(0, len(run.val_data) - args.block_size - 1, n).round().astype(np.int64)
+    )
+    model = run.model.module if run.world > 1 else run.model
+    model.eval()
+    total = torch.zeros((), device=run.device)
+    for k in range(0, n, args.batch_size):
+        mine = starts[k : k + args.batch_size][run.rank * b : (run.rank + 1) * b]  # this rank's part
+        x, y = get_batch(run.val_data, mine, args.block_size, run.device)
+        with run.ctx:
+            total += model(x, y)[1].float()
+    if run.world > 1:
+        dist.all_reduce(total)
+        total /= run.world
+    model.train()
+    return total.item() / args.eval_batches
+
+
+class RunLog:
+    """log.csv and the console. Each batch's loss waits in a preallocated buffer until the next log
+    point, so no tensor outlives its step (with keep_freed_memory, one that did would pin freed
+    memory and the process would grow without bound) and there is no GPU sync per batch."""
+
+    def __init__(self, args, start_iter, elapsed0, device, master):
+        self.args, self.start_iter, self.elapsed0 = args, start_iter, elapsed0
+        self.buf = torch.zeros(max(1, min(args.log_interval, args.max_iters - start_iter)), device=device)
+        self.pending, self.t_session, self.t_chunk = [], time.time(), time.time()
+        self.file = open(os.path.join(args.out_dir, "log.csv"), "a", newline="") if master else None
+        self.writer = csv.writer(self.file, lineterminator="\n") if master else None
+
+    def add(self, it, loss):
+        self.buf[len(self.pending)] = loss
+        self.pending.append((it, time.time()))
+
+    def take(self, world):
+        """The pending batches as (iteration, time, loss) rows; under DDP each loss is the mean over
+        the ranks, the loss of the global batch (so every rank calls this at the same batch)."""
+        losses = self.buf[: len(self.pending)].clone()  # (k,)
+        if world > 1:
+            losses /= world
+            dist.all_reduce(losses)
+        rows, self.pending = [(i, t, v) for (i, t), v in zip(self.pending, losses.tolist())], []
+        return rows
+
+    def write(self, rows, val):
+        """The rows in log.csv (val_loss only in the last row, where it was measured) and one console line."""
+        now, it, n = time.time(), rows[-1][0], self.args.max_iters
+        tok_s = self.args.batch_size * self.args.block_size * len(rows) / max(now - self.t_chunk, 1e-9)
+        if self.writer:
+            for i, t, v in rows:
+                val_i = repr(val) if (i == it and val is not None) else ""
+                self.writer.writerow(
+                    [i, repr(v), val_i, self.args.lr, f"{tok_s:.1f}", f"{self.elapsed(t):.3f}"]
+                )
+            self.file.flush()
+        eta = (n - it) * (now - self.t_session) / (it - self.start_iter)  # at this session's pace
+        say(
+            f"iter {it}/{n} ({100 * it / n:.1f}%) | loss {np.mean([v for _, _, v in rows]):.4f}"
+            + (f" | val {val:.4f}" if val is not None else "")
+            + f" | {tok_s / 1000:.1f}k tok/s | elapsed {fmt_time(self.elapsed(now))} | ETA {fmt_time(eta)}"
+        )
+        self.t_chunk = time.time()
+
+    def elapsed(self, now=None):
+        return self.elapsed0 + (now or time.time()) - self.t_session
+
+
+def check_finite(rows, saved_at):
+    """A non-finite training cost ends the run; the checkpoint keeps the last good state."""
+    bad = [(i, v) for i, _, v in rows if not math.isfinite(v)]
+    if bad:
+        kept = f"ckpt.pt keeps batch {saved_at}, the last good state; " if saved_at else ""
+        fail(
+            f"the training cost became {bad[0][1]} at batch {bad[0][0]}; {kept}start the run again"
+            f"{' (--overwrite)' if kept else ''} with a smaller --lr or with --grad_clip"
+        )
+
+
+@contextmanager
+def stop_signals():
+    """Ctrl-C (SIGINT), kill (SIGTERM) and a closed terminal (SIGHUP) ask the loop to stop after
+    this batch with a checkpoint; a second Ctrl-C aborts at once. Yields {'signal': None or number}."""
+    stop, old = {"signal": None}, {}
+
+    def ask(signum, frame):
+        stop["signal"] = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (no print here: it may interrupt one)
+
+    for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        try:
+            old[s] = signal.signal(s, ask)
+        except (ValueError, TypeError):  # not the main thread, or no such signal here
+            pass
     try:
-        Config(**model_args)
-    except ValueError as e:
-        fail(str(e))
-    args.data_dir = os.path.abspath(args.data_dir)  # the checkpoint works from any directory
-    train_data, val_data, data = load_data(args.data_dir, args.block_size, args.batch_size)
-    cfg = Config(vocab_size=data["vocab_size"], **model_args)
-    if ckpt is not None:
-        path = os.path.join(args.out_dir, "ckpt.pt")
-        check_same_data(ckpt, data, path, args.allow_other_data)
-        if dataclasses.asdict(cfg) != ckpt["config"]:
-            fail(f"{path} is from another model ({ckpt['config']}); check --data_dir or --out_dir")
-    return args, ckpt, train_data, val_data, data, cfg
+        yield stop
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def agree_to_stop(stop, world):
+    """Whether to stop now: a signal came (to any rank, under DDP, so that all stop at the same batch)."""
+    asked = torch.tensor([float(stop["signal"] is not None)])
+    if world > 1:
+        dist.all_reduce(asked)
+    return bool(asked.item() > 0)
+
+
+# -------------------------------------------------------------------------------------------- checkpoint
+
+
+def save_checkpoint(run, it, elapsed, saved_at):
+    """ckpt.pt: plain dicts and tensors (torch.load(weights_only=True) reads it), written whole or not at
+    all; every rank's RNG state, so that a resumed run continues bit for bit."""
+    rngs = gather_rng(run.device, run.world)  # (a collective under DDP: every rank comes here)
+    if run.rank:
+        return
+    ckpt = {
+        "model": run.raw_model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "config": dataclasses.asdict(run.cfg),
+        "args": dict(vars(run.args)),
+        "iter": it,  # batches done; batch `it` (0-based) comes next
+        "elapsed_s": elapsed,
+        "rng": rngs,  # one dict per DDP rank (dropout streams differ per rank)
+        "data": run.data,  # vocab size and sha256 of train.bin, val.bin and the tokenizer
+    }
+    path = os.path.join(run.args.out_dir, "ckpt.pt")
+    try:
+        atomic_write(path, lambda f: torch.save(ckpt, f))
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says RuntimeError
+        kept = f"it keeps batch {saved_at}" if saved_at else "no checkpoint was kept"
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:120]
+        fail(f"cannot write {path} ({reason}); {kept}: free space, then continue with --resume")
+
+
+def report_peak_memory(run):
+    """The run's peak memory (this session's, resuming) in run.json and on the last console line."""
+    if run.rank:
+        return
+    peak, what = peak_memory(run.device)
+    path = os.path.join(run.args.out_dir, "run.json")
+    info = dict(json.load(open(path)), peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
+    atomic_write(path, json.dumps(info, indent=1) + "\n")
+    say(f"{what}: {peak / 2**30:.2f} GB")
+
+
+# ------------------------------------------------------------------------------------------------- train
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop works with, set up by train() in the order of the sections above."""
+
+    args: argparse.Namespace
+    cfg: Config
+    data: dict  # the data's fingerprint (vocab size, sha256 of the files), kept in the checkpoint
+    train_data: np.ndarray  # (N,) uint16 tokens, memory-mapped
+    val_data: np.ndarray
+    device: torch.device
+    rank: int
+    world: int
+    model: torch.nn.Module  # what is trained: the Transformer, compiled and/or wrapped for DDP
+    raw_model: Transformer  # the Transformer itself, whose state_dict is saved
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ctx: object  # autocast, or nothing for float32
 
 
 def train(argv):
     # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
-    rank, world, local_rank = (
-        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
-    master = rank == 0
-    args, ckpt, train_data, val_data, data, cfg = settle_run(argv, world)
-    ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.csv")
-    start = ckpt["iter"] if ckpt else 0
-    if start >= args.max_iters:
-        say(f"{args.out_dir} is at batch {start} >= --max_iters {args.max_iters}: nothing to train")
+    rank, world, local_rank = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    world, master = max(world, 1), rank == 0
+
+    # settings: parsed and checked; a resumed run's come from its checkpoint, below
+    args, given = build_parser().parse_args(argv), given_flags(argv)
+    check_args(args)
+    args.out_dir = args.out_dir or default_out_dir(args)
+    args.data_dir = os.path.abspath(args.data_dir)  # the checkpoint works from any directory
+    if args.batch_size % world:
+        fail(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
+    if args.max_iters == 0 and not args.resume:
+        say("--max_iters 0: nothing to train")
         return 0
 
-    # the run folder: locked, then run.json and a fresh or truncated log.csv
-    lock = lock_run_dir(args.out_dir) if master else None  # noqa: F841  (held until the process ends)
-    device = pick_device(args.device, local_rank)
-    if world > 1:  # all ranks have passed the checks above before rank 0 writes anything
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cpu" and sys.platform.startswith("linux"):
-        keep_freed_memory()
-    ctx, scaler = precision(device, args.dtype)
-    raw_model, model, optimizer = build_model(cfg, args, device, rank, world, scaler, ckpt)
-    elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
-    del ckpt
-    eval_model = model.module if world > 1 else model
-    n_starts = len(train_data) - args.block_size  # windows of l+1 tokens start at 0 .. N-l-1
-    if master:
-        start_log(args, cfg, raw_model.param_counts(), world, start, device, len(val_data), n_starts)
-    log = RunLog(log_path, args, start, elapsed0, device, master, world)
-    first_log, b, it, val = start + min(10, args.log_interval), args.batch_size // world, start, None
+    # the run folder: locked first, then judged; nothing is written before every check has passed
+    with locked_run_dir(args.out_dir, master):
+        ckpt = judge_run_dir(args, given)
+        start = ckpt["iter"] if ckpt else 0
+        if start >= args.max_iters:
+            say(f"{args.out_dir} is at batch {start} >= --max_iters {args.max_iters}: nothing to train")
+            return 0
 
+        # data: train.bin and val.bin, checked against meta.json, the settings and the checkpoint
+        train_data, val_data, data = load_data(args.data_dir, args.block_size, args.batch_size)
+        check_data(args, ckpt, data, val_data)
+        cfg = Config(vocab_size=data["vocab_size"], **model_settings(args))
+        if ckpt is not None and dataclasses.asdict(cfg) != ckpt["config"]:
+            fail(f"{args.out_dir}/ckpt.pt is from another model ({ckpt['config']}); check --data_dir")
+
+        # the model, its optimizer and, resuming, their state
+        device = pick_device(args.device, local_rank)
+        if world > 1:  # all ranks have passed the checks above before rank 0 writes anything
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cpu" and sys.platform.startswith("linux"):
+            keep_freed_memory()
+        ctx, scaler = precision(device, args.dtype)
+        raw_model, model, optimizer = build_model(cfg, args, device, rank, world, scaler, ckpt)
+        # fmt: off
+        run = Run(args, cfg, data, train_data, val_data, device, rank, world, model, raw_model, optimizer,
+                  scaler, ctx)
+        # fmt: on
+
+        # now the folder becomes this run's: the old run goes (fresh start), then run.json and log.csv
+        if master:
+            if not start:
+                clear_old_run(args.out_dir)
+            n_starts = len(train_data) - args.block_size
+            start_log(args, cfg, raw_model.param_counts(), world, start, device, len(val_data), n_starts)
+        log = RunLog(args, start, ckpt["elapsed_s"] if ckpt else 0.0, device, master)
+        del ckpt
+        try:
+            return loop(run, log, start)
+        except Exception as e:  # torch.compile compiles at the first step, and fails there if it cannot
+            if args.compile:
+                fail(f"training with --compile failed ({type(e).__name__}: {str(e)[:80]}); try without it")
+            raise
+
+
+def loop(run, log, start):
+    """Batch -> step -> (at their intervals) evaluate, log, checkpoint; until max_iters or a stop signal."""
+    args, rank, world = run.args, run.rank, run.world
+    n_starts = len(run.train_data) - args.block_size  # windows of l+1 tokens start at 0 .. N-l-1
+    b, it, val, saved_at = args.batch_size // world, start, None, start or None
+    first_log = start + min(10, args.log_interval)
     with stop_signals() as stop:
         while it < args.max_iters:
-            # the batch: slice `it` of the order every run shares, this rank's part of it
             starts = batch_starts(it, n_starts, args.batch_size, args.data_seed)[rank * b : (rank + 1) * b]
-            x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
-            # forward, backward, clip, AdamW
-            try:
-                log.add(it + 1, train_step(model, optimizer, scaler, ctx, x, y, args.grad_clip))
-            except Exception as e:
-                if args.compile and it == start:
-                    fail(f"the first step with --compile failed ({type(e).__name__}); run without --compile")
-                raise
+            x, y = get_batch(run.train_data, starts, args.block_size, run.device)  # (b, l), (b, l)
+            log.add(it + 1, train_step(run.model, run.optimizer, run.scaler, run.ctx, x, y, args.grad_clip))
             it += 1
-            # log, evaluate and checkpoint at their intervals, at the end, and when asked to stop
-            do_eval = args.eval_batches > 0 and (it % args.eval_interval == 0 or it == args.max_iters)
-            do_ckpt = it % args.ckpt_interval == 0 or it in (first_log, args.max_iters)
-            if not (it % args.log_interval == 0 or do_eval or do_ckpt or (stop["signal"] and world == 1)):
+            last = it == args.max_iters
+            eval_now = args.eval_batches > 0 and (it % args.eval_interval == 0 or last)
+            ckpt_now = it % args.ckpt_interval == 0 or it == first_log or last
+            if not (it % args.log_interval == 0 or eval_now or ckpt_now or (stop["signal"] and world == 1)):
                 continue
-            val = evaluate(eval_model, val_data, args, ctx, rank, world, device) if do_eval else val
-            stopping = log.flush(it, val if do_eval else None, stop["signal"] is not None, args.lr)
-            if do_ckpt or stopping:
-                rngs = gather_rng(device, world)
-                if master:
-                    save_checkpoint(
-                        ckpt_path, raw_model, optimizer, scaler, cfg, args, it, log.elapsed(), rngs, data
-                    )
-                log.saved_at = it
+            if eval_now:
+                val = evaluate(run, args)
+            stopping = agree_to_stop(stop, world)
+            rows = log.take(world)
+            check_finite(rows, saved_at)
+            log.write(rows, val if eval_now else None)
+            if ckpt_now or stopping:
+                save_checkpoint(run, it, log.elapsed(), saved_at)
+                saved_at = it
             if stopping:
                 name = signal.Signals(stop["signal"] or signal.SIGINT).name
                 say(f"{name}: stopped at batch {it}; continue with the same command plus --resume")
+                report_peak_memory(run)
                 return 128 + (stop["signal"] or signal.SIGINT)
 
-    if master:
+    # the end: loss.png, what to do next, the peak memory
+    if rank == 0:
         from plot import plot_run
 
         plot_run(args.out_dir, os.path.join(args.out_dir, "loss.png"))
         say(f"wrote {args.out_dir}/loss.png" + (f"; final val loss {val:.4f}" if val is not None else ""))
-        say(f"sample from it: python sample.py --out_dir {args.out_dir}")
+        say(f"sample from it: python sample.py --out_dir {shlex.quote(args.out_dir)}")
+    report_peak_memory(run)
     return 0
 
 
 def main(argv=None):
+    plain_output()
     try:
         return train(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as e:  # fail() and argparse: the message is already printed
@@ -586,6 +726,12 @@ def main(argv=None):
     except KeyboardInterrupt:  # a second Ctrl-C
         say("\naborted; the last checkpoint (if any) is kept")
         return 130
+    except OSError as e:  # a full disk or a lost folder while writing log.csv, run.json, loss.png
+        where = e.filename or "a file of the run"
+        print(
+            f"error: cannot write {where} ({e.strerror or e}); the last checkpoint is kept", file=sys.stderr
+        )
+        return 1
     finally:
         if dist.is_initialized():
             dist.barrier()  # tear the process group down together (gloo may abort if one rank leaves early)
