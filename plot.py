@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import sys
 
 import matplotlib
@@ -25,6 +26,7 @@ import numpy as np
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from common import atomic_write, fail  # noqa: E402
 
@@ -112,10 +114,13 @@ def auto_window(n_batches):
     return max(1, min(2000, n_batches // 30))
 
 
-def plot_run(run_dir, path):
+def plot_run(run_dir, path, window=None, until=None, title=None):
     """One run's curve (train.py draws it at the end): every batch, window medians, validation."""
-    log = read_log(run_dir)
-    window = auto_window(len(log["train_loss"]))
+    log = read_log(run_dir, until)
+    window = window or auto_window(len(log["train_loss"]))
+    n = len(log["train_loss"])
+    if n < window:
+        fail(f"{run_dir} has {n} batches, fewer than --window {window}; pass a smaller --window")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alpha, every = 0.35 if window > 1 else 1, "training cost, every batch"
     ax.plot(log["iter"], log["train_loss"], lw=0.5, alpha=alpha, color="C0", label=every)
@@ -124,7 +129,7 @@ def plot_run(run_dir, path):
         ax.plot(ends, med, "-o", ms=3, color="C0", label=f"median of every {window} batches")
     if len(log["val_loss"]):
         ax.plot(log["val_iter"], log["val_loss"], "s--", ms=4, color="C3", label="validation loss")
-    finish(fig, ax, os.path.basename(os.path.normpath(run_dir)), path)
+    finish(fig, ax, title or os.path.basename(os.path.normpath(run_dir)), path)
 
 
 def plot_runs(runs, path, window, raw=False, title=None, until=None):
@@ -169,7 +174,20 @@ def finish(fig, ax, title, path):
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    save(fig, path)
+
+
+def image_format(path):
+    """The format matplotlib writes for path's extension (png without one); one line if it has none."""
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable Network Graphics", ...}
+    if fmt not in kinds:
+        fail(f"cannot write a .{fmt} image {shlex.quote(path)}; use one of: .{', .'.join(sorted(kinds))}")
+    return fmt
+
+
+def save(fig, path):
+    fmt = image_format(path)
     metadata = {"Software": None} if fmt == "png" else None  # no version stamp in the file
     atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight", metadata=metadata))
     plt.close(fig)
@@ -178,18 +196,27 @@ def finish(fig, ax, title, path):
 # ----------------------------------------------------------------------------- tables and CSVs
 
 
-def summary_rows(runs, last=1000, until=None):
-    """One dict per run: batches, median of the last `last` batches, last validation loss,
+LASTS = (1000, 2000)  # summary.csv's medians: the last 1000 batches, and the paper's 2000 (Figures 10-11)
+
+
+def last_val(log):
+    """The last validation loss in a log, or "" if it has none."""
+    return float(log["val_loss"][-1]) if len(log["val_loss"]) else ""
+
+
+def summary_rows(runs, until=None):
+    """One dict per run: batches, medians of the last 1000 and 2000 batches, last validation loss,
     parameters, and the median of the logged tokens/s."""
     rows = []
     for name, d in runs:
         log, settings = read_log(d, until), read_settings(d)
+        medians = {f"median_last_{n}": float(np.median(log["train_loss"][-n:])) for n in LASTS}
         rows.append(
             {
                 "run": name,
                 "batches": int(log["iter"][-1]),
-                f"median_last_{last}": float(np.median(log["train_loss"][-last:])),
-                "val_loss": float(log["val_loss"][-1]) if len(log["val_loss"]) else "",
+                **medians,
+                "val_loss": last_val(log),
                 "val_at": int(log["val_iter"][-1]) if len(log["val_loss"]) else "",
                 "params_mixers": settings["params"].get("mixers", ""),
                 "params_total": settings["params"].get("total", ""),
@@ -214,22 +241,53 @@ def csv_text(header, rows):
     return buf.getvalue()
 
 
-def write_results(runs, folder, window, last=1000, until=None):
+def write_results(runs, folder, window, until=None):
     """The figure's numbers as CSV in `folder`: medians.csv (median of every `window` batches, a
-    column per run), val_loss.csv (every validation loss, a column per run) and summary.csv."""
+    column per run), val_loss.csv (every validation loss, a column per run) and summary.csv.
+    Returns the paths written."""
     os.makedirs(folder, exist_ok=True)
     logs = {name: read_log(d, until) for name, d in runs}
     meds = {name: dict(zip(*window_medians(log["train_loss"], window))) for name, log in logs.items()}
     vals = {name: dict(zip(log["val_iter"], log["val_loss"])) for name, log in logs.items()}
+    written = []
     for file, table in (("medians.csv", meds), ("val_loss.csv", vals)):
         batches = sorted({int(b) for col in table.values() for b in col})
         rows = [[b] + [repr(float(table[n][b])) if b in table[n] else "" for n in table] for b in batches]
-        atomic_write(os.path.join(folder, file), csv_text(["batches"] + list(table), rows))
-    rows = summary_rows(runs, last, until)
-    atomic_write(
-        os.path.join(folder, "summary.csv"), csv_text(list(rows[0]), [list(r.values()) for r in rows])
-    )
-    return rows
+        written.append(write_csv(os.path.join(folder, file), rows, header=["batches"] + list(table)))
+    written.append(write_csv(os.path.join(folder, "summary.csv"), summary_rows(runs, until)))
+    return written
+
+
+def write_csv(path, rows, header=None):
+    """rows: lists under `header`, or dicts (their keys are the header). Returns path."""
+    if header is None:
+        header, rows = list(rows[0]), [list(r.values()) for r in rows]
+    atomic_write(path, csv_text(header, rows))
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def default_output(args):
+    """-o, or for one run's own chart (or its --taps) a file in the run folder; else one line."""
+    if args.output:
+        return args.output
+    if len(args.runs) == 1 and not (args.raw or args.sweep):
+        return os.path.join(args.runs[0], "loss.png")
+    fail("several runs, --raw and --sweep make one figure of many runs: name it with -o FILE")
+
+
+def check_batches(runs, batches):
+    """--batches N must be at least 1 and within every run."""
+    if batches is None:
+        return
+    if batches < 1:
+        fail(f"--batches must be at least 1, got {batches}")
+    for _, d in runs:
+        n = int(read_log(d)["iter"][-1])
+        if n < batches:
+            fail(f"--batches {batches}: {shlex.quote(d)} has only {n} batches; pass --batches {n} or less")
 
 
 def main(argv=None):
@@ -237,7 +295,12 @@ def main(argv=None):
         description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("runs", nargs="+", help="run folders written by train.py")
-    p.add_argument("-o", "--output", default="loss.png", help="image file to write (.png, .pdf, .svg)")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="image file to write (.png, .pdf, .svg, ...); needed for several runs, --raw and --sweep. "
+        "Default for one run: its own chart (as train.py draws it) in RUN/loss.png",
+    )
     p.add_argument(
         "--window", type=int, help="batches per median (default: the paper's 2000, or ~30 windows)"
     )
@@ -253,27 +316,27 @@ def main(argv=None):
     p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
     try:
         args = p.parse_args(argv)
+        output = default_output(args)
+        image_format(output)  # an unknown extension fails here, before any work
         runs = in_paper_order(run_names(args.runs))
-        if args.batches is not None:
-            short = [d for _, d in runs if read_log(d)["iter"][-1] < args.batches]
-            if args.batches < 1 or short:
-                fail(
-                    f"--batches {args.batches}: {', '.join(short) or 'must be at least 1'} has fewer batches"
-                )
+        check_batches(runs, args.batches)
         window = args.window
         if window is None:
             window = auto_window(min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs))
         if window < 1:
             fail(f"--window must be at least 1, got {window}")
-        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+        os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
         if args.sweep:
-            plot_sweep(runs, args.sweep, args.output, window, args.title, args.batches)
+            plot_sweep(runs, args.sweep, output, window, args.title, args.batches)
+        elif len(runs) == 1 and not args.raw:
+            plot_run(runs[0][1], output, args.window, args.batches, args.title)
         else:
-            plot_runs(runs, args.output, window, args.raw, args.title, args.batches)
+            plot_runs(runs, output, window, args.raw, args.title, args.batches)
+        written = [output]
         if args.results:
-            write_results(runs, args.results, window, until=args.batches)
+            written += write_results(runs, args.results, window, until=args.batches)
         print_summary(summary_rows(runs, until=args.batches))
-        print(f"wrote {args.output}" + (f" and {args.results}/*.csv" if args.results else ""))
+        print("wrote " + " ".join(shlex.quote(path) for path in written))
     except OSError as e:  # an unwritable output folder, a full disk
         print(
             f"error: cannot write {e.filename}: {e.strerror}; pick another -o or --results", file=sys.stderr

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -1991,6 +1992,68 @@ def test_plot_bad_input_gives_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
     assert not os.path.exists(tmp_path / "x.png")
+
+
+def _plot_error(capsys, argv):
+    """plot.main's exit status 1 and its one error line."""
+    assert plot.main(argv) == 1, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+    return err[0]
+
+
+def test_plot_one_run_without_o_redraws_its_own_loss_png(tmp_path, capsys, monkeypatch):
+    run = str(tmp_path / "me-m2")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
+    monkeypatch.chdir(tmp_path)
+    assert plot.main([run]) == 0
+    assert os.listdir(tmp_path) == ["me-m2"]  # nothing in the working folder
+    plot.plot_run(run, str(tmp_path / "by_train.png"))  # what train.py draws at the end
+    with open(os.path.join(run, "loss.png"), "rb") as a, open(tmp_path / "by_train.png", "rb") as b:
+        assert a.read() == b.read()
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run}/loss.png"
+    other = str(tmp_path / "other")
+    _plot_fake_run(other, "he", 1, [5.0] * 90, val_every=30)
+    assert "name it with -o" in _plot_error(capsys, [run, other])  # several runs: no default file
+
+
+def test_plot_unknown_image_extension_is_one_line_naming_the_formats(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    err = _plot_error(capsys, [run, "-o", str(tmp_path / "x.xyz")])
+    assert "cannot write a .xyz image" in err and ".png" in err and ".svg" in err and ".pdf" in err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_plot_batches_errors_are_plain_sentences(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    argv = [run, "-o", str(tmp_path / "x.png")]
+    assert _plot_error(capsys, argv + ["--batches", "0"]) == "error: --batches must be at least 1, got 0"
+    err = _plot_error(capsys, argv + ["--batches", "11"])
+    assert err == f"error: --batches 11: {run} has only 10 batches; pass --batches 10 or less"
+
+
+def test_plot_printed_paths_paste_back_as_the_same_paths(tmp_path, capsys):
+    run = str(tmp_path / "my runs" / "me")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(40)], val_every=10)
+    out, res = str(tmp_path / "my figs" / "a b.png"), str(tmp_path / "my results")
+    assert plot.main([run, "-o", out, "--results", res]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    csvs = [os.path.join(res, f) for f in ("medians.csv", "val_loss.csv", "summary.csv")]
+    assert shlex.split(last) == ["wrote", out] + csvs
+    assert all(os.path.isfile(p) for p in [out] + csvs)
+
+
+def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path):
+    rng = random.Random(1)
+    losses = [rng.uniform(3, 6) for _ in range(2500)]
+    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses, val_every=500)
+    assert plot.main([str(tmp_path / "he"), "-o", str(tmp_path / "f.png"), "--results", str(tmp_path)]) == 0
+    (row,) = csv.DictReader(open(tmp_path / "summary.csv"))
+    assert float(row["median_last_1000"]) == float(np.median(losses[-1000:]))
+    assert float(row["median_last_2000"]) == float(np.median(losses[-2000:]))
+    assert row["batches"] == "2500" and float(row["val_loss"]) == losses[2499] - 0.5
 
 
 # ======== runs that cannot get stuck, collide, grow or mix data (train.py, sample.py) ========
