@@ -95,10 +95,15 @@ def run_names(run_dirs):
     return list(zip(names, run_dirs))
 
 
+def paper_rank(name):
+    """Sort key: the mixers in STYLE's order, then any others by name."""
+    order = list(STYLE)
+    return (order.index(name) if name in order else len(order), name)
+
+
 def in_paper_order(runs):
     """(label, run_dir) pairs sorted as STYLE lists the mixers."""
-    order = list(STYLE)
-    return sorted(runs, key=lambda r: (order.index(r[0]) if r[0] in order else len(order), r[0]))
+    return sorted(runs, key=lambda r: paper_rank(r[0]))
 
 
 def window_medians(loss, window):
@@ -241,9 +246,29 @@ def csv_text(header, rows):
     return buf.getvalue()
 
 
-def write_results(runs, folder, window, until=None):
+def seed_rows(run_dirs, until=None):
+    """seeds.csv: one row per run (mixer, seed), every row at the same number of batches: the
+    shortest run's, or `until` if that is shorter. val_loss is the last one at or before it."""
+    n = min([int(read_log(d)["iter"][-1]) for d in run_dirs] + ([until] if until else []))
+    rows = []
+    for d in run_dirs:
+        settings, log = read_settings(d), read_log(d, n)
+        rows.append(
+            {
+                "mixer": label(settings),
+                "seed": settings.get("seed", ""),
+                "batches": int(log["iter"][-1]),
+                "median_last_1000": float(np.median(log["train_loss"][-1000:])),
+                "val_loss": last_val(log),
+            }
+        )
+    return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), str(r["seed"])))
+
+
+def write_results(runs, folder, window, until=None, seeds=()):
     """The figure's numbers as CSV in `folder`: medians.csv (median of every `window` batches, a
-    column per run), val_loss.csv (every validation loss, a column per run) and summary.csv.
+    column per run), val_loss.csv (every validation loss, a column per run) and summary.csv; with
+    `seeds` (more run folders), seeds.csv: a row for each of the runs and the seeds' runs.
     Returns the paths written."""
     os.makedirs(folder, exist_ok=True)
     logs = {name: read_log(d, until) for name, d in runs}
@@ -255,6 +280,9 @@ def write_results(runs, folder, window, until=None):
         rows = [[b] + [repr(float(table[n][b])) if b in table[n] else "" for n in table] for b in batches]
         written.append(write_csv(os.path.join(folder, file), rows, header=["batches"] + list(table)))
     written.append(write_csv(os.path.join(folder, "summary.csv"), summary_rows(runs, until)))
+    if seeds:
+        rows = seed_rows([d for _, d in runs] + list(seeds), until)
+        written.append(write_csv(os.path.join(folder, "seeds.csv"), rows))
     return written
 
 
@@ -309,13 +337,25 @@ def main(argv=None):
         "--sweep", metavar="KEY", help="last window's median against this setting (Figures 10, 11)"
     )
     p.add_argument(
-        "--results", metavar="DIR", help="also write medians.csv, val_loss.csv and summary.csv here"
+        "--results",
+        metavar="DIR",
+        help="also write medians.csv, val_loss.csv and summary.csv here (and seeds.csv with --seeds)",
+    )
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        metavar="RUN",
+        default=[],
+        help="with --results: more runs (other seeds) for seeds.csv only, a row per run, all at the "
+        "shortest run's length",
     )
     p.add_argument("--batches", type=int, help="use the first N batches of each run (compare at one length)")
     p.add_argument("--title", help="figure title")
     p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
     try:
         args = p.parse_args(argv)
+        if args.seeds and not args.results:
+            fail("--seeds only adds rows to seeds.csv; add --results DIR")
         output = default_output(args)
         image_format(output)  # an unknown extension fails here, before any work
         runs = in_paper_order(run_names(args.runs))
@@ -334,7 +374,7 @@ def main(argv=None):
             plot_runs(runs, output, window, args.raw, args.title, args.batches)
         written = [output]
         if args.results:
-            written += write_results(runs, args.results, window, until=args.batches)
+            written += write_results(runs, args.results, window, args.batches, args.seeds)
         print_summary(summary_rows(runs, until=args.batches))
         print("wrote " + " ".join(shlex.quote(path) for path in written))
     except OSError as e:  # an unwritable output folder, a full disk

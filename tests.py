@@ -1919,11 +1919,12 @@ def test_bench_loglog_slope_recovers_a_power_law():
 # ======== plots and results (plot.py) ========
 
 
-def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000):
+def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000, seed=1337, **config):
     """A run folder as train.py writes it, with made-up costs: run.json and log.csv."""
     os.makedirs(folder)
-    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32}
-    run = {"config": cfg, "args": {"batch_size": 64}, "params": {"mixers": params, "total": 10 * params}}
+    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32, **config}
+    args = {"batch_size": 64, "seed": seed}
+    run = {"config": cfg, "args": args, "params": {"mixers": params, "total": 10 * params}}
     with open(os.path.join(folder, "run.json"), "w") as f:
         json.dump(run, f)
     with open(os.path.join(folder, "log.csv"), "w") as f:
@@ -2054,6 +2055,48 @@ def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path
     assert float(row["median_last_1000"]) == float(np.median(losses[-1000:]))
     assert float(row["median_last_2000"]) == float(np.median(losses[-2000:]))
     assert row["batches"] == "2500" and float(row["val_loss"]) == losses[2499] - 0.5
+
+
+def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, capsys):
+    rng = random.Random(2)
+    runs = {  # folder: (mixer, heads, seed, batches); the seed-1337 runs are the longer ones
+        "sa-32": ("sa", 32, 1337, 1500),
+        "she": ("she", 1, 1337, 1400),
+        "she-s1338": ("she", 1, 1338, 1100),
+        "she-s1339": ("she", 1, 1339, 1200),
+        "sa-32-s1338": ("sa", 32, 1338, 1300),
+    }
+    losses = {}
+    for name, (mixer, heads, seed, n) in runs.items():
+        losses[name] = [rng.uniform(3, 6) for _ in range(n)]
+        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, seed=seed)
+    main_runs = [str(tmp_path / n) for n in ("she", "sa-32")]
+    seeds = [str(tmp_path / n) for n in ("she-s1338", "she-s1339", "sa-32-s1338")]
+    res = tmp_path / "results"
+    argv = (
+        main_runs + ["--seeds"] + seeds + ["--results", str(res), "-o", str(res / "f.png"), "--window", "100"]
+    )
+    assert plot.main(argv) == 0
+    rows = list(csv.DictReader(open(res / "seeds.csv")))
+    assert list(rows[0]) == ["mixer", "seed", "batches", "median_last_1000", "val_loss"]
+    labels = [("sa-32", "1337"), ("sa-32", "1338"), ("she", "1337"), ("she", "1338"), ("she", "1339")]
+    assert [(r["mixer"], r["seed"]) for r in rows] == labels
+    for r, name in zip(
+        rows, ["sa-32", "sa-32-s1338", "she", "she-s1338", "she-s1339"]
+    ):  # every run at the shortest run's 1100 batches
+        assert r["batches"] == "1100"
+        assert float(r["median_last_1000"]) == float(np.median(losses[name][100:1100]))
+        assert float(r["val_loss"]) == losses[name][1099] - 0.5
+    # the figure's tables keep one column or row per mixer, each at its full length
+    assert next(csv.reader(open(res / "medians.csv"))) == ["batches", "sa-32", "she"]
+    summary = list(csv.DictReader(open(res / "summary.csv")))
+    assert [(r["run"], r["batches"]) for r in summary] == [("sa-32", "1500"), ("she", "1400")]
+    # --batches shorter than every run: all rows there
+    assert plot.main(argv + ["--batches", "1050"]) == 0
+    assert {r["batches"] for r in csv.DictReader(open(res / "seeds.csv"))} == {"1050"}
+    assert "add --results DIR" in _plot_error(
+        capsys, main_runs + ["--seeds"] + seeds + ["-o", str(res / "f.png")]
+    )
 
 
 # ======== runs that cannot get stuck, collide, grow or mix data (train.py, sample.py) ========
