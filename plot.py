@@ -153,24 +153,55 @@ def plot_runs(runs, path, window, raw=False, title=None, until=None):
     finish(fig, ax, title or what, path)
 
 
-def plot_sweep(runs, key, path, window, title=None, until=None):
-    """The median of each run's last `window` batches against a swept setting (Figures 10-11),
-    one line per mixer (sa per head count)."""
-    lines = {}
+# the paper's symbols of the settings a sweep can vary (Table 1), for axis labels and CSV columns
+SYMBOLS = {
+    "vocab_size": "u",
+    "block_size": "l",
+    "n_embd": "d",
+    "n_hidden": "c",
+    "n_layer": "m",
+    "n_head": "n",
+}
+
+
+def sweep_rows(runs, key, window, until=None):
+    """One dict per run for Figures 10-11: mixer, the swept setting (under its paper symbol),
+    batches, the median of the last `window` batches, and the last validation loss."""
+    rows = []
     for _, d in runs:
-        settings, loss = read_settings(d), read_log(d, until)["train_loss"]
+        settings, log = read_settings(d), read_log(d, until)
         if key not in settings:
             fail(f"{d} has no setting {key!r}; choose one of {', '.join(sorted(settings))}")
-        lines.setdefault(label(settings), []).append((settings[key], np.median(loss[-window:])))
+        if len(log["train_loss"]) < window:
+            fail(
+                f"{d} has {len(log['train_loss'])} batches, fewer than --window {window}; pass a smaller one"
+            )
+        rows.append(
+            {
+                "mixer": label(settings),
+                SYMBOLS.get(key, key): settings[key],
+                "batches": int(log["iter"][-1]),
+                f"median_last_{window}": float(np.median(log["train_loss"][-window:])),
+                "val_loss": last_val(log),
+            }
+        )
+    x = SYMBOLS.get(key, key)
+    return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), r[x]))
+
+
+def plot_sweep(rows, key, path, window, title=None):
+    """sweep_rows' medians against the swept setting, one line per mixer (sa per head count)."""
+    x, y = SYMBOLS.get(key, key), f"median_last_{window}"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, pts in in_paper_order([(n, sorted(p)) for n, p in lines.items()]):
+    for name in dict.fromkeys(r["mixer"] for r in rows):  # in paper order, each once
+        pts = [(r[x], r[y]) for r in rows if r["mixer"] == name]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=STYLE.get(name), label=name)
-    values = sorted({p[0] for pts in lines.values() for p in pts})
+    values = sorted({r[x] for r in rows})
     if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) / min(values) >= 8:
         ax.set_xscale("log", base=2)  # l = 32 ... 1024 and similar doubling sweeps
     ax.set_xticks(values, [str(v) for v in values])
-    ax.set(xlabel=key, ylabel=f"median cost of the last {window} batches")
-    finish(fig, ax, title or f"last {window} batches against {key}", path)
+    ax.set(xlabel=f"{x} ({key})" if x != key else key, ylabel=f"median cost of the last {window} batches")
+    finish(fig, ax, title or f"last {window} batches against {x}", path)
 
 
 def finish(fig, ax, title, path):
@@ -330,7 +361,10 @@ def main(argv=None):
         "Default for one run: its own chart (as train.py draws it) in RUN/loss.png",
     )
     p.add_argument(
-        "--window", type=int, help="batches per median (default: the paper's 2000, or ~30 windows)"
+        "--window",
+        type=int,
+        help="batches per median (default: the paper's 2000, or ~30 windows for shorter runs; "
+        "with --sweep, the last 2000 batches or the whole of a shorter run)",
     )
     p.add_argument("--raw", action="store_true", help="plot every batch's cost instead of medians (Figure 9)")
     p.add_argument(
@@ -339,7 +373,8 @@ def main(argv=None):
     p.add_argument(
         "--results",
         metavar="DIR",
-        help="also write medians.csv, val_loss.csv and summary.csv here (and seeds.csv with --seeds)",
+        help="also write medians.csv, val_loss.csv and summary.csv here (and seeds.csv with --seeds); "
+        "with --sweep only the figure's points, as <figure name>.csv",
     )
     p.add_argument(
         "--seeds",
@@ -354,26 +389,32 @@ def main(argv=None):
     p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
     try:
         args = p.parse_args(argv)
-        if args.seeds and not args.results:
-            fail("--seeds only adds rows to seeds.csv; add --results DIR")
+        if args.seeds and (not args.results or args.sweep):
+            fail("--seeds only adds rows to seeds.csv, which --results DIR writes without --sweep")
         output = default_output(args)
         image_format(output)  # an unknown extension fails here, before any work
         runs = in_paper_order(run_names(args.runs))
         check_batches(runs, args.batches)
         window = args.window
         if window is None:
-            window = auto_window(min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs))
+            shortest = min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs)
+            window = min(2000, shortest) if args.sweep else auto_window(shortest)
         if window < 1:
             fail(f"--window must be at least 1, got {window}")
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
         if args.sweep:
-            plot_sweep(runs, args.sweep, output, window, args.title, args.batches)
+            rows = sweep_rows(runs, args.sweep, window, args.batches)
+            plot_sweep(rows, args.sweep, output, window, args.title)
         elif len(runs) == 1 and not args.raw:
             plot_run(runs[0][1], output, args.window, args.batches, args.title)
         else:
             plot_runs(runs, output, window, args.raw, args.title, args.batches)
         written = [output]
-        if args.results:
+        if args.results and args.sweep:  # the figure's points, named after it
+            os.makedirs(args.results, exist_ok=True)
+            name = os.path.splitext(os.path.basename(output))[0] + ".csv"
+            written.append(write_csv(os.path.join(args.results, name), rows))
+        elif args.results:
             written += write_results(runs, args.results, window, args.batches, args.seeds)
         print_summary(summary_rows(runs, until=args.batches))
         print("wrote " + " ".join(shlex.quote(path) for path in written))

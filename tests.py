@@ -2094,9 +2094,49 @@ def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, 
     # --batches shorter than every run: all rows there
     assert plot.main(argv + ["--batches", "1050"]) == 0
     assert {r["batches"] for r in csv.DictReader(open(res / "seeds.csv"))} == {"1050"}
-    assert "add --results DIR" in _plot_error(
+    assert "seeds.csv, which --results DIR writes" in _plot_error(
         capsys, main_runs + ["--seeds"] + seeds + ["-o", str(res / "f.png")]
     )
+
+
+def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
+    rng = random.Random(3)
+    runs, losses = [], {}
+    for name, mixer, heads in (("she", "she", 1), ("sa-32", "sa", 32)):
+        for l in (64, 128):
+            run = str(tmp_path / f"{l}-{name}")  # the names sort in no useful order
+            losses[name, l] = [rng.uniform(3, 6) for _ in range(2500)]
+            _plot_fake_run(run, mixer, heads, losses[name, l], val_every=500, block_size=l)
+            runs.append(run)
+    res = tmp_path / "results"
+    argv = runs + ["--sweep", "block_size", "--results", str(res), "-o", str(res / "fig10_l_sweep.png")]
+    assert plot.main(argv) == 0
+    assert sorted(os.listdir(res)) == ["fig10_l_sweep.csv", "fig10_l_sweep.png"]  # no medians.csv etc.
+    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
+    assert list(rows[0]) == ["mixer", "l", "batches", "median_last_2000", "val_loss"]  # 2000: the default
+    expect = [("sa-32", "64"), ("sa-32", "128"), ("she", "64"), ("she", "128")]
+    assert [(r["mixer"], r["l"]) for r in rows] == expect
+    for r in rows:
+        loss = losses[r["mixer"], int(r["l"])]
+        assert r["batches"] == "2500" and float(r["median_last_2000"]) == float(np.median(loss[-2000:]))
+        assert float(r["val_loss"]) == loss[2499] - 0.5
+    assert plot.main(argv + ["--batches", "2200", "--window", "1000"]) == 0
+    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
+    assert float(rows[0]["median_last_1000"]) == float(np.median(losses["sa-32", 64][1200:2200]))
+    assert float(rows[0]["val_loss"]) == losses["sa-32", 64][1999] - 0.5 and rows[0]["batches"] == "2200"
+    runs, losses = [], {}
+    for m in (4, 2):  # an m sweep of short runs: the median of the whole run
+        runs.append(str(tmp_path / f"he-m{m}"))
+        losses[m] = [rng.uniform(3, 6) for _ in range(50)]
+        _plot_fake_run(runs[-1], "he", 1, losses[m], val_every=10, n_layer=m)
+    assert (
+        plot.main(runs + ["--sweep", "n_layer", "--results", str(res), "-o", str(tmp_path / "f11.svg")]) == 0
+    )
+    rows = list(csv.DictReader(open(res / "f11.csv")))
+    assert list(rows[0]) == ["mixer", "m", "batches", "median_last_50", "val_loss"]
+    for r, m in zip(rows, (2, 4)):
+        assert (r["mixer"], r["m"], r["batches"]) == ("he", str(m), "50")
+        assert float(r["median_last_50"]) == float(np.median(losses[m]))
 
 
 # ======== runs that cannot get stuck, collide, grow or mix data (train.py, sample.py) ========
