@@ -17,6 +17,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import shlex
 import sys
@@ -28,7 +29,7 @@ matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
-from common import atomic_write, fail  # noqa: E402
+from common import atomic_write, fail, one_line_errors  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others follow in matplotlib's cycle)
 STYLE = {
@@ -229,6 +230,147 @@ def save(fig, path):
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- what the filters learned
+
+TAP_WINDOWS = 256  # evenly spaced windows of val.bin over which attention's weights are averaged
+TAP_LABELS = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"}  # else ||w_k||_2
+
+
+def tap_profile(model, windows=None):
+    """What each layer's token mixer weighs at each distance back k = 1..l (k = 1 is the current
+    token), as {layer (from 1): (l,) array}: ME's |w_k|, WE's and HE's ||w_k||_2, SHE's Frobenius
+    ||W_k||_F; for self-attention the mean attention weight k - 1 tokens back, averaged over heads,
+    positions and `windows`, a (N, t) tensor of token ids."""
+    from extractor import SelfAttention
+
+    mixers = [layer.mixer for layer in model.layers]
+    if isinstance(mixers[0], SelfAttention):
+        return attention_by_distance(model, windows)
+    profile = {}
+    for i, mixer in enumerate(mixers, 1):
+        w = getattr(mixer, "W_ext", getattr(mixer, "w_ext", None))  # (l, d, d), (l, d) or (l,)
+        if w is None:
+            fail(f"--taps: the {model.cfg.mixer!r} mixer has neither Extractor taps nor attention weights")
+        profile[i] = w.detach().double().reshape(len(w), -1).norm(dim=1).numpy()  # ||W_k||_F, ||w_k||, |w_k|
+    return profile
+
+
+def attention_weights(mixer, x):
+    """Eq. (13), (14) recomputed from a SelfAttention's input x (B, t, d): A (B, n, t, t), each row
+    a softmax over the positions j <= i (F.scaled_dot_product_attention does not return it)."""
+    import torch
+
+    B, t, d = x.shape
+    n = mixer.n
+    q, k, _ = mixer.W_QKV(x).split(d, dim=2)  # Eq. (10), (11), (B, t, d) each
+    q, k = (z.view(B, t, n, d // n).transpose(1, 2) for z in (q, k))  # (B, n, t, h)
+    z = q @ k.transpose(2, 3) / math.sqrt(d // n)  # Eq. (13), (B, n, t, t)
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)  # j > i
+    return z.masked_fill(future, -math.inf).softmax(dim=-1)  # Eq. (14)
+
+
+def attention_by_distance(model, windows, chunk=32):
+    """{layer: (t,) mean of A[i, i - k + 1] over heads, positions i >= k - 1 and the windows (N, t)}.
+    A forward pre-hook catches each mixer's input (the layer-normed residual stream)."""
+    import torch
+
+    inputs = {}
+    hooks = [
+        layer.mixer.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, layer in enumerate(model.layers, 1)
+    ]
+    N, t = windows.shape
+    pos = torch.arange(t)
+    back = pos[:, None] - pos[None, :]  # (t, t), the distance back i - j
+    seen = back >= 0
+    sums = {i: torch.zeros(t, dtype=torch.float64) for i in range(1, len(model.layers) + 1)}
+    model.eval()
+    try:
+        with torch.no_grad():
+            for x in windows.split(chunk):
+                model(x)
+                for i, layer in enumerate(model.layers, 1):
+                    a = attention_weights(layer.mixer, inputs[i]).double().sum(dim=(0, 1))  # (t, t)
+                    sums[i].index_add_(0, back[seen], a[seen])
+    finally:
+        for h in hooks:
+            h.remove()
+    count = N * model.layers[0].mixer.n * (t - pos)  # (t,) weights summed at each distance
+    return {i: (s / count).numpy() for i, s in sums.items()}
+
+
+def uniform_by_distance(t):
+    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,) means over i >= k - 1."""
+    w = 1 / np.arange(1, t + 1)  # row i's weight
+    return np.array([w[back:].mean() for back in range(t)])
+
+
+def load_model(run_dir):
+    """The model of run_dir/ckpt.pt on the CPU, in eval mode, and the run's training arguments."""
+    import torch
+
+    import synthesizer  # noqa: F401, registers its mixers, so that their checkpoints load
+    from extractor import Config, Transformer
+
+    path = os.path.join(run_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        fail(f"{shlex.quote(path)} not found; --taps reads a run's checkpoint")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = Transformer(Config(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval(), ckpt.get("args", {})
+
+
+def val_windows(data_dir, l, n=TAP_WINDOWS):
+    """n windows of l tokens spread evenly over data_dir/val.bin, as train.py picks its validation
+    windows: a (n, l) int64 array."""
+    path = os.path.join(data_dir, "val.bin")
+    if not os.path.isfile(path):
+        fail(f"{shlex.quote(path)} not found; pass --data_dir, the folder with the run's val.bin")
+    val = np.memmap(path, dtype=np.uint16, mode="r")
+    if len(val) < l + 1:
+        fail(f"{shlex.quote(path)} has {len(val)} tokens, fewer than l + 1 = {l + 1}")
+    starts = np.linspace(0, len(val) - l - 1, n).round().astype(np.int64)
+    return np.stack([val[s : s + l] for s in starts]).astype(np.int64)  # (n, l)
+
+
+def plot_taps(runs, path, data_dir=None, title=None):
+    """One panel per run, one line per layer: tap_profile against the distance back k = 1..l."""
+    import torch
+
+    panels = []
+    for name, d in runs:
+        model, args = load_model(d)
+        windows = None
+        if model.cfg.mixer == "sa":
+            windows = torch.from_numpy(
+                val_windows(data_dir or args.get("data_dir", "data"), model.cfg.block_size)
+            )
+        panels.append((name, model.cfg.mixer, tap_profile(model, windows)))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.6 * rows), squeeze=False)
+    for ax, (name, mixer, profile) in zip(axes.flat, panels):
+        colours = plt.cm.viridis(np.linspace(0, 0.9, len(profile)))
+        for colour, (layer, y) in zip(colours, profile.items()):
+            ax.plot(np.arange(1, len(y) + 1), y, color=colour, lw=1.2, label=f"layer {layer}")
+        if mixer == "sa":  # what attention spread evenly over the seen tokens would give
+            ax.plot(
+                np.arange(1, len(y) + 1), uniform_by_distance(len(y)), "--", color="gray", label="uniform"
+            )
+        ax.set_yscale("log")
+        ax.set(title=name, xlabel="distance back k (k = 1: the current token)")
+        ax.set_ylabel(TAP_LABELS.get(mixer, r"$\|w_k\|_2$"))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=1 + (len(profile) - 1) // 6)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    save(fig, path)
+
+
 # ----------------------------------------------------------------------------- tables and CSVs
 
 
@@ -328,28 +470,7 @@ def write_csv(path, rows, header=None):
 # ----------------------------------------------------------------------------- command line
 
 
-def default_output(args):
-    """-o, or for one run's own chart (or its --taps) a file in the run folder; else one line."""
-    if args.output:
-        return args.output
-    if len(args.runs) == 1 and not (args.raw or args.sweep):
-        return os.path.join(args.runs[0], "loss.png")
-    fail("several runs, --raw and --sweep make one figure of many runs: name it with -o FILE")
-
-
-def check_batches(runs, batches):
-    """--batches N must be at least 1 and within every run."""
-    if batches is None:
-        return
-    if batches < 1:
-        fail(f"--batches must be at least 1, got {batches}")
-    for _, d in runs:
-        n = int(read_log(d)["iter"][-1])
-        if n < batches:
-            fail(f"--batches {batches}: {shlex.quote(d)} has only {n} batches; pass --batches {n} or less")
-
-
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -358,7 +479,7 @@ def main(argv=None):
         "-o",
         "--output",
         help="image file to write (.png, .pdf, .svg, ...); needed for several runs, --raw and --sweep. "
-        "Default for one run: its own chart (as train.py draws it) in RUN/loss.png",
+        "Default for one run: RUN/loss.png, its own chart as train.py draws it (RUN/taps.png with --taps)",
     )
     p.add_argument(
         "--window",
@@ -366,9 +487,22 @@ def main(argv=None):
         help="batches per median (default: the paper's 2000, or ~30 windows for shorter runs; "
         "with --sweep, the last 2000 batches or the whole of a shorter run)",
     )
-    p.add_argument("--raw", action="store_true", help="plot every batch's cost instead of medians (Figure 9)")
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--raw", action="store_true", help="plot every batch's cost instead of medians (Figure 9)"
+    )
+    mode.add_argument(
         "--sweep", metavar="KEY", help="last window's median against this setting (Figures 10, 11)"
+    )
+    mode.add_argument(
+        "--taps",
+        action="store_true",
+        help="what the filters learned, from each run's ckpt.pt: a panel per run, a line per layer, against "
+        "the distance back k: |w_k| (ME), ||w_k|| (WE, HE), ||W_k||_F (SHE), or attention's mean weight (sa)",
+    )
+    p.add_argument(
+        "--data_dir",
+        help=f"with --taps for sa: the folder with val.bin (default: the run's own); {TAP_WINDOWS} windows",
     )
     p.add_argument(
         "--results",
@@ -386,37 +520,89 @@ def main(argv=None):
     )
     p.add_argument("--batches", type=int, help="use the first N batches of each run (compare at one length)")
     p.add_argument("--title", help="figure title")
-    p.error = lambda msg: fail(f"{msg} (see python plot.py --help)")
+    return one_line_errors(p, "plot.py")
+
+
+def check_flags(args):
+    """Flags that do not go together, as one line."""
+    if args.taps:
+        curves = {
+            "--window": args.window,
+            "--results": args.results,
+            "--seeds": args.seeds,
+            "--batches": args.batches,
+        }
+        given = [flag for flag, value in curves.items() if value not in (None, [])]
+        if given:
+            fail(f"--taps reads each run's ckpt.pt; {', '.join(given)} apply to the training curves only")
+    elif args.data_dir:
+        fail("--data_dir is for --taps (attention's weights on val.bin)")
+    if args.seeds and (not args.results or args.sweep):
+        fail("--seeds only adds rows to seeds.csv, which --results DIR writes without --sweep")
+
+
+def default_output(args):
+    """-o, or for one run's own chart (or its --taps) a file in the run folder; else one line."""
+    if args.output:
+        return args.output
+    if len(args.runs) == 1 and not (args.raw or args.sweep):
+        return os.path.join(args.runs[0], "taps.png" if args.taps else "loss.png")
+    fail("several runs, --raw and --sweep make one figure of many runs: name it with -o FILE")
+
+
+def check_batches(runs, batches):
+    """--batches N must be at least 1 and within every run."""
+    if batches is None:
+        return
+    if batches < 1:
+        fail(f"--batches must be at least 1, got {batches}")
+    for _, d in runs:
+        n = int(read_log(d)["iter"][-1])
+        if n < batches:
+            fail(f"--batches {batches}: {shlex.quote(d)} has only {n} batches; pass --batches {n} or less")
+
+
+def plot_logs(args, runs, output):
+    """The training curves from the runs' log.csv: the figure, the CSVs and the printed table.
+    Returns the paths written."""
+    check_batches(runs, args.batches)
+    window = args.window
+    if window is None:
+        shortest = min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs)
+        window = min(2000, shortest) if args.sweep else auto_window(shortest)
+    if window < 1:
+        fail(f"--window must be at least 1, got {window}")
+    if args.sweep:
+        rows = sweep_rows(runs, args.sweep, window, args.batches)
+        plot_sweep(rows, args.sweep, output, window, args.title)
+    elif len(runs) == 1 and not args.raw:
+        plot_run(runs[0][1], output, args.window, args.batches, args.title)
+    else:
+        plot_runs(runs, output, window, args.raw, args.title, args.batches)
+    written = [output]
+    if args.results and args.sweep:  # the figure's points, named after it
+        os.makedirs(args.results, exist_ok=True)
+        name = os.path.splitext(os.path.basename(output))[0] + ".csv"
+        written.append(write_csv(os.path.join(args.results, name), rows))
+    elif args.results:
+        written += write_results(runs, args.results, window, args.batches, args.seeds)
+    print_summary(summary_rows(runs, until=args.batches))
+    return written
+
+
+def main(argv=None):
     try:
-        args = p.parse_args(argv)
-        if args.seeds and (not args.results or args.sweep):
-            fail("--seeds only adds rows to seeds.csv, which --results DIR writes without --sweep")
+        args = build_parser().parse_args(argv)
+        check_flags(args)
         output = default_output(args)
         image_format(output)  # an unknown extension fails here, before any work
         runs = in_paper_order(run_names(args.runs))
-        check_batches(runs, args.batches)
-        window = args.window
-        if window is None:
-            shortest = min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs)
-            window = min(2000, shortest) if args.sweep else auto_window(shortest)
-        if window < 1:
-            fail(f"--window must be at least 1, got {window}")
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
-        if args.sweep:
-            rows = sweep_rows(runs, args.sweep, window, args.batches)
-            plot_sweep(rows, args.sweep, output, window, args.title)
-        elif len(runs) == 1 and not args.raw:
-            plot_run(runs[0][1], output, args.window, args.batches, args.title)
+        if args.taps:
+            plot_taps(runs, output, args.data_dir, args.title)
+            written = [output]
         else:
-            plot_runs(runs, output, window, args.raw, args.title, args.batches)
-        written = [output]
-        if args.results and args.sweep:  # the figure's points, named after it
-            os.makedirs(args.results, exist_ok=True)
-            name = os.path.splitext(os.path.basename(output))[0] + ".csv"
-            written.append(write_csv(os.path.join(args.results, name), rows))
-        elif args.results:
-            written += write_results(runs, args.results, window, args.batches, args.seeds)
-        print_summary(summary_rows(runs, until=args.batches))
+            written = plot_logs(args, runs, output)
         print("wrote " + " ".join(shlex.quote(path) for path in written))
     except OSError as e:  # an unwritable output folder, a full disk
         print(

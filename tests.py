@@ -2139,6 +2139,123 @@ def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
         assert float(r["median_last_50"]) == float(np.median(losses[m]))
 
 
+def _plot_tiny(mixer, n_head=1, d=4, l=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = Config(vocab_size=16, block_size=l, n_embd=d, n_hidden=8, n_layer=2, n_head=n_head, mixer=mixer)
+    return Transformer(cfg).eval()
+
+
+def test_plot_tap_profile_is_each_taps_norm_per_layer():
+    c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # one tap per distance back k = 1..4
+    cases = {  # mixer: (taps, their norms / |c|); d = 4
+        "me": (c, 1.0),
+        "we": (c[:, None] * torch.ones(4), 2.0),  # ||c (1, 1, 1, 1)||_2 = 2|c|
+        "he": (c[:, None] * torch.ones(4), 2.0),
+        "she": (c[:, None, None] * torch.eye(4), 2.0),  # ||c I||_F = 2|c|
+    }
+    for mixer, (taps, norm) in cases.items():
+        model = _plot_tiny(mixer)
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(taps * (i + 1))
+        profile = plot.tap_profile(model)
+        assert list(profile) == [1, 2], mixer
+        for layer in (1, 2):  # layer 2's taps are twice layer 1's
+            assert profile[layer].tolist() == [norm * layer * abs(v) for v in c.tolist()], (mixer, layer)
+
+
+def test_plot_recomputed_attention_weights_give_the_mixers_output():
+    mixer = _plot_tiny("sa", n_head=2, d=8, l=6).layers[0].mixer
+    torch.nn.init.normal_(mixer.W_QKV.weight)  # far from uniform attention
+    x = torch.randn(3, 6, 8)
+    a = plot.attention_weights(mixer, x)  # (3, 2, 6, 6)
+    assert torch.allclose(a.sum(-1), torch.ones(3, 2, 6)) and (a.triu(1) == 0).all()
+    assert a.max() > 0.9  # sharp rows: a wrong scale or head split would not reproduce the output
+    v = mixer.W_QKV(x)[..., 16:].view(3, 6, 2, 4).transpose(1, 2)  # (B, n, t, h)
+    r = (a @ v).transpose(1, 2).reshape(3, 6, 8)
+    assert torch.allclose(mixer.W_out_att(r), mixer(x), atol=1e-5)
+
+
+def test_plot_attention_by_distance_of_uniform_attention_by_hand():
+    model = _plot_tiny("sa", n_head=2, d=8)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
+    windows = torch.randint(0, 16, (40, 4))  # two chunks of 32 and 8
+    by_hand = [(1 + 1 / 2 + 1 / 3 + 1 / 4) / 4, (1 / 2 + 1 / 3 + 1 / 4) / 3, (1 / 3 + 1 / 4) / 2, 1 / 4]
+    profile = plot.tap_profile(model, windows)
+    assert list(profile) == [1, 2]
+    for layer in (1, 2):
+        np.testing.assert_allclose(profile[layer], by_hand, rtol=1e-6)
+    np.testing.assert_allclose(plot.uniform_by_distance(4), by_hand, rtol=1e-15)
+
+
+def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_and_windows():
+    model = _plot_tiny("sa", n_head=2, d=8, l=5)
+    for layer in model.layers:
+        torch.nn.init.normal_(layer.mixer.W_QKV.weight)
+    windows = torch.randint(0, 16, (7, 5))
+    profile = plot.tap_profile(model, windows)
+    with torch.no_grad():
+        pos = torch.arange(5)
+        h = (model.emb_tok(windows) + model.emb_pos(pos)) * math.sqrt(8)  # dropout is off in eval
+        for i, layer in enumerate(model.layers, 1):
+            a = plot.attention_weights(layer.mixer, layer.ln1(h))  # (7, 2, 5, 5)
+            for back in range(5):
+                pairs = [a[b, n, j + back, j] for b in range(7) for n in range(2) for j in range(5 - back)]
+                assert abs(profile[i][back] - float(sum(pairs)) / len(pairs)) < 1e-6, (i, back)
+            h = layer(h)
+
+
+def test_plot_val_windows_are_spread_evenly_over_val_bin(tmp_path):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    windows = plot.val_windows(str(tmp_path), 4, n=3)  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
+    assert windows.tolist() == [[0, 1, 2, 3], [48, 49, 50, 51], [95, 96, 97, 98]]
+
+
+def _plot_fake_ckpt_run(folder, model, data_dir):
+    """A run folder with run.json, log.csv and a ckpt.pt holding `model`."""
+    _plot_fake_run(folder, model.cfg.mixer, model.cfg.n_head, [5.0] * 10, val_every=5)
+    ckpt = {
+        "model": model.state_dict(),
+        "config": vars(model.cfg),
+        "args": {"data_dir": data_dir},
+        "iter": 10,
+    }
+    torch.save(ckpt, os.path.join(folder, "ckpt.pt"))
+
+
+def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (np.arange(300) % 16).astype(np.uint16).tofile(data / "val.bin")
+    models = {"me": _plot_tiny("me"), "sa": _plot_tiny("sa", d=8)}
+    runs = {}
+    for name, model in models.items():
+        runs[name] = str(tmp_path / name)
+        _plot_fake_ckpt_run(runs[name], model, str(tmp_path / "moved"))  # its data has moved since
+    figures, save = [], plot.save
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
+    argv = [runs["me"], runs["sa"], "--taps", "-o", str(tmp_path / "taps.png")]
+    assert "val.bin not found; pass --data_dir" in _plot_error(capsys, argv)
+    assert plot.main(argv + ["--data_dir", str(data)]) == 0
+    with open(tmp_path / "taps.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    panels = [ax for ax in figures[-1].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["sa-1", "me"]  # in paper order
+    windows = torch.from_numpy(plot.val_windows(str(data), 4))
+    for ax, profile in zip(panels, (plot.tap_profile(models["sa"], windows), plot.tap_profile(models["me"]))):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for layer in (1, 2):
+            assert lines[f"layer {layer}"].get_xdata().tolist() == [1, 2, 3, 4]
+            assert lines[f"layer {layer}"].get_ydata().tolist() == profile[layer].tolist()
+    assert plot.main([runs["me"], "--taps"]) == 0  # one run: its own folder
+    assert os.path.isfile(os.path.join(runs["me"], "taps.png"))
+    for extra in (["--results", str(tmp_path)], ["--raw"], ["--batches", "5"]):
+        _plot_error(capsys, [runs["me"], "--taps", "-o", str(tmp_path / "t.png")] + extra)
+    assert "--data_dir is for --taps" in _plot_error(capsys, [runs["me"], "--data_dir", str(data)])
+
+
 # ======== runs that cannot get stuck, collide, grow or mix data (train.py, sample.py) ========
 
 
