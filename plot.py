@@ -1,16 +1,21 @@
 """
 Plot training runs the way the paper does (Section 6): the median training cost of every
 non-overlapping window of batches (Figures 7-8), every batch's cost (Figure 9), or the median of
-the last window against a swept setting (Figures 10-11). Prints a table of the runs too.
+the last window against a swept setting (Figures 10-11); or, with --taps, what each layer's filter
+learned. Prints a table of the runs too.
 
+    python plot.py out/me-m2-l64-b32                                             # its loss.png again
     python plot.py out/sa-1 out/sa-32 out/she out/he out/we out/me -o fig8.png   # window medians
     python plot.py out/sa-32 out/she --raw -o fig9.png                            # every batch
-    python plot.py out/me-l* --sweep block_size -o fig10.png                      # last window vs l
-    python plot.py RUNS... --window 500 --batches 6000 --results results -o results/fig.png  # + CSVs
+    python plot.py out/fig10/* --sweep block_size -o fig10.png                    # last 2000 vs l
+    python plot.py out/sa-32 out/she out/he out/we out/me --taps -o taps.png      # taps vs distance
+    python plot.py RUNS... --seeds MORE... --results results -o results/fig8.png  # + the CSVs
 
-Each run folder is one written by train.py (log.csv and run.json). --window defaults to the
-paper's 2000 batches, or to about 30 windows for shorter runs. Lines keep one colour and order
-per mixer in every figure.
+One run without -o redraws its own chart (every batch, window medians, validation) as train.py
+does at the end, into RUN/loss.png (with --taps: RUN/taps.png); with -o, that chart goes there.
+Several runs, --raw and --sweep make one figure and need -o. Run folders are those train.py
+writes (log.csv, run.json; --taps reads ckpt.pt). --window defaults to the paper's 2000 batches,
+or to about 30 windows for shorter runs. Lines keep one colour and order per mixer in every figure.
 """
 
 import argparse
@@ -471,8 +476,9 @@ def write_csv(path, rows, header=None):
 
 
 def build_parser():
+    intro, examples = __doc__.strip().split("\n\n", 1)
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+        description=intro, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("runs", nargs="+", help="run folders written by train.py")
     p.add_argument(
