@@ -125,13 +125,16 @@ def auto_window(n_batches):
     return max(1, min(2000, n_batches // 30))
 
 
+def check_window(run_dir, loss, window):
+    if len(loss) < window:
+        fail(f"{run_dir} has {len(loss)} batches, fewer than --window {window}; pass a smaller --window")
+
+
 def plot_run(run_dir, path, window=None, until=None, title=None):
     """One run's curve (train.py draws it at the end): every batch, window medians, validation."""
     log = read_log(run_dir, until)
     window = window or auto_window(len(log["train_loss"]))
-    n = len(log["train_loss"])
-    if n < window:
-        fail(f"{run_dir} has {n} batches, fewer than --window {window}; pass a smaller --window")
+    check_window(run_dir, log["train_loss"], window)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alpha, every = 0.35 if window > 1 else 1, "training cost, every batch"
     ax.plot(log["iter"], log["train_loss"], lw=0.5, alpha=alpha, color="C0", label=every)
@@ -151,8 +154,7 @@ def plot_runs(runs, path, window, raw=False, title=None, until=None):
         if raw:
             ax.plot(np.arange(1, len(loss) + 1), loss, lw=0.5, alpha=0.6, color=STYLE.get(name), label=name)
             continue
-        if len(loss) < window:
-            fail(f"{d} has {len(loss)} batches, fewer than --window {window}; pass a smaller --window")
+        check_window(d, loss, window)
         ends, med = window_medians(loss, window)
         ax.plot(ends, med, "-o", ms=3, color=STYLE.get(name), label=name)
     what = "training cost of every batch" if raw else f"median training cost of every {window} batches"
@@ -173,25 +175,21 @@ SYMBOLS = {
 def sweep_rows(runs, key, window, until=None):
     """One dict per run for Figures 10-11: mixer, the swept setting (under its paper symbol),
     batches, the median of the last `window` batches, and the last validation loss."""
-    rows = []
+    x, rows = SYMBOLS.get(key, key), []
     for _, d in runs:
         settings, log = read_settings(d), read_log(d, until)
         if key not in settings:
             fail(f"{d} has no setting {key!r}; choose one of {', '.join(sorted(settings))}")
-        if len(log["train_loss"]) < window:
-            fail(
-                f"{d} has {len(log['train_loss'])} batches, fewer than --window {window}; pass a smaller one"
-            )
+        check_window(d, log["train_loss"], window)
         rows.append(
             {
                 "mixer": label(settings),
-                SYMBOLS.get(key, key): settings[key],
+                x: settings[key],
                 "batches": int(log["iter"][-1]),
                 f"median_last_{window}": float(np.median(log["train_loss"][-window:])),
                 "val_loss": last_val(log),
             }
         )
-    x = SYMBOLS.get(key, key)
     return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), r[x]))
 
 
@@ -311,7 +309,7 @@ def uniform_by_distance(t):
 
 
 def load_model(run_dir):
-    """The model of run_dir/ckpt.pt on the CPU, in eval mode, and the run's training arguments."""
+    """The model of run_dir/ckpt.pt on the CPU, in eval mode, and the checkpoint (args, iter, ...)."""
     import torch
 
     import synthesizer  # noqa: F401, registers its mixers, so that their checkpoints load
@@ -323,7 +321,7 @@ def load_model(run_dir):
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     model = Transformer(Config(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
-    return model.eval(), ckpt.get("args", {})
+    return model.eval(), ckpt
 
 
 def val_windows(data_dir, l, n=TAP_WINDOWS):
@@ -345,24 +343,24 @@ def plot_taps(runs, path, data_dir=None, title=None):
 
     panels = []
     for name, d in runs:
-        model, args = load_model(d)
+        model, ckpt = load_model(d)
         windows = None
         if model.cfg.mixer == "sa":
-            windows = torch.from_numpy(
-                val_windows(data_dir or args.get("data_dir", "data"), model.cfg.block_size)
-            )
-        panels.append((name, model.cfg.mixer, tap_profile(model, windows)))
+            run_data = ckpt.get("args", {}).get("data_dir", "data")
+            windows = torch.from_numpy(val_windows(data_dir or run_data, model.cfg.block_size))
+        panels.append(
+            (f"{name}, batch {ckpt.get('iter', '?')}", model.cfg.mixer, tap_profile(model, windows))
+        )
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.6 * rows), squeeze=False)
     for ax, (name, mixer, profile) in zip(axes.flat, panels):
         colours = plt.cm.viridis(np.linspace(0, 0.9, len(profile)))
         for colour, (layer, y) in zip(colours, profile.items()):
-            ax.plot(np.arange(1, len(y) + 1), y, color=colour, lw=1.2, label=f"layer {layer}")
+            k = np.arange(1, len(y) + 1)
+            ax.plot(k, y, color=colour, lw=1.2, label=f"layer {layer}")
         if mixer == "sa":  # what attention spread evenly over the seen tokens would give
-            ax.plot(
-                np.arange(1, len(y) + 1), uniform_by_distance(len(y)), "--", color="gray", label="uniform"
-            )
+            ax.plot(k, uniform_by_distance(len(k)), "--", color="gray", label="uniform")
         ax.set_yscale("log")
         ax.set(title=name, xlabel="distance back k (k = 1: the current token)")
         ax.set_ylabel(TAP_LABELS.get(mixer, r"$\|w_k\|_2$"))
@@ -611,9 +609,8 @@ def main(argv=None):
             written = plot_logs(args, runs, output)
         print("wrote " + " ".join(shlex.quote(path) for path in written))
     except OSError as e:  # an unwritable output folder, a full disk
-        print(
-            f"error: cannot write {e.filename}: {e.strerror}; pick another -o or --results", file=sys.stderr
-        )
+        where = shlex.quote(str(e.filename)) if e.filename else "the output"
+        print(f"error: cannot write {where}: {e.strerror}; pick another -o or --results", file=sys.stderr)
         return 1
     except SystemExit as e:
         return e.code

@@ -2242,7 +2242,7 @@ def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys,
     with open(tmp_path / "taps.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     panels = [ax for ax in figures[-1].axes if ax.get_visible()]
-    assert [ax.get_title() for ax in panels] == ["sa-1", "me"]  # in paper order
+    assert [ax.get_title() for ax in panels] == ["sa-1, batch 10", "me, batch 10"]  # in paper order
     windows = torch.from_numpy(plot.val_windows(str(data), 4))
     for ax, profile in zip(panels, (plot.tap_profile(models["sa"], windows), plot.tap_profile(models["me"]))):
         lines = {line.get_label(): line for line in ax.get_lines()}
