@@ -1944,11 +1944,12 @@ def test_bench_loglog_slope_recovers_a_power_law():
 # ======== plots and results (plot.py) ========
 
 
-def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000):
+def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000, seed=1337, **config):
     """A run folder as train.py writes it, with made-up costs: run.json and log.csv."""
     os.makedirs(folder)
-    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32}
-    run = {"config": cfg, "args": {"batch_size": 64}, "params": {"mixers": params, "total": 10 * params}}
+    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32, **config}
+    args = {"batch_size": 64, "seed": seed}
+    run = {"config": cfg, "args": args, "params": {"mixers": params, "total": 10 * params}}
     with open(os.path.join(folder, "run.json"), "w") as f:
         json.dump(run, f)
     with open(os.path.join(folder, "log.csv"), "w") as f:
@@ -2017,6 +2018,267 @@ def test_plot_bad_input_gives_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
     assert not os.path.exists(tmp_path / "x.png")
+
+
+def _plot_error(capsys, argv):
+    """plot.main's exit status 1 and its one error line."""
+    assert plot.main(argv) == 1, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+    return err[0]
+
+
+def test_plot_one_run_without_o_redraws_its_own_loss_png(tmp_path, capsys, monkeypatch):
+    run = str(tmp_path / "me-m2")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
+    monkeypatch.chdir(tmp_path)
+    assert plot.main([run]) == 0
+    assert os.listdir(tmp_path) == ["me-m2"]  # nothing in the working folder
+    plot.plot_run(run, str(tmp_path / "by_train.png"))  # what train.py draws at the end
+    with open(os.path.join(run, "loss.png"), "rb") as a, open(tmp_path / "by_train.png", "rb") as b:
+        assert a.read() == b.read()
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run}/loss.png"
+    other = str(tmp_path / "other")
+    _plot_fake_run(other, "he", 1, [5.0] * 90, val_every=30)
+    assert "name it with -o" in _plot_error(capsys, [run, other])  # several runs: no default file
+
+
+def test_plot_unknown_image_extension_is_one_line_naming_the_formats(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    err = _plot_error(capsys, [run, "-o", str(tmp_path / "x.xyz")])
+    assert "cannot write a .xyz image" in err and ".png" in err and ".svg" in err and ".pdf" in err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_plot_batches_errors_are_plain_sentences(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    argv = [run, "-o", str(tmp_path / "x.png")]
+    assert _plot_error(capsys, argv + ["--batches", "0"]) == "error: --batches must be at least 1, got 0"
+    err = _plot_error(capsys, argv + ["--batches", "11"])
+    assert err == f"error: --batches 11: {run} has only 10 batches; pass --batches 10 or less"
+
+
+def test_plot_printed_paths_paste_back_as_the_same_paths(tmp_path, capsys):
+    run = str(tmp_path / "my runs" / "me")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(40)], val_every=10)
+    out, res = str(tmp_path / "my figs" / "a b.png"), str(tmp_path / "my results")
+    assert plot.main([run, "-o", out, "--results", res]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    csvs = [os.path.join(res, f) for f in ("medians.csv", "val_loss.csv", "summary.csv")]
+    assert shlex.split(last) == ["wrote", out] + csvs
+    assert all(os.path.isfile(p) for p in [out] + csvs)
+
+
+def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path):
+    rng = random.Random(1)
+    losses = [rng.uniform(3, 6) for _ in range(2500)]
+    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses, val_every=500)
+    assert plot.main([str(tmp_path / "he"), "-o", str(tmp_path / "f.png"), "--results", str(tmp_path)]) == 0
+    (row,) = csv.DictReader(open(tmp_path / "summary.csv"))
+    assert float(row["median_last_1000"]) == float(np.median(losses[-1000:]))
+    assert float(row["median_last_2000"]) == float(np.median(losses[-2000:]))
+    assert row["batches"] == "2500" and float(row["val_loss"]) == losses[2499] - 0.5
+
+
+def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, capsys):
+    rng = random.Random(2)
+    runs = {  # folder: (mixer, heads, seed, batches); the seed-1337 runs are the longer ones
+        "sa-32": ("sa", 32, 1337, 1500),
+        "she": ("she", 1, 1337, 1400),
+        "she-s1338": ("she", 1, 1338, 1100),
+        "she-s1339": ("she", 1, 1339, 1200),
+        "sa-32-s1338": ("sa", 32, 1338, 1300),
+    }
+    losses = {}
+    for name, (mixer, heads, seed, n) in runs.items():
+        losses[name] = [rng.uniform(3, 6) for _ in range(n)]
+        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, seed=seed)
+    main_runs = [str(tmp_path / n) for n in ("she", "sa-32")]
+    seeds = [str(tmp_path / n) for n in ("she-s1338", "she-s1339", "sa-32-s1338")]
+    res = tmp_path / "results"
+    argv = (
+        main_runs + ["--seeds"] + seeds + ["--results", str(res), "-o", str(res / "f.png"), "--window", "100"]
+    )
+    assert plot.main(argv) == 0
+    rows = list(csv.DictReader(open(res / "seeds.csv")))
+    assert list(rows[0]) == ["mixer", "seed", "batches", "median_last_1000", "val_loss"]
+    labels = [("sa-32", "1337"), ("sa-32", "1338"), ("she", "1337"), ("she", "1338"), ("she", "1339")]
+    assert [(r["mixer"], r["seed"]) for r in rows] == labels
+    for r, name in zip(
+        rows, ["sa-32", "sa-32-s1338", "she", "she-s1338", "she-s1339"]
+    ):  # every run at the shortest run's 1100 batches
+        assert r["batches"] == "1100"
+        assert float(r["median_last_1000"]) == float(np.median(losses[name][100:1100]))
+        assert float(r["val_loss"]) == losses[name][1099] - 0.5
+    # the figure's tables keep one column or row per mixer, each at its full length
+    assert next(csv.reader(open(res / "medians.csv"))) == ["batches", "sa-32", "she"]
+    summary = list(csv.DictReader(open(res / "summary.csv")))
+    assert [(r["run"], r["batches"]) for r in summary] == [("sa-32", "1500"), ("she", "1400")]
+    # --batches shorter than every run: all rows there
+    assert plot.main(argv + ["--batches", "1050"]) == 0
+    assert {r["batches"] for r in csv.DictReader(open(res / "seeds.csv"))} == {"1050"}
+    assert "seeds.csv, which --results DIR writes" in _plot_error(
+        capsys, main_runs + ["--seeds"] + seeds + ["-o", str(res / "f.png")]
+    )
+
+
+def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
+    rng = random.Random(3)
+    runs, losses = [], {}
+    for name, mixer, heads in (("she", "she", 1), ("sa-32", "sa", 32)):
+        for l in (64, 128):
+            run = str(tmp_path / f"{l}-{name}")  # the names sort in no useful order
+            losses[name, l] = [rng.uniform(3, 6) for _ in range(2500)]
+            _plot_fake_run(run, mixer, heads, losses[name, l], val_every=500, block_size=l)
+            runs.append(run)
+    res = tmp_path / "results"
+    argv = runs + ["--sweep", "block_size", "--results", str(res), "-o", str(res / "fig10_l_sweep.png")]
+    assert plot.main(argv) == 0
+    assert sorted(os.listdir(res)) == ["fig10_l_sweep.csv", "fig10_l_sweep.png"]  # no medians.csv etc.
+    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
+    assert list(rows[0]) == ["mixer", "l", "batches", "median_last_2000", "val_loss"]  # 2000: the default
+    expect = [("sa-32", "64"), ("sa-32", "128"), ("she", "64"), ("she", "128")]
+    assert [(r["mixer"], r["l"]) for r in rows] == expect
+    for r in rows:
+        loss = losses[r["mixer"], int(r["l"])]
+        assert r["batches"] == "2500" and float(r["median_last_2000"]) == float(np.median(loss[-2000:]))
+        assert float(r["val_loss"]) == loss[2499] - 0.5
+    assert plot.main(argv + ["--batches", "2200", "--window", "1000"]) == 0
+    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
+    assert float(rows[0]["median_last_1000"]) == float(np.median(losses["sa-32", 64][1200:2200]))
+    assert float(rows[0]["val_loss"]) == losses["sa-32", 64][1999] - 0.5 and rows[0]["batches"] == "2200"
+    runs, losses = [], {}
+    for m in (4, 2):  # an m sweep of short runs: the median of the whole run
+        runs.append(str(tmp_path / f"he-m{m}"))
+        losses[m] = [rng.uniform(3, 6) for _ in range(50)]
+        _plot_fake_run(runs[-1], "he", 1, losses[m], val_every=10, n_layer=m)
+    assert (
+        plot.main(runs + ["--sweep", "n_layer", "--results", str(res), "-o", str(tmp_path / "f11.svg")]) == 0
+    )
+    rows = list(csv.DictReader(open(res / "f11.csv")))
+    assert list(rows[0]) == ["mixer", "m", "batches", "median_last_50", "val_loss"]
+    for r, m in zip(rows, (2, 4)):
+        assert (r["mixer"], r["m"], r["batches"]) == ("he", str(m), "50")
+        assert float(r["median_last_50"]) == float(np.median(losses[m]))
+
+
+def _plot_tiny(mixer, n_head=1, d=4, l=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = Config(vocab_size=16, block_size=l, n_embd=d, n_hidden=8, n_layer=2, n_head=n_head, mixer=mixer)
+    return Transformer(cfg).eval()
+
+
+def test_plot_tap_profile_is_each_taps_norm_per_layer():
+    c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # one tap per distance back k = 1..4
+    cases = {  # mixer: (taps, their norms / |c|); d = 4
+        "me": (c, 1.0),
+        "we": (c[:, None] * torch.ones(4), 2.0),  # ||c (1, 1, 1, 1)||_2 = 2|c|
+        "he": (c[:, None] * torch.ones(4), 2.0),
+        "she": (c[:, None, None] * torch.eye(4), 2.0),  # ||c I||_F = 2|c|
+    }
+    for mixer, (taps, norm) in cases.items():
+        model = _plot_tiny(mixer)
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(taps * (i + 1))
+        profile = plot.tap_profile(model)
+        assert list(profile) == [1, 2], mixer
+        for layer in (1, 2):  # layer 2's taps are twice layer 1's
+            assert profile[layer].tolist() == [norm * layer * abs(v) for v in c.tolist()], (mixer, layer)
+
+
+def test_plot_recomputed_attention_weights_give_the_mixers_output():
+    mixer = _plot_tiny("sa", n_head=2, d=8, l=6).layers[0].mixer
+    torch.nn.init.normal_(mixer.W_QKV.weight)  # far from uniform attention
+    x = torch.randn(3, 6, 8)
+    a = plot.attention_weights(mixer, x)  # (3, 2, 6, 6)
+    assert torch.allclose(a.sum(-1), torch.ones(3, 2, 6)) and (a.triu(1) == 0).all()
+    assert a.max() > 0.9  # sharp rows: a wrong scale or head split would not reproduce the output
+    v = mixer.W_QKV(x)[..., 16:].view(3, 6, 2, 4).transpose(1, 2)  # (B, n, t, h)
+    r = (a @ v).transpose(1, 2).reshape(3, 6, 8)
+    assert torch.allclose(mixer.W_out_att(r), mixer(x), atol=1e-5)
+
+
+def test_plot_attention_by_distance_of_uniform_attention_by_hand():
+    model = _plot_tiny("sa", n_head=2, d=8)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
+    windows = torch.randint(0, 16, (40, 4))  # two chunks of 32 and 8
+    by_hand = [(1 + 1 / 2 + 1 / 3 + 1 / 4) / 4, (1 / 2 + 1 / 3 + 1 / 4) / 3, (1 / 3 + 1 / 4) / 2, 1 / 4]
+    profile = plot.tap_profile(model, windows)
+    assert list(profile) == [1, 2]
+    for layer in (1, 2):
+        np.testing.assert_allclose(profile[layer], by_hand, rtol=1e-6)
+    np.testing.assert_allclose(plot.uniform_by_distance(4), by_hand, rtol=1e-15)
+
+
+def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_and_windows():
+    model = _plot_tiny("sa", n_head=2, d=8, l=5)
+    for layer in model.layers:
+        torch.nn.init.normal_(layer.mixer.W_QKV.weight)
+    windows = torch.randint(0, 16, (7, 5))
+    profile = plot.tap_profile(model, windows)
+    with torch.no_grad():
+        pos = torch.arange(5)
+        h = (model.emb_tok(windows) + model.emb_pos(pos)) * math.sqrt(8)  # dropout is off in eval
+        for i, layer in enumerate(model.layers, 1):
+            a = plot.attention_weights(layer.mixer, layer.ln1(h))  # (7, 2, 5, 5)
+            for back in range(5):
+                pairs = [a[b, n, j + back, j] for b in range(7) for n in range(2) for j in range(5 - back)]
+                assert abs(profile[i][back] - float(sum(pairs)) / len(pairs)) < 1e-6, (i, back)
+            h = layer(h)
+
+
+def test_plot_val_windows_are_spread_evenly_over_val_bin(tmp_path):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    windows = plot.val_windows(str(tmp_path), 4, n=3)  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
+    assert windows.tolist() == [[0, 1, 2, 3], [48, 49, 50, 51], [95, 96, 97, 98]]
+
+
+def _plot_fake_ckpt_run(folder, model, data_dir):
+    """A run folder with run.json, log.csv and a ckpt.pt holding `model`."""
+    _plot_fake_run(folder, model.cfg.mixer, model.cfg.n_head, [5.0] * 10, val_every=5)
+    ckpt = {
+        "model": model.state_dict(),
+        "config": vars(model.cfg),
+        "args": {"data_dir": data_dir},
+        "iter": 10,
+    }
+    torch.save(ckpt, os.path.join(folder, "ckpt.pt"))
+
+
+def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (np.arange(300) % 16).astype(np.uint16).tofile(data / "val.bin")
+    models = {"me": _plot_tiny("me"), "sa": _plot_tiny("sa", d=8)}
+    runs = {}
+    for name, model in models.items():
+        runs[name] = str(tmp_path / name)
+        _plot_fake_ckpt_run(runs[name], model, str(tmp_path / "moved"))  # its data has moved since
+    figures, save = [], plot.save
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
+    argv = [runs["me"], runs["sa"], "--taps", "-o", str(tmp_path / "taps.png")]
+    assert "val.bin not found; pass --data_dir" in _plot_error(capsys, argv)
+    assert plot.main(argv + ["--data_dir", str(data)]) == 0
+    with open(tmp_path / "taps.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    panels = [ax for ax in figures[-1].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["sa-1, batch 10", "me, batch 10"]  # in paper order
+    windows = torch.from_numpy(plot.val_windows(str(data), 4))
+    for ax, profile in zip(panels, (plot.tap_profile(models["sa"], windows), plot.tap_profile(models["me"]))):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for layer in (1, 2):
+            assert lines[f"layer {layer}"].get_xdata().tolist() == [1, 2, 3, 4]
+            assert lines[f"layer {layer}"].get_ydata().tolist() == profile[layer].tolist()
+    assert plot.main([runs["me"], "--taps"]) == 0  # one run: its own folder
+    assert os.path.isfile(os.path.join(runs["me"], "taps.png"))
+    for extra in (["--results", str(tmp_path)], ["--raw"], ["--batches", "5"]):
+        _plot_error(capsys, [runs["me"], "--taps", "-o", str(tmp_path / "t.png")] + extra)
+    assert "--data_dir is for --taps" in _plot_error(capsys, [runs["me"], "--data_dir", str(data)])
 
 
 # ======== runs that cannot get stuck, collide, grow or mix data (train.py, sample.py) ========
