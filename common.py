@@ -1,11 +1,21 @@
 """
-What every script of the project shares: one-line errors, files written whole or not at all, times
-for progress lines, output that never crashes on a terminal's encoding, and the device.
+What every script of the project shares: the settings' symbols, one-line errors, files written whole or
+not at all, times for progress lines, output that never crashes on a terminal's encoding, the device and
+its peak memory. Only the standard library at import (plot.py runs without torch).
 """
 
 import os
 import sys
 import tempfile
+
+# The paper's symbol of each setting (Table 1), or a short name where it gives none. train.py's --help
+# shows it and names the default run folder by the settings that differ from Table 1 (out/me-m2-l64-b32;
+# max_iters has none, so a longer run continues in the same folder); plot.py labels sweeps with it.
+SYMBOLS = {
+    "n_layer": "m", "block_size": "l", "n_embd": "d", "n_hidden": "c", "n_head": "n", "dropout": "p",
+    "batch_size": "b", "lr": "lr", "weight_decay": "wd", "grad_clip": "clip", "seed": "seed",
+    "data_seed": "dseed", "beta1": "b1", "beta2": "b2",
+}  # fmt: skip
 
 
 def fail(msg):

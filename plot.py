@@ -34,7 +34,7 @@ matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
-from common import atomic_write, fail, one_line_errors  # noqa: E402
+from common import SYMBOLS, atomic_write, fail, one_line_errors  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others follow in matplotlib's cycle)
 STYLE = {
@@ -159,17 +159,6 @@ def plot_runs(runs, path, window, raw=False, title=None, until=None):
         ax.plot(ends, med, "-o", ms=3, color=STYLE.get(name), label=name)
     what = "training cost of every batch" if raw else f"median training cost of every {window} batches"
     finish(fig, ax, title or what, path)
-
-
-# the paper's symbols of the settings a sweep can vary (Table 1), for axis labels and CSV columns
-SYMBOLS = {
-    "vocab_size": "u",
-    "block_size": "l",
-    "n_embd": "d",
-    "n_hidden": "c",
-    "n_layer": "m",
-    "n_head": "n",
-}
 
 
 def sweep_rows(runs, key, window, until=None):
@@ -308,22 +297,6 @@ def uniform_by_distance(t):
     return np.array([w[back:].mean() for back in range(t)])
 
 
-def load_model(run_dir):
-    """The model of run_dir/ckpt.pt on the CPU, in eval mode, and the checkpoint (args, iter, ...)."""
-    import torch
-
-    import synthesizer  # noqa: F401, registers its mixers, so that their checkpoints load
-    from extractor import Config, Transformer
-
-    path = os.path.join(run_dir, "ckpt.pt")
-    if not os.path.isfile(path):
-        fail(f"{shlex.quote(path)} not found; --taps reads a run's checkpoint")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = Transformer(Config(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval(), ckpt
-
-
 def val_windows(data_dir, l, n=TAP_WINDOWS):
     """n windows of l tokens spread evenly over data_dir/val.bin, as train.py picks its validation
     windows: a (n, l) int64 array."""
@@ -341,9 +314,11 @@ def plot_taps(runs, path, data_dir=None, title=None):
     """One panel per run, one line per layer: tap_profile against the distance back k = 1..l."""
     import torch
 
+    from sample import load_model  # the model of a run's ckpt.pt
+
     panels = []
     for name, d in runs:
-        model, ckpt = load_model(d)
+        model, ckpt = load_model(d, torch.device("cpu"))
         windows = None
         if model.cfg.mixer == "sa":
             run_data = ckpt.get("args", {}).get("data_dir", "data")

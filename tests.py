@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import bench
+import common
 import extractor
 import plot
 import prepare_data
@@ -1405,9 +1406,9 @@ def test_train_help_gives_every_setting_its_symbol(capsys):
     for f in dataclasses.fields(train.Config):
         if f.name != "vocab_size":
             assert f"--{f.name}" in text, f.name
-    for name, symbol in train.SYMBOLS.items():  # the flag's own help starts with its symbol
+    for name, symbol in common.SYMBOLS.items():  # the flag's own help starts with its symbol
         assert re.search(rf"--{name} \S+\s+{re.escape(symbol)}: ", text), (name, symbol)
-    assert train.SYMBOLS["n_layer"] == "m" and train.SYMBOLS["block_size"] == "l"  # Table 1's letters
+    assert common.SYMBOLS["n_layer"] == "m" and common.SYMBOLS["block_size"] == "l"  # Table 1's letters
 
 
 @pytest.mark.slow

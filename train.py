@@ -38,20 +38,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
-from common import atomic_write, fail, fmt_time, one_line_errors, peak_memory, pick_device, plain_output
+from common import (
+    SYMBOLS,
+    atomic_write,
+    fail,
+    fmt_time,
+    one_line_errors,
+    peak_memory,
+    pick_device,
+    plain_output,
+)
 from extractor import MIXERS, Config, Transformer
 from prepare_data import load_data
 
 # ---------------------------------------------------------------------------------------------- settings
 
-# The paper's symbol of each setting (Table 1), or a short name where it gives none: --help shows it,
-# and the default run folder is named by the settings that differ from Table 1 (out/me-m2-l64-b32).
-# max_iters has none, so a longer run of the same model continues in the same folder.
-SYMBOLS = {
-    "n_layer": "m", "block_size": "l", "n_embd": "d", "n_hidden": "c", "n_head": "n", "dropout": "p",
-    "batch_size": "b", "lr": "lr", "weight_decay": "wd", "grad_clip": "clip", "seed": "seed",
-    "data_seed": "dseed", "beta1": "b1", "beta2": "b2",
-}  # fmt: skip
 # settings a --resume must keep: changing them would no longer continue the same run
 FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "weight_decay", "grad_clip")
 NOT_SAVED = ("out_dir", "resume", "overwrite", "allow_other_data")  # flags about this command, not the run
