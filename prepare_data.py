@@ -45,7 +45,7 @@ import numpy as np
 import regex  # comes with tiktoken; unlike re it knows \p{L} and \p{N}
 import tiktoken
 
-from common import atomic_write, fail, fmt_time
+from common import atomic_write, fail, fmt_time, plain_output
 
 # -----------------------------------------------------------------------------
 # settings
@@ -569,6 +569,7 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    plain_output()  # "The Nürnberg Stove" on an ASCII terminal prints as "N?rnberg", not a crash
     args = parse_args(argv)
     try:
         return prepare(args)

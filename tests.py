@@ -1018,6 +1018,20 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "data" / "train.bin")
 
 
+def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
+    """On an ASCII terminal (PYTHONIOENCODING=ascii) a title such as "The N\u00fcrnberg Stove" prints
+    as "The N?rnberg Stove" instead of ending the run with UnicodeEncodeError."""
+    tsv = _pd_books_tsv(tmp_path / "books.tsv", [(9001, "The N\u00fcrnberg Stove", "the"), *_PD_BOOKS[1:]])
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
+    out.flush()
+    assert "ebook 9001" in out.buffer.getvalue().decode("ascii")
+    assert "The N?rnberg Stove" in out.buffer.getvalue().decode("ascii")
+
+
 def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     src = tmp_path / "src"
