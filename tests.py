@@ -628,27 +628,15 @@ def _pd_serve(raws, all_paths=True):
         srv.server_close()
 
 
-def _pd_run(data_dir, *extra, books_tsv, mirror=None):
-    """prepare_data.main with fast network settings; returns its exit status."""
-    argv = [
-        "--data_dir",
-        str(data_dir),
-        "--books",
-        books_tsv,
-        "--vocab_size",
-        str(_PD_VOCAB),
-        "--pause",
-        "0",
-        "--timeout",
-        "0.5",
-        "--retries",
-        "2",
-        "--backoff",
-        "0.01",
-    ]
-    if mirror:
-        argv += ["--mirror", mirror]
-    return prepare_data.main(argv + list(extra))
+def _pd_run(data_dir, *extra, books_tsv, mirror=None, timeout=0.5):
+    """prepare_data.main with fast network settings (a 0.5 s timeout, 2 retries after 0.01 s and
+    0.02 s, no pause); returns its exit status."""
+    argv = ["--data_dir", str(data_dir), "--books", books_tsv, *f"--vocab_size {_PD_VOCAB} --pause 0".split()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare_data, "TIMEOUT", timeout)
+        mp.setattr(prepare_data, "RETRIES", 2)
+        mp.setattr(prepare_data, "BACKOFF", 0.01)
+        return prepare_data.main(argv + (["--mirror", mirror] if mirror else []) + list(extra))
 
 
 def _pd_outputs(data_dir):
@@ -818,13 +806,7 @@ def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path
         port = s.getsockname()[1]
     t0 = time.time()
     msg = _pd_error(
-        capsys,
-        _pd_run,
-        tmp_path / "data",
-        "--timeout",
-        "30",
-        books_tsv=tsv,
-        mirror=f"http://127.0.0.1:{port}",
+        capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=f"http://127.0.0.1:{port}", timeout=30
     )
     # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
     assert time.time() - t0 < 10
@@ -996,6 +978,8 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
         (["--books", str(bad)], "line 3"),
         (["--books", tsv, "--mirror", "http://127.0.0.1:9", "--data_dir", str(bad)], "check --data_dir"),
         (["--books", tsv, "--vocab_size", "70000"], "uint16"),
+        (["--books", tsv, "--vocab_size", "many"], "invalid int value"),
+        (["--books", tsv, "--pause", "-1"], "--pause"),
         (["--books", tsv, "--source", str(tmp_path / "nowhere")], "not a folder"),
         (["--books", tsv, "--mirror", "ftp://example"], "http"),
         (["--books", tsv, "--source", str(tmp_path)], "not found in --source"),
