@@ -73,6 +73,8 @@ SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # bookshelf (bookshelf 20) by downloads, from a 2025/26 snapshot of that page with poems, readers and
 # audio-only entries left out (ebooks 47 and 54 are the text editions of two audio entries).
 BOOKS_TSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "books.tsv")
+
+
 # -----------------------------------------------------------------------------
 # the book list
 
@@ -147,7 +149,7 @@ def fetch(url):
 def download_book(book_id, mirror):
     """One book from the first of URL_PATTERNS that gives plain text. A URL is tried up to RETRIES
     more times, BACKOFF s later and doubling, unless the failure says "next"; a host that stays down
-    is given up at once. Raises FetchError naming each URL tried; .then is "down" or "next"."""
+    is given up at once. Raises FetchError naming each URL tried, .then "down" if the host was."""
     why = []
     for pattern in URL_PATTERNS:
         url = mirror.rstrip("/") + pattern.format(id=book_id)
@@ -164,7 +166,7 @@ def download_book(book_id, mirror):
         why.append(f"{url}: {err}")
         if err.then == "down":
             break  # the other paths on a host that cannot be reached will not work either
-    raise FetchError("; ".join(why), "down" if err.then == "down" else "next")
+    raise FetchError("; ".join(why), err.then)
 
 
 def download_books(books, mirror, raw_dir, pause):
@@ -175,7 +177,7 @@ def download_books(books, mirror, raw_dir, pause):
     paths = [os.path.join(raw_dir, f"{book_id}.txt") for book_id, _, _ in books]
     todo = [(book, path) for book, path in zip(books, paths) if not os.path.exists(path)]
     print(f"books: {len(books) - len(todo)} in {raw_dir} already, {len(todo)} to download")
-    failed, t0 = [], time.time()
+    failed, not_tried, t0 = [], [], time.time()
     for n, ((book_id, title, _), path) in enumerate(todo):
         if n:
             time.sleep(pause)  # politeness: one request at a time, with a pause
@@ -183,18 +185,16 @@ def download_books(books, mirror, raw_dir, pause):
             data = download_book(book_id, mirror)
         except FetchError as e:
             failed.append(f"  ebook {book_id} ({title}): {e}")
-            if e.then == "down" and n + 1 < len(todo):
-                left = ", ".join(str(b) for (b, _, _), _ in todo[n + 1 :])
-                failed.append(
-                    f"  not tried, as the server could not be reached or did not answer: ebooks {left}"
-                )
-            if e.then == "down":
+            if e.then == "down":  # the other books would wait for the same unreachable host
+                not_tried = [str(b) for (b, _, _), _ in todo[n + 1 :]]
                 break
             continue
         atomic_write(path, data)
         eta = fmt_time((time.time() - t0) / (n + 1) * (len(todo) - n - 1))
         kb, name = f"{len(data) / 1e3:6.0f} kB", f"{title[:44]:44s}"
         print(f"  [{n + 1:3d}/{len(todo)}] ebook {book_id:<6d} {kb}  {name}  eta {eta}", flush=True)
+    if not_tried:
+        failed.append(f"  not tried, as the server could not be reached: ebooks {', '.join(not_tried)}")
     if failed:
         n_have = sum(map(os.path.exists, paths))
         kept = f"the {n_have} books downloaded are kept in {raw_dir}; " if n_have else ""
