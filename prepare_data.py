@@ -190,7 +190,8 @@ def download_books(books, mirror, raw_dir, pause):
                 break
             continue
         atomic_write(path, data)
-        eta = fmt_time((time.time() - t0) / (n + 1) * (len(todo) - n - 1))
+        per_book = (time.time() - t0 + pause) / (n + 1)  # each book left costs a pause and a download
+        eta = fmt_time(per_book * (len(todo) - n - 1))
         kb, name = f"{len(data) / 1e3:6.0f} kB", f"{title[:44]:44s}"
         print(f"  [{n + 1:3d}/{len(todo)}] ebook {book_id:<6d} {kb}  {name}  eta {eta}", flush=True)
     if not_tried:
