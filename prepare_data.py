@@ -45,7 +45,7 @@ import numpy as np
 import regex  # comes with tiktoken; unlike re it knows \p{L} and \p{N}
 import tiktoken
 
-from common import atomic_write, fail, fmt_time
+from common import atomic_write, fail, fmt_time, one_line_errors, plain_output
 
 # -----------------------------------------------------------------------------
 # settings
@@ -57,10 +57,10 @@ USER_AGENT = (
     'extractors-reimplementation/prepare_data.py (reproduction of "Attention Is Not All '
     'You Need Anymore"; downloads 100 books once, one request at a time)'
 )
+PAUSE = 1.0  # seconds between downloads, to be polite to gutenberg.org (--pause)
 TIMEOUT = 30.0  # seconds per request (connect and each read)
-RETRIES = 3  # extra attempts per URL after a timeout, 5xx or broken transfer
+RETRIES = 3  # extra attempts per URL after a timeout, 5xx, 429 or broken transfer
 BACKOFF = 1.0  # seconds before the first retry, doubled for each further one
-PAUSE = 1.0  # seconds between downloads, to be polite to gutenberg.org
 VOCAB_SIZE = 5000  # 256 bytes + 4743 merges + <|endoftext|>, as in the paper (u = 5000)
 VAL_FRACTION = 0.05
 MIN_CHARS = 5000  # a book shorter than this after stripping is an error page, not a book
@@ -73,7 +73,10 @@ SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # bookshelf (bookshelf 20) by downloads, from a 2025/26 snapshot of that page with poems, readers and
 # audio-only entries left out (ebooks 47 and 54 are the text editions of two audio entries).
 BOOKS_TSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "books.tsv")
+
+
 # -----------------------------------------------------------------------------
+# the book list
 
 
 def read_books_tsv(path):
@@ -107,132 +110,123 @@ def read_books_tsv(path):
 
 
 # -----------------------------------------------------------------------------
-# download
+# download: one request at a time, each book saved in data_dir/raw as soon as it arrives
 
 
 class FetchError(Exception):
-    def __init__(self, reason, retry, reached):
-        super().__init__(reason)
-        self.retry = retry  # worth trying the same URL again (timeout, 5xx, broken transfer)
-        self.reached = reached  # the server answered at all (if not, other paths on it won't help)
+    """A failed request; .then says what to try: "retry" the same URL after a wait (no answer in time,
+    5xx, 429, a cut transfer), the "next" of URL_PATTERNS (404 or another 4xx, an HTML page), or, if
+    the host is "down" (no connection, no answer), the same URL a few times and then nothing more."""
+
+    def __init__(self, why, then):
+        super().__init__(why)
+        self.then = then
 
 
-def fetch_url(url, timeout):
-    """One GET request; returns the body or raises FetchError."""
+def fetch(url):
+    """One GET request: the body, or FetchError saying why not and what to try next."""
     req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
             data = r.read()  # raises IncompleteRead if the body is shorter than Content-Length
     except urllib.error.HTTPError as e:
-        raise FetchError(f"HTTP {e.code}", retry=e.code >= 500 or e.code == 429, reached=True)
+        raise FetchError(f"HTTP {e.code}", "retry" if e.code >= 500 or e.code == 429 else "next")
     except urllib.error.URLError as e:  # refused, no DNS, no route, connect timeout
-        raise FetchError(f"cannot connect ({e.reason})", retry=True, reached=False)
+        raise FetchError(f"cannot connect ({e.reason})", "down")
     except TimeoutError:
-        raise FetchError(f"no answer within {timeout:g} s", retry=True, reached=False)
+        raise FetchError(f"no answer within {TIMEOUT:g} s", "down")
     except http.client.IncompleteRead as e:
-        raise FetchError(f"truncated after {len(e.partial)} bytes", retry=True, reached=True)
+        raise FetchError(f"truncated after {len(e.partial)} bytes", "retry")
     except (http.client.HTTPException, ConnectionError) as e:  # e.g. connection reset
-        raise FetchError(f"transfer broken off ({type(e).__name__})", retry=True, reached=True)
+        raise FetchError(f"transfer broken off ({type(e).__name__})", "retry")
     if not data.strip():
-        raise FetchError("empty file", retry=True, reached=True)
+        raise FetchError("empty file", "retry")
     if data.lstrip()[:15].lower().startswith((b"<!doctype", b"<html")):
-        raise FetchError("got an HTML page, not plain text", retry=False, reached=True)
+        raise FetchError("got an HTML page, not plain text", "next")
     return data
 
 
-def download_book(book_id, mirror, timeout, retries, backoff):
-    """Try each URL pattern in turn, retrying transient failures with exponential backoff."""
-    reasons = []
+def download_book(book_id, mirror):
+    """One book from the first of URL_PATTERNS that gives plain text. A URL is tried up to RETRIES
+    more times, BACKOFF s later and doubling, unless the failure says "next"; a host that stays down
+    is given up at once. Raises FetchError naming each URL tried, .then "down" if the host was."""
+    why = []
     for pattern in URL_PATTERNS:
         url = mirror.rstrip("/") + pattern.format(id=book_id)
-        for attempt in range(retries + 1):
+        for attempt in range(RETRIES + 1):
             try:
-                return fetch_url(url, timeout)
+                return fetch(url)
             except FetchError as e:
                 err = e
-            if not err.retry or attempt == retries:
+            if err.then == "next" or attempt == RETRIES:
                 break
-            delay = backoff * 2**attempt
-            print(f"    {url}: {err}; retry {attempt + 1}/{retries} in {delay:g} s", flush=True)
-            time.sleep(delay)
-        reasons.append(f"{url}: {err}")
-        if not err.reached:
-            break  # the host itself is unreachable: its other paths will not work either
-    raise FetchError("; ".join(reasons), retry=False, reached=err.reached)
+            wait = BACKOFF * 2**attempt
+            print(f"    {url}: {err}; retry {attempt + 1}/{RETRIES} in {wait:g} s", flush=True)
+            time.sleep(wait)
+        why.append(f"{url}: {err}")
+        if err.then == "down":
+            break  # the other paths on a host that cannot be reached will not work either
+    raise FetchError("; ".join(why), err.then)
 
 
-def read_source_books(books, source):
-    """Raw bytes and path of every book in a local folder: <id>.txt, pg<id>.txt or gutenberg.org's tree."""
-    found, missing = [], []
+def download_books(books, mirror, raw_dir, pause):
+    """The path of every book's file in raw_dir. Files already there are used (they were written
+    whole); the others are downloaded one at a time, `pause` s apart, and saved at once, so a rerun
+    resumes. Books that fail are reported once the others are in; a host that is down stops it."""
+    os.makedirs(raw_dir, exist_ok=True)
+    paths = [os.path.join(raw_dir, f"{book_id}.txt") for book_id, _, _ in books]
+    todo = [(book, path) for book, path in zip(books, paths) if not os.path.exists(path)]
+    print(f"books: {len(books) - len(todo)} in {raw_dir} already, {len(todo)} to download")
+    failed, not_tried, t0 = [], [], time.time()
+    for n, ((book_id, title, _), path) in enumerate(todo):
+        if n:
+            time.sleep(pause)  # politeness: one request at a time, with a pause
+        try:
+            data = download_book(book_id, mirror)
+        except FetchError as e:
+            failed.append(f"  ebook {book_id} ({title}): {e}")
+            if e.then == "down":  # the other books would wait for the same unreachable host
+                not_tried = [str(b) for (b, _, _), _ in todo[n + 1 :]]
+                break
+            continue
+        atomic_write(path, data)
+        per_book = (time.time() - t0 + pause) / (n + 1)  # each book left costs a pause and a download
+        eta = fmt_time(per_book * (len(todo) - n - 1))
+        kb, name = f"{len(data) / 1e3:6.0f} kB", f"{title[:44]:44s}"
+        print(f"  [{n + 1:3d}/{len(todo)}] ebook {book_id:<6d} {kb}  {name}  eta {eta}", flush=True)
+    if not_tried:
+        failed.append(f"  not tried, as the server could not be reached: ebooks {', '.join(not_tried)}")
+    if failed:
+        n_have = sum(map(os.path.exists, paths))
+        kept = f"the {n_have} books downloaded are kept in {raw_dir}; " if n_have else ""
+        fail(
+            f"could not download {len(books) - n_have} of {len(books)} books from {mirror}:\n"
+            + "\n".join(failed)
+            + f"\nWhat to do: {kept}re-run to resume (when online), or use "
+            "--mirror URL (another Gutenberg mirror) or --source DIR (a folder of <ID>.txt files)."
+        )
+    return paths
+
+
+def source_books(books, source):
+    """The path of every book in a local folder: <id>.txt, pg<id>.txt or gutenberg.org's tree."""
+    paths, missing = [], []
     for book_id, _, _ in books:
         names = (f"{book_id}.txt", f"pg{book_id}.txt", f"cache/epub/{book_id}/pg{book_id}.txt")
         path = next((p for p in (os.path.join(source, n) for n in names) if os.path.isfile(p)), None)
         if path is None:
             missing.append(book_id)
-            continue
-        with open(path, "rb") as f:
-            found.append((f.read(), path))
+        paths.append(path)
     if missing:
         fail(
             f"{len(missing)} book(s) not found in --source {source} (looked for <ID>.txt, "
             f"pg<ID>.txt, cache/epub/<ID>/pg<ID>.txt): ebooks {', '.join(map(str, missing))}"
         )
-    return found
-
-
-def download_books(books, args):
-    """Raw bytes and path of every book: from the cache in data_dir/raw, else from --mirror, one
-    request at a time with a pause; what is fetched is cached at once, so a rerun resumes."""
-    raw_dir = os.path.join(args.data_dir, "raw")
-    os.makedirs(raw_dir, exist_ok=True)
-    raws, failed, n_cached, n_fetched = {}, [], 0, 0
-    to_fetch = sum(not os.path.exists(os.path.join(raw_dir, f"{b}.txt")) for b, _, _ in books)
-    t0 = time.time()
-    for i, (book_id, title, _) in enumerate(books):
-        path = os.path.join(raw_dir, f"{book_id}.txt")
-        if os.path.exists(path):  # written atomically, so a file here is whole
-            with open(path, "rb") as f:
-                raws[book_id] = f.read()
-            n_cached += 1
-            continue
-        if n_fetched or failed:
-            time.sleep(args.pause)  # politeness: one request at a time, with a pause
-        try:
-            raws[book_id] = data = download_book(
-                book_id, args.mirror, args.timeout, args.retries, args.backoff
-            )
-        except FetchError as e:
-            failed.append(f"  ebook {book_id} ({title}): {e}")
-            if not e.reached and i + 1 < len(books):
-                left = len(books) - i - 1
-                failed.append(
-                    f"  ... and {left} more not tried: the server could not be reached or did not answer"
-                )
-            if not e.reached:
-                break
-            continue
-        atomic_write(path, data)
-        n_fetched += 1
-        eta = (time.time() - t0) / (n_fetched + len(failed)) * (to_fetch - n_fetched - len(failed))
-        kb, name = f"{len(data) / 1e3:6.0f} kB", f"{title[:44]:44s}"
-        print(
-            f"  [{i + 1:3d}/{len(books)}] ebook {book_id:<6d} {kb}  {name}  eta {fmt_time(eta)}", flush=True
-        )
-    if failed:
-        n_have = n_cached + n_fetched
-        kept = f"the {n_have} books downloaded are kept in {raw_dir}; " if n_have else ""
-        fail(
-            f"could not download {len(books) - n_have} of {len(books)} books from {args.mirror}:\n"
-            + "\n".join(failed)
-            + f"\nWhat to do: {kept}re-run to resume (when online), or use "
-            "--mirror URL (another Gutenberg mirror) or --source DIR (a folder of <ID>.txt files)."
-        )
-    print(f"books: {n_cached} from the cache in {raw_dir}, {n_fetched} downloaded")
-    return [(raws[b], os.path.join(raw_dir, f"{b}.txt")) for b, _, _ in books]
+    return paths
 
 
 # -----------------------------------------------------------------------------
-# cleaning
+# strip: the book without Project Gutenberg's header, licence and footer
 
 
 CONTROL_BYTES = bytes(range(9)) + bytes(range(14, 32))  # not tab, newline, vertical tab, form feed, CR
@@ -310,6 +304,27 @@ def strip_gutenberg(text):
         body = body[m.end() :]
     body = re.sub(r"^(?:[ \t]*\n)+", "", body).rstrip() + "\n"  # keep the first line's indent
     return body, None if found else "no Project Gutenberg markers found; kept the whole file"
+
+
+def book_body(book, path, min_chars):
+    """The text of one book's raw file without Project Gutenberg's header, licence and footer; refused
+    when what is left is too short to be the book (an error page, an empty file)."""
+    book_id, title, _ = book
+    with open(path, "rb") as f:
+        body, warning = strip_gutenberg(book_text(f.read(), path))
+    if warning:
+        print(f"  warning: ebook {book_id} ({title}): {warning}")
+    if len(body.strip()) < min_chars:
+        fail(
+            f"ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project "
+            f"Gutenberg's header and licence (need {min_chars}); it is probably not the book: "
+            f"replace or delete {path} and re-run, or fix --books"
+        )
+    return body
+
+
+# -----------------------------------------------------------------------------
+# validation split
 
 
 def split_books(book_ids, texts, val_fraction):
@@ -442,6 +457,10 @@ def tokenizer_bytes(vocab):
     return b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(vocab))
 
 
+# -----------------------------------------------------------------------------
+# encode
+
+
 def encode_books(enc, texts):
     """Token ids of the books, each followed by <|endoftext|>, as one uint16 array."""
 
@@ -453,6 +472,101 @@ def encode_books(enc, texts):
     eot = np.array([enc.eot_token], dtype=np.uint32)
     ids = np.concatenate([x for p in parts for x in (p, eot)])
     return ids.astype(np.uint16)
+
+
+# -----------------------------------------------------------------------------
+# write
+
+
+def write_outputs(data_dir, vocab, source, books, texts, tokens):
+    """train.bin, val.bin, tokenizer.tiktoken and meta.json, each written whole, meta.json last (it
+    vouches for the others). books, texts, tokens: {"train": ..., "val": ...}. Returns meta."""
+    files = {"train.bin": tokens["train"].tobytes(), "val.bin": tokens["val"].tobytes()}
+    files[TOKENIZER_FILE] = tokenizer_bytes(vocab)
+    sha256 = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    meta = {
+        "vocab_size": len(vocab) + 1,
+        "eot_token": len(vocab),
+        "dtype": "uint16",
+        "train_tokens": int(tokens["train"].size),
+        "val_tokens": int(tokens["val"].size),
+        "train_books": books["train"],
+        "val_books": books["val"],
+        "train_chars": sum(map(len, texts["train"])),
+        "val_chars": sum(map(len, texts["val"])),
+        "source": source,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": sha256[TOKENIZER_FILE],
+        "train_sha256": sha256["train.bin"],
+        "val_sha256": sha256["val.bin"],
+        "split_pattern": SPLIT_PATTERN,
+    }
+    files["meta.json"] = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    os.makedirs(data_dir, exist_ok=True)
+    for name, data in files.items():
+        atomic_write(os.path.join(data_dir, name), data)
+    return meta
+
+
+# -----------------------------------------------------------------------------
+# the pipeline
+
+
+@contextmanager
+def stage(times, name):
+    """Time a stage of prepare() into times[name]."""
+    t = time.time()
+    yield
+    times[name] = time.time() - t
+
+
+def prepare(args):
+    """Book list -> download (or --source) -> strip -> split -> BPE -> encode -> write; prints each stage."""
+    books, times = read_books_tsv(args.books), {}
+    source = os.path.abspath(args.source) if args.source else args.mirror
+    with stage(times, "download"):
+        print(f"getting {len(books)} books from {source}")
+        try:
+            if args.source:
+                paths = source_books(books, source)
+            else:
+                paths = download_books(books, source, os.path.join(args.data_dir, "raw"), args.pause)
+        except KeyboardInterrupt:
+            fail("interrupted; the books downloaded so far are kept: re-run to resume")
+
+    with stage(times, "strip"):
+        bodies = [book_body(book, path, args.min_chars) for book, path in zip(books, paths)]
+        train_idx, val_idx = split_books([b for b, _, _ in books], bodies, args.val_fraction)
+    split = {"train": train_idx, "val": val_idx}
+    ids = {s: [books[i][0] for i in idx] for s, idx in split.items()}
+    texts = {s: [bodies[i] for i in idx] for s, idx in split.items()}
+    print(
+        f"stripped {len(books)} books: {sum(map(len, bodies)):,} characters "
+        f"({fmt_time(times['strip'])}); validation: ebooks {', '.join(map(str, ids['val']))}"
+    )
+
+    print(f"training a byte-level BPE with {args.vocab_size} tokens on {len(texts['train'])} books")
+    with stage(times, "pre-tokenize"):
+        words = count_words(texts["train"])
+    print(f"  {sum(words.values()):,} words, {len(words):,} distinct ({fmt_time(times['pre-tokenize'])})")
+    with stage(times, "train BPE"):
+        vocab = train_bpe(words, args.vocab_size - 1)
+        enc = make_encoding(vocab)
+    with stage(times, "encode"):
+        tokens = {s: encode_books(enc, t) for s, t in texts.items()}
+    with stage(times, "write"):
+        meta = write_outputs(args.data_dir, vocab, source, ids, texts, tokens)
+
+    n_train, n_val = meta["train_tokens"], meta["val_tokens"]
+    offline = sum(v for k, v in times.items() if k != "download")
+    print(f"\nwrote {args.data_dir}/: train.bin, val.bin, {TOKENIZER_FILE}, meta.json")
+    print(f"books       {len(ids['train'])} train + {len(ids['val'])} val")
+    print(f"characters  {meta['train_chars']:,} train + {meta['val_chars']:,} val")
+    share = f"{n_val / (n_train + n_val):.1%} val; the paper: 8.4M with Hugging Face's BPE"
+    print(f"tokens      {n_train:,} train + {n_val:,} val = {n_train + n_val:,} ({share})")
+    took = ", ".join(f"{k} {fmt_time(v)}" for k, v in times.items())
+    print(f"time        {took}; offline {fmt_time(offline)}")
+    return 0
 
 
 # -----------------------------------------------------------------------------
@@ -532,35 +646,31 @@ def token_file(data_dir, split, meta, need):
 
 
 # -----------------------------------------------------------------------------
+# command line
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    one_line_errors(p, "prepare_data.py")
     p.add_argument("--data_dir", default=DATA_DIR, help="outputs and the raw/ cache")
     p.add_argument(
-        "--books", default=BOOKS_TSV, help="the book list: rank, ebook id, title, author (tab-separated)"
+        "--books", default=BOOKS_TSV, help="book list: rank, ebook id, title, author (tab-separated)"
     )
     p.add_argument("--mirror", default=MIRROR, help="host with gutenberg.org's paths")
     p.add_argument("--source", help="read <ID>.txt or pg<ID>.txt from this folder instead of downloading")
     p.add_argument("--vocab_size", type=int, default=VOCAB_SIZE, help="tokens, <|endoftext|> included")
     p.add_argument("--val_fraction", type=float, default=VAL_FRACTION, help="share held out as whole books")
-    p.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per request")
-    p.add_argument("--retries", type=int, default=RETRIES, help="retries per URL after a timeout, 5xx, cut")
-    p.add_argument("--backoff", type=float, default=BACKOFF, help="seconds before the first retry, doubling")
     p.add_argument("--pause", type=float, default=PAUSE, help="seconds between downloads")
     p.add_argument("--min_chars", type=int, default=MIN_CHARS, help="refuse a shorter book (after stripping)")
     args = p.parse_args(argv)
     if not 257 <= args.vocab_size <= 65536:
-        fail(
-            f"--vocab_size {args.vocab_size} is out of range: it needs 256 bytes + <|endoftext|> "
-            "(>= 257) and must fit uint16 (<= 65536)"
-        )
+        fail(f"--vocab_size {args.vocab_size}: need 256 bytes + <|endoftext|> (>= 257) in uint16 (<= 65536)")
     if not 0 < args.val_fraction < 1:
         fail(f"--val_fraction {args.val_fraction} must be between 0 and 1, e.g. 0.05")
-    if args.timeout <= 0 or args.retries < 0 or args.backoff < 0 or args.pause < 0:
-        fail("--timeout must be > 0 and --retries, --backoff, --pause >= 0")
+    if args.pause < 0:
+        fail(f"--pause {args.pause} must be >= 0 (seconds between downloads)")
     if not args.mirror.startswith(("http://", "https://")):
         fail(f"--mirror {args.mirror!r} must start with http:// or https://")
     if args.source and not os.path.isdir(args.source):
@@ -569,104 +679,12 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    plain_output()  # "The Nürnberg Stove" on an ASCII terminal prints as "N?rnberg", not a crash
     args = parse_args(argv)
     try:
         return prepare(args)
     except OSError as e:  # unwritable --data_dir, full disk, ...
         fail(f"{e.filename}: {e.strerror}; check --data_dir" if e.filename else str(e))
-
-
-def book_body(book, raw, where, min_chars):
-    """The text of one book without Project Gutenberg's header, licence and footer; refused when
-    what is left is too short to be the book (an error page, an empty file)."""
-    book_id, title, _ = book
-    body, warning = strip_gutenberg(book_text(raw, where))
-    if warning:
-        print(f"  warning: ebook {book_id} ({title}): {warning}")
-    if len(body.strip()) < min_chars:
-        fail(
-            f"ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project "
-            f"Gutenberg's header and licence (need {min_chars}); it is probably not the book: "
-            f"replace or delete {where} and re-run, or fix --books"
-        )
-    return body
-
-
-@contextmanager
-def stage(times, name):
-    """Time a stage of prepare() into times[name]."""
-    t = time.time()
-    yield
-    times[name] = time.time() - t
-
-
-def prepare(args):
-    books, times = read_books_tsv(args.books), {}
-    ids, source = [b for b, _, _ in books], os.path.abspath(args.source) if args.source else args.mirror
-    with stage(times, "download"):
-        print(f"getting {len(books)} books from {source}")
-        try:
-            raws = read_source_books(books, source) if args.source else download_books(books, args)
-        except KeyboardInterrupt:
-            fail("interrupted; the books downloaded so far are kept: re-run to resume")
-
-    with stage(times, "strip"):
-        texts = [book_body(book, raw, where, args.min_chars) for book, (raw, where) in zip(books, raws)]
-        train_idx, val_idx = split_books(ids, texts, args.val_fraction)
-    train_texts, val_texts = [texts[i] for i in train_idx], [texts[i] for i in val_idx]
-    print(
-        f"stripped {len(texts)} books: {sum(map(len, texts)):,} characters "
-        f"({fmt_time(times['strip'])}); validation: ebooks {', '.join(str(ids[i]) for i in val_idx)}"
-    )
-
-    print(f"training a byte-level BPE with {args.vocab_size} tokens on {len(train_texts)} books")
-    with stage(times, "pre-tokenize"):
-        words = count_words(train_texts)
-    print(f"  {sum(words.values()):,} words, {len(words):,} distinct ({fmt_time(times['pre-tokenize'])})")
-    with stage(times, "train BPE"):
-        vocab = train_bpe(words, args.vocab_size - 1)
-        enc = make_encoding(vocab)
-    with stage(times, "encode"):
-        train_ids, val_ids = encode_books(enc, train_texts), encode_books(enc, val_texts)
-
-    with stage(times, "write"):
-        os.makedirs(args.data_dir, exist_ok=True)
-        tok = tokenizer_bytes(vocab)
-        files = {"train.bin": train_ids.tobytes(), "val.bin": val_ids.tobytes(), TOKENIZER_FILE: tok}
-        meta = {
-            "vocab_size": enc.n_vocab,
-            "eot_token": enc.eot_token,
-            "dtype": "uint16",
-            "train_tokens": int(train_ids.size),
-            "val_tokens": int(val_ids.size),
-            "train_books": [ids[i] for i in train_idx],
-            "val_books": [ids[i] for i in val_idx],
-            "train_chars": sum(map(len, train_texts)),
-            "val_chars": sum(map(len, val_texts)),
-            "source": source,
-            "tokenizer": TOKENIZER_FILE,
-            "tokenizer_sha256": hashlib.sha256(tok).hexdigest(),
-            "train_sha256": hashlib.sha256(files["train.bin"]).hexdigest(),
-            "val_sha256": hashlib.sha256(files["val.bin"]).hexdigest(),
-            "split_pattern": SPLIT_PATTERN,
-        }
-        files["meta.json"] = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        for name, data in files.items():  # meta.json last: it vouches for the others
-            atomic_write(os.path.join(args.data_dir, name), data)
-
-    n_train, n_val = meta["train_tokens"], meta["val_tokens"]
-    offline = sum(v for k, v in times.items() if k != "download")
-    print(f"\nwrote {args.data_dir}/: train.bin, val.bin, {TOKENIZER_FILE}, meta.json")
-    print(f"books       {len(train_texts)} train + {len(val_texts)} val")
-    print(f"characters  {meta['train_chars']:,} train + {meta['val_chars']:,} val")
-    share = f"{n_val / (n_train + n_val):.1%} val; the paper: 8.4M with Hugging Face's BPE"
-    print(f"tokens      {n_train:,} train + {n_val:,} val = {n_train + n_val:,} ({share})")
-    print(
-        "time        "
-        + ", ".join(f"{k} {fmt_time(v)}" for k, v in times.items())
-        + f"; offline {fmt_time(offline)}"
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -631,9 +631,9 @@ class _PdServer(http.server.ThreadingHTTPServer):
 
 
 class _PdHandler(http.server.BaseHTTPRequestHandler):
-    """Serves server.files; server.faults[path] is a list of faults used up one per request:
-    '500', '404', 'html' (an HTML page), 'timeout' (answer after server.delay s), 'truncate' (half
-    the promised bytes)."""
+    """Serves server.files; server.faults[path] is a list of faults used up one per request: an HTTP
+    status such as '500', '429' or '404', 'html' (an HTML page), 'timeout' (answer after server.delay
+    s), 'truncate' (half the promised bytes)."""
 
     def do_GET(self):
         srv = self.server
@@ -646,10 +646,9 @@ class _PdHandler(http.server.BaseHTTPRequestHandler):
             body = b"<!DOCTYPE html>\n<html><body>Please complete the check.</body></html>\n"
         if fault == "timeout":
             time.sleep(srv.delay)
-        if fault == "500":
-            self.send_error(500)
-        elif fault == "404" or body is None:
-            self.send_error(404)
+        status = int(fault) if fault and fault.isdigit() else 404 if body is None else 200
+        if status != 200:
+            self.send_error(status)
         else:
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; charset=utf-8")
@@ -664,7 +663,8 @@ class _PdHandler(http.server.BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def _pd_serve(raws, all_paths=True):
-    """A loopback server with every book at gutenberg.org's three paths (or only the first)."""
+    """A loopback server with every book at gutenberg.org's three paths (or only the first); raws:
+    {ebook id: bytes}. A user's proxy must not see loopback requests: no_proxy is set meanwhile."""
     srv = _PdServer(("127.0.0.1", 0), _PdHandler)
     srv.lock, srv.log, srv.faults, srv.delay = threading.Lock(), [], {}, 1.0
     patterns = prepare_data.URL_PATTERNS if all_paths else prepare_data.URL_PATTERNS[:1]
@@ -673,33 +673,32 @@ def _pd_serve(raws, all_paths=True):
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
-        yield srv
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("no_proxy", "127.0.0.1,localhost")
+            yield srv
     finally:
         srv.shutdown()
         srv.server_close()
 
 
-def _pd_run(data_dir, *extra, books_tsv, mirror=None):
-    """prepare_data.main with fast network settings; returns its exit status."""
-    argv = [
-        "--data_dir",
-        str(data_dir),
-        "--books",
-        books_tsv,
-        "--vocab_size",
-        str(_PD_VOCAB),
-        "--pause",
-        "0",
-        "--timeout",
-        "0.5",
-        "--retries",
-        "2",
-        "--backoff",
-        "0.01",
-    ]
-    if mirror:
-        argv += ["--mirror", mirror]
-    return prepare_data.main(argv + list(extra))
+def _pd_run(data_dir, *extra, books_tsv, mirror=None, timeout=0.5):
+    """prepare_data.main with fast network settings (a 0.5 s timeout, 2 retries after 0.01 s and
+    0.02 s, no pause); returns its exit status."""
+    argv = ["--data_dir", str(data_dir), "--books", books_tsv, *f"--vocab_size {_PD_VOCAB} --pause 0".split()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare_data, "TIMEOUT", timeout)
+        mp.setattr(prepare_data, "RETRIES", 2)
+        mp.setattr(prepare_data, "BACKOFF", 0.01)
+        return prepare_data.main(argv + (["--mirror", mirror] if mirror else []) + list(extra))
+
+
+def _pd_source(folder, raws=_PD_RAW, name="{}.txt"):
+    """Write raws ({ebook id: bytes}) into folder, a --source DIR, as name.format(id); returns folder."""
+    for i, raw in raws.items():
+        path = folder / name.format(i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(raw)
+    return folder
 
 
 def _pd_outputs(data_dir):
@@ -722,8 +721,7 @@ def pd_clean(tmp_path_factory):
     """One run against a clean server: (data_dir, books.tsv, server url)."""
     root = tmp_path_factory.mktemp("pd_clean")
     tsv = _pd_books_tsv(root / "books.tsv")
-    with pytest.MonkeyPatch.context() as mp, _pd_serve(_PD_RAW) as srv:
-        mp.setenv("no_proxy", "127.0.0.1,localhost")
+    with _pd_serve(_PD_RAW) as srv:
         assert _pd_run(root / "data", books_tsv=tsv, mirror=srv.url) == 0
         url = srv.url
     return root / "data", tsv, url
@@ -806,6 +804,7 @@ def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, mon
             first.format(id=9003): ["404"],
             first.format(id=9004): ["truncate"],
             first.format(id=9005): ["html"],
+            first.format(id=9007): ["429"],
         }
         assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
         paths = collections.Counter(p for p, _ in srv.log)
@@ -815,9 +814,10 @@ def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, mon
     assert paths[first.format(id=9003)] == 1 and paths[second.format(id=9003)] == 1
     assert paths[first.format(id=9004)] == 2 and paths[first.format(id=9006)] == 1
     assert paths[first.format(id=9005)] == 1 and paths[second.format(id=9005)] == 1  # HTML is no book
+    assert paths[first.format(id=9007)] == 2  # 429 Too Many Requests: wait, then the same URL
     assert agents == {prepare_data.USER_AGENT}
-    # backoff 0.01 s doubling: 9001 waits twice, 9002 and 9004 once; --pause 0 between books
-    assert sorted(s for s in sleeps if s) == [0.01, 0.01, 0.01, 0.02]
+    # backoff 0.01 s doubling: 9001 waits twice, 9002, 9004 and 9007 once; --pause 0 between books
+    assert sorted(s for s in sleeps if s) == [0.01, 0.01, 0.01, 0.01, 0.02]
     got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
     meta_got, meta_want = json.loads(got.pop("meta.json")), json.loads(want.pop("meta.json"))
     assert got == want  # train.bin, val.bin, tokenizer: byte for byte
@@ -843,9 +843,8 @@ def test_pd_second_run_uses_cache_and_is_identical(pd_clean, tmp_path, monkeypat
 def test_pd_source_dir_gives_the_same_result(pd_clean, tmp_path):
     clean_dir, tsv, _ = pd_clean
     src = tmp_path / "src"
-    os.makedirs(src)
-    for n, (i, _, _) in enumerate(_PD_BOOKS):  # both naming styles
-        (src / (f"{i}.txt" if n % 2 else f"pg{i}.txt")).write_bytes(_PD_RAW[i])
+    for k, name in enumerate(["{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt"]):  # every naming style
+        _pd_source(src, {i: raw for i, raw in _PD_RAW.items() if i % 3 == k}, name)
     assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
     got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
     for name in ("train.bin", "val.bin", "tokenizer.tiktoken"):
@@ -869,13 +868,7 @@ def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path
         port = s.getsockname()[1]
     t0 = time.time()
     msg = _pd_error(
-        capsys,
-        _pd_run,
-        tmp_path / "data",
-        "--timeout",
-        "30",
-        books_tsv=tsv,
-        mirror=f"http://127.0.0.1:{port}",
+        capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=f"http://127.0.0.1:{port}", timeout=30
     )
     # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
     assert time.time() - t0 < 10
@@ -944,10 +937,7 @@ def test_pd_tokenizer_round_trips_arbitrary_unicode(pd_clean):
 
 def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    src = tmp_path / "src"
-    os.makedirs(src)
-    for i, _, _ in _PD_BOOKS:
-        (src / f"{i}.txt").write_bytes(_PD_RAW[i])
+    src = _pd_source(tmp_path / "src")
     data = tmp_path / "data"
     for vocab in (_PD_VOCAB, 300):  # the same path, a new file: no cached ranks may survive
         assert _pd_run(data, "--source", str(src), "--vocab_size", str(vocab), books_tsv=tsv) == 0
@@ -1047,6 +1037,8 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
         (["--books", str(bad)], "line 3"),
         (["--books", tsv, "--mirror", "http://127.0.0.1:9", "--data_dir", str(bad)], "check --data_dir"),
         (["--books", tsv, "--vocab_size", "70000"], "uint16"),
+        (["--books", tsv, "--vocab_size", "many"], "invalid int value"),
+        (["--books", tsv, "--pause", "-1"], "--pause"),
         (["--books", tsv, "--source", str(tmp_path / "nowhere")], "not a folder"),
         (["--books", tsv, "--mirror", "ftp://example"], "http"),
         (["--books", tsv, "--source", str(tmp_path)], "not found in --source"),
@@ -1055,27 +1047,36 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     utf16.write_bytes(
         open(tsv, encoding="utf-8").read().replace("The Brass Kite", "Brass Kite \u00e9").encode("utf-16")
     )
-    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == [
-        t for _, t, _ in prepare_data.read_books_tsv(tsv)
-    ][:1] + ["Brass Kite \u00e9"] + [t for _, t, _ in prepare_data.read_books_tsv(tsv)][2:]
+    titles = [t for _, t, _ in prepare_data.read_books_tsv(tsv)]
+    titles[1] = "Brass Kite \u00e9"
+    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == titles
     latin1 = tmp_path / "books-latin1.tsv"
     latin1.write_bytes("rank\tid\ttitle\n1\t11\tCaf\u00e9\n2\t12\tNa\u00efve\n".encode("latin-1"))
     cases.append((["--books", str(latin1)], "save it as UTF-8"))
-    for argv, words in cases:
-        msg = _pd_error(
-            capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data")] + argv
-        )  # argv's own wins
+    for argv, words in cases:  # a --data_dir in argv wins over the first
+        msg = _pd_error(capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data"), *argv])
         assert len(msg.strip().splitlines()) == 1 and words in msg, (argv, msg)
     assert not os.path.exists(tmp_path / "data" / "train.bin")
 
 
+def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
+    """On an ASCII terminal (PYTHONIOENCODING=ascii) a title such as "The N\u00fcrnberg Stove" prints
+    as "The N?rnberg Stove" instead of ending the run with UnicodeEncodeError."""
+    tsv = _pd_books_tsv(tmp_path / "books.tsv", [(9001, "The N\u00fcrnberg Stove", "the"), *_PD_BOOKS[1:]])
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
+    out.flush()
+    assert "ebook 9001" in out.buffer.getvalue().decode("ascii")
+    assert "The N?rnberg Stove" in out.buffer.getvalue().decode("ascii")
+
+
 def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    src = tmp_path / "src"
-    os.makedirs(src)
-    for i, title, kind in _PD_BOOKS:
-        body = "A short error page.\n" if i == 9006 else _PD_BODIES[i]
-        (src / f"{i}.txt").write_bytes(_pd_wrap(kind, i, title, body))
+    short = _pd_wrap("the", 9006, "Lark Rise", "A short error page.\n")
+    src = _pd_source(tmp_path / "src", {**_PD_RAW, 9006: short})
     err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
     assert "ebook 9006" in err and "characters" in err and str(src / "9006.txt") in err
     (src / "9006.txt").write_bytes(b"")  # an empty file: the advice names it, not raw/9006.txt
@@ -1091,13 +1092,8 @@ def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_p
 
 def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
-    src = tmp_path / "src"
-    os.makedirs(src)
-    for i, _, _ in _PD_BOOKS:
-        (src / f"{i}.txt").write_bytes(_PD_RAW[i])
-    err = _pd_error(
-        capsys, _pd_run, tmp_path / "data", "--source", str(src), "--vocab_size", "60000", books_tsv=tsv
-    )
+    argv = ["--source", str(_pd_source(tmp_path / "src")), *"--vocab_size 60000".split()]
+    err = _pd_error(capsys, _pd_run, tmp_path / "data", *argv, books_tsv=tsv)
     assert "smaller --vocab_size" in err
 
 
@@ -1482,55 +1478,15 @@ def _tr_book(book_id, n_sentences, seed):
 
 
 @pytest.fixture(scope="module")
-def tr_mirror(tmp_path_factory):
-    books = {101: _tr_book(101, 900, 1), 102: _tr_book(102, 900, 2), 103: _tr_book(103, 300, 3)}
-    pages = {f"/cache/epub/{i}/pg{i}.txt": text.encode() for i, text in books.items()}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = pages.get(self.path)
-            self.send_response(200 if body else 404)
-            self.send_header("Content-Length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    tsv = tmp_path_factory.mktemp("trbooks") / "books.tsv"
-    tsv.write_text(
-        "rank\tid\ttitle\tauthor\n"
-        + "".join(f"{r}\t{i}\tMade-up Tales {i}\tNobody\n" for r, i in enumerate(books, 1))
-    )
-    yield f"http://127.0.0.1:{server.server_address[1]}", str(tsv)
-    server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tr_prepared(tr_mirror, tmp_path_factory):
-    import prepare_data
-
-    mirror, books = tr_mirror
-    data = str(tmp_path_factory.mktemp("trprep") / "data")
-    assert prepare_data.main(
-        [
-            "--data_dir",
-            data,
-            "--mirror",
-            mirror,
-            "--books",
-            books,
-            "--vocab_size",
-            "300",
-            "--pause",
-            "0",
-            "--min_chars",
-            "1000",
-        ]
-    ) in (0, None)
-    return data
+def tr_prepared(tmp_path_factory):
+    """prepare_data.py's outputs for three made-up books served by a loopback mirror."""
+    root = tmp_path_factory.mktemp("trprep")
+    raws = {101: _tr_book(101, 900, 1), 102: _tr_book(102, 900, 2), 103: _tr_book(103, 300, 3)}
+    tsv = _pd_books_tsv(root / "books.tsv", [(i, f"Made-up Tales {i}", "the") for i in raws])
+    with _pd_serve({i: text.encode() for i, text in raws.items()}, all_paths=False) as srv:
+        argv = ["--data_dir", str(root / "data"), "--mirror", srv.url, "--books", tsv]
+        assert prepare_data.main([*argv, *"--vocab_size 300 --pause 0 --min_chars 1000".split()]) == 0
+    return str(root / "data")
 
 
 def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
