@@ -2,9 +2,10 @@
 The pre-LN Transformer of "Attention Is Not All You Need Anymore" (Zhe Chen, 2023, arXiv:2308.07661),
 its baseline token mixer (causal multi-head self-attention) and the four Extractors (SHE, HE, WE, ME)
 that replace it, plus the extraction-only HE named at the end of Section 5. The file follows the paper:
-Config (Table 1); the Transformer (Section 4, Eq. 3-22); self-attention (Eq. 10-17); the Extractors
-(Section 5, Eq. 23-29); the causal FIR filter they share, first as the literal sum, then its fast paths;
-generation; the operation counts of Tables 3-7.
+Config (Table 1); the Transformer (Section 4, Eq. 3-22) and its generation (Eq. 2); self-attention
+(Eq. 10-17); the Extractors (Section 5, Eq. 23-29); the causal FIR filter they share, first as the
+literal sum, then its fast paths; the operation counts of Tables 3-7. Every weight starts N(0, 0.01²),
+i.e. with standard deviation 0.01 (Section 6).
 
 Equation numbers, e.g. `# Eq. (23)`, refer to the paper. Indices: the paper counts positions and taps
 from 1; the code counts from 0, so the paper's tap W_k (k = i - j + 1, the distance back plus one) is
@@ -184,15 +185,16 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
 
 
 def init_weights(module):
-    """Section 6: weights ~ N(0, 0.01), biases zero. LayerNorm keeps gain 1, bias 0."""
+    """Section 6: weights ~ N(0, 0.01²), biases zero. LayerNorm keeps gain 1, bias 0."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.01)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
 
 
-def taps(*shape):
-    return nn.Parameter(torch.randn(*shape) * 0.01)  # Section 6: weights ~ N(0, 0.01)
+def normal_weight(*shape):
+    """A weight tensor that is not an nn.Linear's (the Extractors' taps, the Synthesizers' maps)."""
+    return nn.Parameter(torch.randn(*shape) * 0.01)  # Section 6: weights ~ N(0, 0.01²)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ class SHE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
-        self.W_ext = taps(l, d, d)  # W_1^[ext] .. W_l^[ext]
+        self.W_ext = normal_weight(l, d, d)  # the taps W_1^[ext] .. W_l^[ext]
         self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
@@ -266,7 +268,7 @@ class HE(nn.Module):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
         self.W_in_ext = nn.Linear(d, d, bias=False)  # W^[in_ext]
-        self.w_ext = taps(l, d)  # w_1^[ext] .. w_l^[ext]
+        self.w_ext = normal_weight(l, d)  # the taps w_1^[ext] .. w_l^[ext]
         self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
@@ -285,7 +287,7 @@ class WE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
-        self.w_ext = taps(l, d)  # w_1^[ext] .. w_l^[ext] (l of them: Notes on the paper, 2)
+        self.w_ext = normal_weight(l, d)  # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
         self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
@@ -302,7 +304,7 @@ class ME(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.w_ext = taps(cfg.block_size)  # w_1^[ext] .. w_l^[ext]
+        self.w_ext = normal_weight(cfg.block_size)  # the taps w_1^[ext] .. w_l^[ext]
 
     def forward(self, x, cache=None):
         return causal_fir(x, self.w_ext, cache)  # Eq. (29): x_i^out_sub1 = sum_j x_j w_{i-j+1}
@@ -318,7 +320,7 @@ class HEExtraction(nn.Module):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
         self.W_in_ext = nn.Linear(d, d, bias=False)  # W^[in_ext]
-        self.w_ext = taps(l, d)  # w_1^[ext] .. w_l^[ext]
+        self.w_ext = normal_weight(l, d)  # the taps w_1^[ext] .. w_l^[ext]
 
     def forward(self, x, cache=None):
         return causal_fir(self.W_in_ext(x), self.w_ext, cache)  # Eq. (27), (28)

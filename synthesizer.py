@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from extractor import MIXERS, taps
+from extractor import MIXERS, normal_weight
 
 # Synthesizer equations are cited as `# Synthesizer Eq. (k)`, to tell them from the Extractors
 # paper's `# Eq. (k)` (its self-attention equations, reused here). Each head j replaces
@@ -126,7 +126,7 @@ class DenseSynthesizer(_Synthesizer):
         super().__init__(cfg)
         d = cfg.n_embd
         self.W_1 = nn.Linear(d, d, bias=False)  # W_{1,h} of all heads, h hidden units each
-        self.W_2 = taps(self.n, self.l, self.h)  # W_{2,h}: h -> l per head, stored (out, in)
+        self.W_2 = normal_weight(self.n, self.l, self.h)  # W_{2,h}: h -> l per head, stored (out, in)
 
     def hidden(self, x):
         return self.heads(F.relu(self.W_1(x)))  # Synthesizer Eq. (2), (B, n, t, h)
@@ -154,8 +154,8 @@ class FactorizedDenseSynthesizer(_Synthesizer):
         d = cfg.n_embd
         self.a, self.b = _syn_factors(self.l)
         self.W_1 = nn.Linear(d, d, bias=False)  # as the Dense Synthesizer's W_{1,h}
-        self.W_A = taps(self.n, self.h, self.a)  # F_{A,h}: h -> a per head
-        self.W_B = taps(self.n, self.h, self.b)  # F_{B,h}: h -> b per head
+        self.W_A = normal_weight(self.n, self.h, self.a)  # F_{A,h}: h -> a per head
+        self.W_B = normal_weight(self.n, self.h, self.b)  # F_{B,h}: h -> b per head
 
     def mix(self, x, v, past, cache):
         hid = self.heads(F.relu(self.W_1(x)))  # (B, n, t, h)
@@ -166,7 +166,7 @@ class FactorizedDenseSynthesizer(_Synthesizer):
 
 class RandomSynthesizer(_Synthesizer):
     """Random Synthesizer, Synthesizer Eq. (4): a learned (l x l) R per head, the same for every
-    input, initialised N(0, 0.01) like every weight of the Extractors paper (Section 6)."""
+    input, initialised N(0, 0.01²) like every weight of the Extractors paper (Section 6)."""
 
     fixed = False
     init_std = 0.01
@@ -185,10 +185,10 @@ class RandomSynthesizer(_Synthesizer):
 
 class FixedRandomSynthesizer(RandomSynthesizer):
     """Fixed Random Synthesizer (Synthesizer Eq. (4), "kept fixed"): R is drawn once from the model's
-    RNG and never trained. Its logits are N(0, 1), not the trained Random's N(0, 0.01): at 0.01
+    RNG and never trained. Its logits are N(0, 1), not the trained Random's N(0, 0.01²): at 0.01
     softmax(R) would be a uniform causal average to within about 1%, a running mean rather than
     the random alignment the Synthesizer paper tests. At l = 128 the rows' mean entropy is 3.43
-    nats against the uniform rows' 3.88 (N(0, 0.01): 3.878), the last row's largest weight 0.071
+    nats against the uniform rows' 3.88 (N(0, 0.01²): 3.878), the last row's largest weight 0.071
     against 1/l = 0.0078."""
 
     fixed = True
@@ -200,8 +200,8 @@ class FactorizedRandomSynthesizer(_Synthesizer):
 
     def __init__(self, cfg, k=SYN_RANK):
         super().__init__(cfg)
-        self.R_1 = taps(self.n, self.l, k)  # R_{1,h}, (l, k) per head
-        self.R_2 = taps(self.n, self.l, k)  # R_{2,h}
+        self.R_1 = normal_weight(self.n, self.l, k)  # R_{1,h}, (l, k) per head
+        self.R_2 = normal_weight(self.n, self.l, k)  # R_{2,h}
 
     def logits(self, past, T):
         return self.R_1[:, past:T] @ self.R_2[:, :T].transpose(1, 2)  # Synthesizer Eq. (7), (n, t, T)
@@ -218,7 +218,7 @@ class RandomDenseSynthesizer(DenseSynthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.R = taps(self.n, self.l, self.l)  # Random's R_h
+        self.R = normal_weight(self.n, self.l, self.l)  # Random's R_h
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):
@@ -235,7 +235,7 @@ class RandomSASynthesizer(_Synthesizer):
         super().__init__(cfg)
         d = cfg.n_embd
         self.W_QK = nn.Linear(d, 2 * d, bias=False)  # W_j^[Q], W_j^[K] of all heads
-        self.R = taps(self.n, self.l, self.l)  # Random's R_h
+        self.R = normal_weight(self.n, self.l, self.l)  # Random's R_h
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):

@@ -129,7 +129,7 @@ PAPER_MIXERS = ["sa", "she", "he", "we", "me", "he-ext"]
 
 
 def random_mixer(name, d=8, l=12, n=2, seed=0):
-    """A mixer on the CPU in float64 with every parameter and buffer (Fixed Random's R too) ~ N(0, 0.5),
+    """A mixer on the CPU in float64 with every parameter and buffer (Fixed Random's R too) ~ N(0, 0.5²),
     larger than the paper's init, so that every term matters and the alignments are far from uniform."""
     torch.manual_seed(seed)
     m = MIXERS[name](Config(n_embd=d, block_size=l, n_head=n, mixer=name)).double()
@@ -418,7 +418,7 @@ def test_forward_loss_is_eq3():
 
 
 def tiny_model(name, l=16, seed=0):
-    """A 2-layer model on the test device, every parameter and buffer ~ N(0, 0.3): distinct logits, so
+    """A 2-layer model on the test device, every parameter and buffer ~ N(0, 0.3²): distinct logits, so
     that greedy choices are not ties."""
     torch.manual_seed(seed)
     cfg = Config(
@@ -1744,7 +1744,7 @@ def test_synth_whole_model_parameter_count():
 
 
 def test_synth_initialisation():
-    """nn.Linear and raw weights ~ N(0, 0.01) (Section 6), mixing alphas zero (weights 1/2 each)."""
+    """nn.Linear and raw weights ~ N(0, 0.01²) (Section 6), mixing alphas zero (weights 1/2 each)."""
     for name in SYNTHS:
         model = Transformer(
             Config(vocab_size=50, block_size=64, n_embd=64, n_hidden=64, n_layer=1, n_head=4, mixer=name)
@@ -1776,7 +1776,7 @@ def test_synth_fixed_random_rows_are_far_from_uniform():
     fixed = MIXERS["random-fixed"](Config(n_embd=64, block_size=l, n_head=4, mixer="random-fixed"))
     learned = MIXERS["random"](Config(n_embd=64, block_size=l, n_head=4, mixer="random"))
     assert _row_entropy(fixed, l) < uniform - 0.4  # N(0, 1) logits
-    assert _row_entropy(learned, l) > uniform - 0.01  # N(0, 0.01): uniform at init
+    assert _row_entropy(learned, l) > uniform - 0.01  # N(0, 0.01²): uniform at init
     p = synthesizer._syn_softmax(fixed.logits(0, l), 0)[:, -1]  # the last row, (n, l)
     assert (p.max(-1).values > 5 / l).all()  # peaked, not 1/l everywhere
 
