@@ -1161,20 +1161,8 @@ def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
     }
     for run, flags in runs.items():
         monkeypatch.setattr(train, "get_batch", recording(run))
-        rc = train.main(
-            _TR_TINY
-            + flags
-            + [
-                "--data_dir",
-                tr_data,
-                "--out_dir",
-                str(tmp_path / run),
-                "--max_iters",
-                "6",
-                "--eval_interval",
-                "3",
-            ]
-        )
+        rc = train.main(_TR_TINY + flags + f"--data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
+                        + ["--out_dir", str(tmp_path / run)])  # fmt: skip
         assert rc == 0
     assert len(seen["sa"]) == len(seen["me"]) > 6  # 6 training batches plus the validation batches
     for (xa, ya), (xm, ym) in zip(seen["sa"], seen["me"]):
@@ -1192,18 +1180,10 @@ def _tr_train_loss_column(run_dir):
 
 
 def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
-    flags = _TR_TINY + [
-        "--mixer",
-        "sa",
-        "--dropout",
-        "0.1",
-        "--data_dir",
-        tr_data,
-        "--eval_interval",
-        "4",
-        "--ckpt_interval",
-        "3",
-    ]
+    flags = (
+        _TR_TINY
+        + f"--mixer sa --dropout 0.1 --data_dir {tr_data} --eval_interval 4 --ckpt_interval 3".split()
+    )
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
     assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
@@ -1220,20 +1200,11 @@ def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
 
 
 def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
-    flags = _TR_TINY + [
-        "--mixer",
-        "me",
-        "--dropout",
-        "0.1",
-        "--data_dir",
-        tr_data,
-        "--eval_interval",
-        "100",
-        "--ckpt_interval",
-        "100",
-        "--max_iters",
-        "10",
-    ]
+    flags = (
+        _TR_TINY
+        + f"--mixer me --dropout 0.1 --data_dir {tr_data} --eval_interval 100 --ckpt_interval 100".split()
+    )
+    flags += ["--max_iters", "10"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     assert train.main(flags + ["--out_dir", full]) == 0
     real_get_batch, calls = train.get_batch, []
@@ -1256,26 +1227,10 @@ def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
     runs = []
     for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
         run = str(tmp_path / f"{m} {layers}")  # a space in the path: the printed hint quotes it
-        assert (
-            train.main(
-                _TR_TINY
-                + [
-                    "--mixer",
-                    m,
-                    "--n_layer",
-                    layers,
-                    "--data_dir",
-                    tr_data,
-                    "--out_dir",
-                    run,
-                    "--max_iters",
-                    "12",
-                    "--eval_interval",
-                    "6",
-                ]
-            )
-            == 0
+        flags = (
+            f"--mixer {m} --n_layer {layers} --data_dir {tr_data} --max_iters 12 --eval_interval 6".split()
         )
+        assert train.main(_TR_TINY + flags + ["--out_dir", run]) == 0
         runs.append(run)
     out = capsys.readouterr().out
     assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
@@ -1374,23 +1329,8 @@ def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--mixer",
-            "sa",
-            "--n_embd",
-            "30",
-            "--n_head",
-            "4",
-            "--data_dir",
-            str(tmp_path / "missing"),
-        ],
-        cwd=_TR_ROOT,
-        capture_output=True,
-        text=True,
-    )
+    argv = f"train.py --mixer sa --n_embd 30 --n_head 4 --data_dir {tmp_path / 'missing'}".split()
+    r = subprocess.run([sys.executable, *argv], cwd=_TR_ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
@@ -1411,22 +1351,8 @@ def test_train_help_gives_every_setting_its_symbol(capsys):
 def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
     """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
     whole global batch, as in one process."""
-    flags = _TR_TINY + [
-        "--mixer",
-        "sa",
-        "--dropout",
-        "0",
-        "--data_dir",
-        tr_data,
-        "--max_iters",
-        "6",
-        "--eval_interval",
-        "3",
-        "--ckpt_interval",
-        "3",
-        "--device",
-        "cpu",
-    ]
+    flags = _TR_TINY + f"--mixer sa --dropout 0 --data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
+    flags += "--ckpt_interval 3 --device cpu".split()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
@@ -1512,39 +1438,10 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     data = tr_prepared
     monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
     for mixer in ("sa", "me"):
-        assert (
-            train.main(
-                [
-                    "--mixer",
-                    mixer,
-                    "--data_dir",
-                    data,
-                    "--n_layer",
-                    "2",
-                    "--n_embd",
-                    "32",
-                    "--n_hidden",
-                    "64",
-                    "--block_size",
-                    "32",
-                    "--batch_size",
-                    "16",
-                    "--n_head",
-                    "4",
-                    "--max_iters",
-                    "40",
-                    "--eval_interval",
-                    "20",
-                    "--eval_batches",
-                    "2",
-                    "--lr",
-                    "3e-3",
-                    "--out_dir",
-                    "out/sa-4" if mixer == "sa" else "out/me",
-                ]
-            )
-            == 0
-        )
+        flags = f"--mixer {mixer} --data_dir {data} --n_layer 2 --n_embd 32 --n_hidden 64 --block_size 32"
+        flags += " --batch_size 16 --n_head 4 --max_iters 40 --eval_interval 20 --eval_batches 2 --lr 3e-3"
+        flags += f" --device {DEVICE} --out_dir out/{'sa-4' if mixer == 'sa' else 'me'}"
+        assert train.main(flags.split()) == 0
         loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
         assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
     capsys.readouterr()
@@ -1553,16 +1450,12 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     first = capsys.readouterr()
     assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
     assert (
-        sample.main(["--out_dir", "out/me", "--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0
+        sample.main(["--out_dir", "out/me", "--prompt", prompt, *"--max_new_tokens 30 --seed 7".split()]) == 0
     )
     assert capsys.readouterr().out == first.out  # the seed makes it reproducible
     long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
-    assert (
-        sample.main(
-            ["--out_dir", "out/sa-4", "--prompt", long_prompt, "--max_new_tokens", "5", "--num_samples", "2"]
-        )
-        == 0
-    )
+    argv = ["--out_dir", "out/sa-4", "--prompt", long_prompt, *"--max_new_tokens 5 --num_samples 2".split()]
+    assert sample.main(argv) == 0
     res = capsys.readouterr()
     assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
     assert sample.main(["--out_dir", "out/nothing"]) == 1
@@ -2368,16 +2261,7 @@ def _tr_signal_run(tmp_path, data, sig):
     first console line, at batch 10, has come through."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
     out = str(tmp_path / f"run-{sig}")
-    argv = _TR_TINY + [
-        "--data_dir",
-        data,
-        "--out_dir",
-        out,
-        "--max_iters",
-        "1000000",
-        "--log_interval",
-        "500",
-    ]
+    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
     p = subprocess.Popen(
         [sys.executable, "train.py"] + argv,
         cwd=_TR_ROOT,
@@ -2536,32 +2420,9 @@ def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
     """With 8 MB of logits per batch, a tensor kept per batch until the next log point would let the
     process grow by gigabytes over 200 batches (it did, before the loss buffer)."""
     data = _tr_make_data(tmp_path / "data", vocab=2000, n_words=40000)
-    argv = [
-        "--mixer",
-        "me",
-        "--n_layer",
-        "1",
-        "--n_embd",
-        "16",
-        "--n_hidden",
-        "16",
-        "--block_size",
-        "32",
-        "--batch_size",
-        "32",
-        "--max_iters",
-        "200",
-        "--log_interval",
-        "1000",
-        "--ckpt_interval",
-        "1000",
-        "--eval_batches",
-        "0",
-        "--data_dir",
-        data,
-        "--out_dir",
-        str(tmp_path / "run"),
-    ]
+    argv = "--mixer me --n_layer 1 --n_embd 16 --n_hidden 16 --block_size 32 --batch_size 32 --max_iters 200"
+    argv += f" --log_interval 1000 --ckpt_interval 1000 --eval_batches 0 --device cpu --data_dir {data}"
+    argv = (argv + f" --out_dir {tmp_path / 'run'}").split()
     r = subprocess.run(
         [sys.executable, "-c", _TR_MEMORY_DRIVER] + argv,
         cwd=_TR_ROOT,
