@@ -38,28 +38,35 @@ from extractor import MIXERS, Config, Transformer, causal_fir
 
 def _test_device():
     """TEST_DEVICE=cuda (or cuda:N, mps) runs the mixer, causality, generation and training tests on
-    that device; the literal references stay on the CPU in float64. Default: the CPU."""
+    that device; the literal references stay on the CPU in float64. Default: the CPU. Returns the
+    device, and why it cannot be used (None if it can)."""
     name = os.environ.get("TEST_DEVICE", "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        pytest.exit(f"TEST_DEVICE={name!r} is not a device name; use cpu, cuda, cuda:N or mps", returncode=4)
+        return torch.device("cpu"), f"TEST_DEVICE={name!r} is not a device name; use cpu, cuda, cuda:N or mps"
     there = {
         "cpu": True,
         "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
         "mps": torch.backends.mps.is_available(),
     }
     if not there.get(device.type, False):
-        pytest.exit(
-            f"TEST_DEVICE={name}: torch sees no such device here; unset it to test on the CPU", returncode=4
-        )
+        return torch.device(
+            "cpu"
+        ), f"TEST_DEVICE={name}: torch sees no such device here; unset it to test on the CPU"
     if device.type == "cuda":  # the same numbers every time, so "bit for bit" means what it does on the CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    return device
+    return device, None
 
 
-DEVICE = _test_device()
+@pytest.fixture(autouse=True, scope="session")
+def _test_device_is_there():
+    if _NO_DEVICE:  # one line, before any test runs
+        pytest.exit(_NO_DEVICE, returncode=4)
+
+
+DEVICE, _NO_DEVICE = _test_device()
 FLOAT = torch.float32 if DEVICE.type == "mps" else torch.float64  # MPS has no float64
 TOL = 1e-9 if FLOAT == torch.float64 else 1e-4
 
@@ -71,6 +78,19 @@ def dev(obj):
 
 def cpu64(*tensors):
     return [t.detach().cpu().double() for t in tensors]
+
+
+@pytest.mark.slow
+def test_an_absent_test_device_ends_the_run_with_one_line():
+    env = {**os.environ, "TEST_DEVICE": "cuda:99"}  # no machine has a hundredth GPU
+    argv = [sys.executable, "-m", "pytest", "tests.py", "-q", "-p", "no:cacheprovider", "-k", "fir_reading"]
+    r = subprocess.run(
+        argv, cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True
+    )
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "TEST_DEVICE" in line]
+    assert (
+        r.returncode == 4 and len(said) == 1 and "no such device" in said[0] and "Traceback" not in r.stdout
+    )
 
 
 # ======== model and equations (extractor.py): every mixer against its equations as literal loops ========

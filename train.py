@@ -58,6 +58,7 @@ FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "w
 NOT_SAVED = ("out_dir", "resume", "overwrite", "allow_other_data")  # flags about this command, not the run
 LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png")  # what a run folder holds, beside train.lock
+CKPT_KEYS = ("model", "optimizer", "scaler", "config", "args", "iter", "elapsed_s", "rng", "data")
 
 
 def say(*args):
@@ -232,17 +233,7 @@ def remove_stale_temp_files(out_dir):
 def read_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        missing = {
-            "model",
-            "optimizer",
-            "scaler",
-            "iter",
-            "elapsed_s",
-            "rng",
-            "args",
-            "config",
-            "data",
-        } - set(ckpt)
+        missing = set(CKPT_KEYS) - set(ckpt)
         if missing:
             raise KeyError(", ".join(sorted(missing)))
         return ckpt
