@@ -394,12 +394,15 @@ def section_model(s, args, mixers, device, ctx, dtype):
     return rows
 
 
-def generate_timed(model, prompt, n_new, use_cache, ctx):
-    """Generate greedily; return the tokens and the seconds from the start to each new token."""
+def generate_timed(model, prompt, n_new, use_cache, ctx, device):
+    """Generate greedily; return the tokens and the seconds from the start to each new token (on
+    cuda and mps synchronised at each token, so a stamp is the token's compute, not its launch)."""
+    sync(device)
     t0, stamps, toks = time.perf_counter(), [], []
     with ctx:
         for nxt in model.generate_stream(prompt, n_new, temperature=0, use_cache=use_cache):
             toks.append(nxt)
+            sync(device)
             stamps.append(time.perf_counter() - t0)
     return torch.cat(toks, 1), stamps
 
@@ -417,7 +420,7 @@ def section_generation(s, args, mixers, device, ctx):
     for r in range(s["gen_rounds"] + 1):  # round 0 is the warm-up
         for i, m in enumerate(mixers):
             for c in (True, False):
-                toks, stamps = generate_timed(models[m], prompt, n_new, c, ctx)
+                toks, stamps = generate_timed(models[m], prompt, n_new, c, ctx, device)
                 res[m, c] += [(toks, stamps)] if r > 0 else []
             done, k = time.perf_counter() - t_start, r * len(mixers) + i + 1
             progress(f"generation: round {r}, {m}, {done:.0f} s, ETA {done / k * (calls - k):.0f} s")
@@ -620,7 +623,8 @@ def main(argv=None):
     print(f"\ndone in {results['elapsed_s']:.0f} s")
     if args.json:
         atomic_write(args.json, json.dumps(results, indent=1, default=str))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
