@@ -2,14 +2,16 @@
 Every token mixer of extractor.py measured against attention on this device: the paper's cost claims
 (Tables 3-7: fewer operations, cheap incremental inference) checked against real kernels.
 
-    python bench.py                                   # sections 1-5 at Table 1 shapes (minutes on a CPU)
+    python bench.py                                   # sections 1-6 at Table 1 shapes (minutes on a CPU)
     python bench.py --quick                           # tiny shapes, few repeats: seconds
     python bench.py --sections 1,2 --mixers me,we --json bench.json
     python bench.py --device cuda --dtype bf16 --compile
 
 Sections: 1 sublayer forward+backward at Table 1 shapes, 2 context sweep at fixed tokens per batch,
 3 whole model training (m = 18 and m = 2), 4 generation with and without the cache, 5 the paper's
-operation counts beside the FLOPs torch.utils.flop_counter measures. Times are medians of interleaved
+operation counts beside the FLOPs torch.utils.flop_counter measures, 6 the memory of one Table 1
+training step (parameters, gradients, AdamW, saved activations, peak) and the largest batch that fits
+a GPU (--gpu_gib, default the paper's 6 GB RTX 4050). Times are medians of interleaved
 rounds after warm-up (the mixers take turns, so a noisy moment of a shared machine hits them all);
 ratios to sa come from the same process. sa (and in section 3 the "none" floor) is always measured.
 Each table's columns are the keys of its rows in the --json file.
@@ -17,6 +19,7 @@ Each table's columns are the keys of its rows in the --json file.
 
 import argparse
 import ctypes
+import gc
 import json
 import math
 import os
@@ -55,9 +58,10 @@ SETTINGS = {
     "gen_prompt": (32, 4),
     "gen_new": (256, 8),
     "gen_rounds": (2, 1),
+    "mem_layers": (18, 2),  # section 6: m of the model, measured at batch and batch // 2
 }
 PAPER_MIXERS = ("sa", "she", "he", "we", "me", "he-ext")  # the default: attention and the paper's Extractors
-SECTIONS = {1: "sublayer", 2: "sweep", 3: "model", 4: "generation", 5: "flops"}
+SECTIONS = {1: "sublayer", 2: "sweep", 3: "model", 4: "generation", 5: "flops", 6: "memory"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # each section's table: title, columns (a row's key, with a format after the colon) and notes;
@@ -113,6 +117,24 @@ TABLES = {
             "x4 (8 real flops per complex multiply-add), elementwise mul (6 if complex)",
             "  and FFTs estimated at 2.5 n log2 n per real transform (fft_flops_est); softmax, exp and "
             "additions outside matmuls are still not counted",
+        ],
+    ),
+    "memory": (
+        "6. Memory of one training step (train.train_step: fwd, loss, bwd, AdamW), m = {mem_layers}, "
+        "l = d = {d}, batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?",
+        "mixer params_mib:.1f grads_mib:.1f adamw_mib:.1f saved_mib:.1f peak_mib:.0f saved_half_mib:.1f "
+        "peak_half_mib:.0f per_seq_mib:.2f fits max_batch",
+        [
+            "params, grads, adamw (exp_avg + exp_avg_sq): the tensors of one train.train_step; saved: what "
+            "autograd saves for backward in it, each storage once, parameters left out",
+            "peak: high-water mark of the next train.train_step, with the parameters and AdamW states "
+            "(cpu: Linux VmHWM; cuda: max_memory_allocated)",
+            "*_half: the same at batch {half_batch}; per_seq: the peak's slope, (peak - peak_half) / "
+            "{half_batch}",
+            "fits: peak <= {budget_mib:.0f} MiB, a {gpu_gib:g} GiB GPU less a {margin_gib:g} GiB margin (the "
+            "CUDA context takes a few hundred MB that max_memory_allocated does not count, plus",
+            "  the caching allocator's slack); max_batch: the largest batch under it on the line through "
+            "both peaks",
         ],
     ),
 }
@@ -231,6 +253,10 @@ def build_model(s, args, mixer, n_layer, device):
     return model.to(device)
 
 
+def make_optimizer(model, device):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=device.type == "cuda")
+
+
 def peak_bytes(step, model, opt, device):
     """Peak memory of one training step: the high-water mark above what was resident before it, plus
     this model's parameters and AdamW states (resident before it). cpu: Linux VmHWM, reset through
@@ -260,6 +286,59 @@ def peak_bytes(step, model, opt, device):
     base = status("VmRSS:")
     step()
     return status("VmHWM:") - base + state
+
+
+def storage_bytes(tensors):
+    """Bytes of the storages under these tensors, each storage once: views share their base's."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def saved_for_backward(fn, params):
+    """Call fn; return its result and the bytes autograd saved for backward meanwhile: each storage once
+    (q, k and v are views of one tensor), the parameters' left out (a layer saves its weight, which is
+    no activation). Exact, and blind to the allocator: the hooks see each tensor the device's kernels save."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    saved = {}  # data_ptr -> bytes; a saved tensor lives until backward, so no address is reused
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved.values())
+
+
+def step_memory(model, opt, step, device):
+    """One training step taken apart, in bytes: parameters, their gradients (recorded as each is
+    accumulated: the step frees them at its end), AdamW's exp_avg and exp_avg_sq, the activations
+    saved for backward; then the peak of a second step (peak_bytes). The first step also warms up."""
+    params = list(model.parameters())
+    grads = {}  # id(param) -> bytes of its gradient
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: grads.update({id(p): p.grad.nbytes})) for p in params
+    ]
+    try:
+        _, saved = saved_for_backward(step, params)
+    finally:
+        for h in hooks:
+            h.remove()
+    adamw = storage_bytes(st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    return dict(
+        params=storage_bytes(params), grads=sum(grads.values()), adamw=adamw, saved=saved,
+        peak=peak_bytes(step, model, opt, device),
+    )  # fmt: skip
+
+
+def largest_batch(b, peak, b_half, peak_half, budget):
+    """Peak memory grows linearly with the batch (activations and their gradients; parameters and
+    AdamW stay): fit peak(B) = fixed + B * per_seq through the two measured points and return
+    (per_seq, the largest B with peak(B) <= budget); None where the two points do not rise."""
+    per_seq = (peak - peak_half) / (b - b_half)
+    if per_seq <= 0:
+        return per_seq, None
+    return per_seq, max(0, math.floor((budget - (peak - b * per_seq)) / per_seq))
 
 
 def complete_mapping():
@@ -368,8 +447,7 @@ def section_model(s, args, mixers, device, ctx, dtype):
         for m in mixers:
             torch.manual_seed(0)
             model = build_model(s, args, m, n_layer, device).train()
-            fused = device.type == "cuda"
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=fused)
+            opt = make_optimizer(model, device)
             scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
             compiled = maybe_compile(model, args)
             models[m] = (model, opt)  # one Table 1 training step, exactly train.py's
@@ -394,12 +472,15 @@ def section_model(s, args, mixers, device, ctx, dtype):
     return rows
 
 
-def generate_timed(model, prompt, n_new, use_cache, ctx):
-    """Generate greedily; return the tokens and the seconds from the start to each new token."""
+def generate_timed(model, prompt, n_new, use_cache, ctx, device):
+    """Generate greedily; return the tokens and the seconds from the start to each new token (on
+    cuda and mps synchronised at each token, so a stamp is the token's compute, not its launch)."""
+    sync(device)
     t0, stamps, toks = time.perf_counter(), [], []
     with ctx:
         for nxt in model.generate_stream(prompt, n_new, temperature=0, use_cache=use_cache):
             toks.append(nxt)
+            sync(device)
             stamps.append(time.perf_counter() - t0)
     return torch.cat(toks, 1), stamps
 
@@ -417,7 +498,7 @@ def section_generation(s, args, mixers, device, ctx):
     for r in range(s["gen_rounds"] + 1):  # round 0 is the warm-up
         for i, m in enumerate(mixers):
             for c in (True, False):
-                toks, stamps = generate_timed(models[m], prompt, n_new, c, ctx)
+                toks, stamps = generate_timed(models[m], prompt, n_new, c, ctx, device)
                 res[m, c] += [(toks, stamps)] if r > 0 else []
             done, k = time.perf_counter() - t_start, r * len(mixers) + i + 1
             progress(f"generation: round {r}, {m}, {done:.0f} s, ETA {done / k * (calls - k):.0f} s")
@@ -463,6 +544,37 @@ def section_flops(s, args, mixers, device):
     return rows
 
 
+def section_memory(s, args, mixers, device, ctx, dtype):
+    B, half, MiB = s["batch"], s["half_batch"], 2**20
+    mib = lambda v: None if v is None else v / MiB
+    rows = []
+    for m in mixers:
+        full, lo = (memory_at_batch(s, args, m, b, device, ctx, dtype) for b in (B, half))
+        per_seq = fit = fits = None
+        if full["peak"] is not None:  # None on mps
+            per_seq, fit = largest_batch(B, full["peak"], half, lo["peak"], s["budget_mib"] * MiB)
+            fits = "yes" if full["peak"] <= s["budget_mib"] * MiB else "no"
+        row = dict(mixer=m, **{f"{k}_mib": mib(v) for k, v in full.items()})
+        row.update(saved_half_mib=mib(lo["saved"]), peak_half_mib=mib(lo["peak"]), per_seq_mib=mib(per_seq))
+        rows.append(dict(row, fits=fits, max_batch=fit))
+    return rows
+
+
+def memory_at_batch(s, args, mixer, B, device, ctx, dtype):
+    """step_memory of a fresh model (m = mem_layers, Table 1 otherwise) at batch B; the last one's freed."""
+    progress(f"memory: {mixer}, batch {B}")
+    gc.collect()  # the previous model and its optimizer, so that they cannot count here
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = build_model(s, args, mixer, s["mem_layers"], device).train()
+    opt = make_optimizer(model, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    data = torch.randint(0, s["vocab"], (B, s["l"] + 1), generator=torch.Generator().manual_seed(0))
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)  # (B, l) inputs and next tokens
+    return step_memory(model, opt, lambda: train.train_step(model, opt, scaler, ctx, x, y), device)
+
+
 # ---------------------------------------------------------------------------------------------- tables
 
 
@@ -504,7 +616,7 @@ def show(name, rows, s):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        description="Benchmark every token mixer against attention (sections 1-5).",
+        description="Benchmark every token mixer against attention (sections 1-6).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -516,7 +628,7 @@ def parse_args(argv):
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: runs in seconds")
     sections = ", ".join(f"{k} {v}" for k, v in SECTIONS.items())
-    p.add_argument("--sections", default="1,2,3,4,5", help=f"comma list of: {sections}")
+    p.add_argument("--sections", default="1,2,3,4,5,6", help=f"comma list of: {sections}")
     p.add_argument(
         "--mixers", default=",".join(PAPER_MIXERS), help="comma list, or 'all' (sa is always added)"
     )
@@ -525,6 +637,8 @@ def parse_args(argv):
     p.add_argument("--n_head", type=int, default=32, help="heads of sa (Table 1: 32)")
     p.add_argument("--gen_layers", type=int, default=None, help="section 4: m of the model (default 2)")
     p.add_argument("--gen_block", type=int, default=None, help="section 4: its l (default 512)")
+    p.add_argument("--gpu_gib", type=float, default=6.0, help="section 6: the GPU's memory (paper: 6 GB)")
+    p.add_argument("--margin_gib", type=float, default=1.0, help="section 6: of it kept for CUDA itself")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     p.add_argument("--no_malloc_tune", action="store_true", help="leave glibc's allocator at its defaults")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
@@ -543,6 +657,8 @@ def parse_args(argv):
             fail(f"--{k} must be at least 1, got {getattr(args, k)}")
     if args.threads < 0 or not args.max_call_s > 0:
         fail("--threads must be >= 0 and --max_call_s > 0")
+    if not 0 <= args.margin_gib < args.gpu_gib:
+        fail(f"need 0 <= --margin_gib < --gpu_gib, got {args.margin_gib} and {args.gpu_gib}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         fail(f"the folder of --json {args.json!r} does not exist; create it or pick another path")
     return args
@@ -566,7 +682,9 @@ def run_section(k, s, args, device, ctx, dtype):
         return section_model(s, args, args.mixers + ["none"], device, ctx, dtype)
     if k == 4:
         return section_generation(s, args, args.mixers, device, ctx)
-    return section_flops(s, args, args.mixers, device)
+    if k == 5:
+        return section_flops(s, args, args.mixers, device)
+    return section_memory(s, args, args.mixers, device, ctx, dtype)
 
 
 def main(argv=None):
@@ -581,7 +699,10 @@ def main(argv=None):
     s.update({k: getattr(args, k) for k in ("gen_layers", "gen_block") if getattr(args, k) is not None})
     if s["d"] % args.n_head:
         fail(f"--n_head {args.n_head} must divide d = {s['d']}")
-    s.update(n_head=args.n_head, fft_min_t=extractor.FFT_MIN_T_SCALAR)
+    s.update(n_head=args.n_head, fft_min_t=extractor.FFT_MIN_T_SCALAR, half_batch=max(1, s["batch"] // 2))
+    s.update(
+        gpu_gib=args.gpu_gib, margin_gib=args.margin_gib, budget_mib=1024 * (args.gpu_gib - args.margin_gib)
+    )
     dtype = DTYPES[args.dtype]
     ctx = nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
     threads, load = torch.get_num_threads(), os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -620,7 +741,8 @@ def main(argv=None):
     print(f"\ndone in {results['elapsed_s']:.0f} s")
     if args.json:
         atomic_write(args.json, json.dumps(results, indent=1, default=str))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1759,8 +1759,8 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
     mixers = list(extractor.MIXERS)
     tables = run.stdout.split("\n\n")[1:]  # the header line, then one block per section
     titles = [t.splitlines()[0][:2] for t in tables]
-    assert titles[:5] == ["1.", "2.", "3.", "4.", "5."]
-    for block in tables[:5]:
+    assert titles[:6] == ["1.", "2.", "3.", "4.", "5.", "6."]
+    for block in tables[:6]:
         rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
         if block.startswith("3."):  # one row per mixer and model size
             assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
@@ -1769,7 +1769,7 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
         else:
             assert [r[0] for r in rows if r[0] in mixers] == mixers, block
     res = json.loads(out.read_text())
-    assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops"}
+    assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops", "memory"}
     for name, rows in res["sections"].items():
         want = (mixers + ["none"]) * 2 if name == "model" else mixers
         assert sorted(r["mixer"] for r in rows) == sorted(want), name
@@ -1780,7 +1780,8 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
 
 
 def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
-    for argv in (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"]):
+    bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
+    for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
         with pytest.raises(SystemExit) as e:
             bench.main(argv + ["--no_malloc_tune"])
         assert e.value.code == 1
@@ -1809,6 +1810,72 @@ def test_bench_loglog_slope_recovers_a_power_law():
     for b in (0.5, 1.0, 2.0):
         ms = {t: 3.0 * t**b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
         assert abs(bench.loglog_slope(ms, 8192) - b) < 1e-9
+
+
+def test_bench_memory_section_in_quick_mode(tmp_path, capsys):
+    """Section 6 prints a row per mixer; its accounting is AdamW = 2x parameters = 2x gradients."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--sections", "6", "--mixers", "me,she", "--no_malloc_tune", "--json", str(out)]
+    assert bench.main(argv) == 0
+    block = capsys.readouterr().out.split("\n\n")[1]
+    assert block.startswith("6. Memory of one training step")
+    assert [line.split()[0] for line in block.splitlines()[3:6]] == ["sa", "me", "she"]
+    rows = json.loads(out.read_text())["sections"]["memory"]
+    for r in rows:
+        assert r["grads_mib"] == r["params_mib"] and r["adamw_mib"] == 2 * r["params_mib"], r
+        assert 0 < r["saved_half_mib"] < r["saved_mib"], r  # activations grow with the batch
+        if r["peak_mib"] is not None:  # Linux
+            assert r["peak_mib"] >= r["params_mib"] + r["adamw_mib"] and r["fits"] == "yes", r
+
+
+def test_bench_memory_accounting_of_a_known_step():
+    """A step whose memory is known by hand: parameters numel * 4 bytes, their gradients the same,
+    AdamW's two states 2x, and the activations saved for backward counted once per storage (views
+    share one), leaving out the parameter that an op saves."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False)  # 64 parameters: 256 bytes
+    opt = torch.optim.AdamW(lin.parameters())
+    x = torch.randn(6, 8, requires_grad=True)  # (6, 8): 192 bytes
+
+    def step():
+        h = lin(x)  # saves x (192 bytes) and the weight's transpose (a view of a parameter: left out)
+        loss = (h.t() @ h).sum()  # saves h and its view h.t(): one storage, 192 bytes
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    mem = bench.step_memory(lin, opt, step, torch.device("cpu"))
+    assert (mem["params"], mem["grads"], mem["adamw"], mem["saved"]) == (256, 256, 512, 384), mem
+    assert mem["peak"] is None or mem["peak"] >= 256 + 512
+    # a tiny Transformer: the same identities for every parameter, through train.train_step
+    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2, mixer="he"))
+    opt = torch.optim.AdamW(model.parameters())
+    idx = torch.randint(0, 50, (3, 9))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = lambda: train.train_step(model, opt, scaler, contextlib.nullcontext(), idx[:, :-1], idx[:, 1:])
+    mem = bench.step_memory(model, opt, step, torch.device("cpu"))
+    n = sum(p.numel() for p in model.parameters())
+    assert (mem["params"], mem["grads"], mem["adamw"]) == (4 * n, 4 * n, 8 * n), (mem, n)
+
+
+def test_bench_largest_batch_follows_the_line_through_two_peaks():
+    peak = lambda b: 100 + 10 * b  # bytes: a fixed part and 10 per sequence
+    assert bench.largest_batch(64, peak(64), 32, peak(32), 1000) == (10, 90)  # 100 + 10 * 90 = 1000
+    assert bench.largest_batch(64, peak(64), 32, peak(32), 999) == (10, 89)
+    assert bench.largest_batch(64, peak(64), 32, peak(32), 50) == (10, 0)  # not even one sequence
+    assert bench.largest_batch(64, 500, 32, 500, 1000)[1] is None  # no slope: nothing to extrapolate
+
+
+def test_bench_generation_stamps_wait_for_the_device(monkeypatch):
+    """On cuda/mps kernels run asynchronously: each token's time stamp must come after a sync."""
+    events = []
+    monkeypatch.setattr(bench, "sync", lambda device: events.append("sync"))
+    clock = time.perf_counter
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("stamp") or clock())
+    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=1, mixer="me"))
+    _, stamps = bench.generate_timed(model.eval(), torch.zeros(1, 2, dtype=torch.long), 3, True,
+                                     contextlib.nullcontext(), torch.device("cuda"))  # fmt: skip
+    assert len(stamps) == 3 and events == ["sync", "stamp"] * 4, events
 
 
 # ======== plots and results (plot.py) ========
