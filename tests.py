@@ -51,9 +51,8 @@ def _test_device():
         "mps": torch.backends.mps.is_available(),
     }
     if not there.get(device.type, False):
-        return torch.device(
-            "cpu"
-        ), f"TEST_DEVICE={name}: torch sees no such device here; unset it to test on the CPU"
+        why = f"TEST_DEVICE={name}: torch sees no such device here; unset it to test on the CPU"
+        return torch.device("cpu"), why
     if device.type == "cuda":  # the same numbers every time, so "bit for bit" means what it does on the CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -66,6 +65,7 @@ def _test_device_is_there():
         pytest.exit(_NO_DEVICE, returncode=4)
 
 
+ROOT = os.path.dirname(os.path.abspath(__file__))  # the scripts run here in subprocesses
 DEVICE, _NO_DEVICE = _test_device()
 FLOAT = torch.float32 if DEVICE.type == "mps" else torch.float64  # MPS has no float64
 TOL = 1e-9 if FLOAT == torch.float64 else 1e-4
@@ -84,13 +84,9 @@ def cpu64(*tensors):
 def test_an_absent_test_device_ends_the_run_with_one_line():
     env = {**os.environ, "TEST_DEVICE": "cuda:99"}  # no machine has a hundredth GPU
     argv = [sys.executable, "-m", "pytest", "tests.py", "-q", "-p", "no:cacheprovider", "-k", "fir_reading"]
-    r = subprocess.run(
-        argv, cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True
-    )
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     said = [line for line in (r.stdout + r.stderr).splitlines() if "TEST_DEVICE" in line]
-    assert (
-        r.returncode == 4 and len(said) == 1 and "no such device" in said[0] and "Traceback" not in r.stdout
-    )
+    assert r.returncode == 4 and len(said) == 1 and "no such device" in said[0], r.stdout
 
 
 # ======== model and equations (extractor.py): every mixer against its equations as literal loops ========
@@ -259,8 +255,6 @@ def test_mixer_is_causal(name):
 
 
 # ---- parameter counts and the complexity tables
-
-
 def param_formula(name, d, l):
     """Tables 3 and 4 (ERRATA: no biases)."""
     return {
@@ -435,8 +429,6 @@ def test_forward_loss_is_eq3():
 
 
 # ---- generation
-
-
 def tiny_model(name, l=16, seed=0):
     """A 2-layer model on the test device, every parameter and buffer ~ N(0, 0.3²): distinct logits, so
     that greedy choices are not ties."""
@@ -499,8 +491,6 @@ def test_top_k_keeps_exactly_k_and_top_p_is_nucleus():
 
 
 # ---- bad inputs
-
-
 def test_bad_config_gives_clear_value_errors():
     with pytest.raises(ValueError, match="unknown mixer 'xx'.*sa.*she.*he.*we.*me"):
         Config(mixer="xx")
@@ -521,10 +511,9 @@ def test_sequence_longer_than_block_size_is_refused():
 
 
 # ======== data (prepare_data.py) ========
+
 # Fixture books are made-up text in real-shaped Project Gutenberg wrappers, served by a loopback
 # HTTP server on a free port; no network.
-
-
 _PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
 _PD_SYLLABLES = "ka lo mi ren tho va quil sa ne dor bri el fen u ya zo pe gra ish om tü ça wy har".split()
 
@@ -1117,10 +1106,8 @@ def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, 
     assert "smaller --vocab_size" in err
 
 
-# ======== training and sampling (train.py, sample.py): data order, resume, logging, bad inputs, DDP ========
+# ======== training (train.py): data order, resume, the run folder, logging, bad inputs, DDP ========
 
-
-_TR_ROOT = os.path.dirname(os.path.abspath(__file__))
 _TR_TINY = "--n_layer 2 --n_embd 32 --n_hidden 64 --block_size 16 --batch_size 8 --n_head 4".split()
 _TR_TINY += f"--eval_batches 2 --log_interval 5 --device {DEVICE}".split()
 
@@ -1148,6 +1135,35 @@ def _tr_log(run_dir):
 @pytest.fixture(scope="module")
 def tr_data(tmp_path_factory):
     return _tr_make_data(tmp_path_factory.mktemp("trdata") / "data")
+
+
+def _tr_add_checksums(path):
+    """meta.json as prepare_data.py writes it: token counts and sha256 of the token files."""
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    for split in ("train", "val"):
+        raw = open(os.path.join(path, f"{split}.bin"), "rb").read()
+        meta[f"{split}_tokens"], meta[f"{split}_sha256"] = len(raw) // 2, hashlib.sha256(raw).hexdigest()
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    return str(path)
+
+
+def _tr_files(folder):
+    """Every file in a folder with its bytes, to show that a refused command changed nothing."""
+    if not os.path.isdir(folder):
+        return None
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def _tr_one_error_line(rc, err, needle):
+    assert rc == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+def _tr_train_loss_column(run_dir):
+    rows = _tr_log(run_dir)
+    assert [int(r["iter"]) for r in rows] == list(range(1, len(rows) + 1))  # no gaps, no duplicates
+    return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
 
 
 def test_train_batch_order_is_a_seeded_permutation_per_epoch():
@@ -1191,12 +1207,6 @@ def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
     assert not torch.equal(seen["sa"][0][0], seen["other_data_seed"][0][0])
     # the validation windows are the same at every evaluation (batches 4-5 and 8-9 of the calls)
     assert torch.equal(seen["sa"][3][0], seen["sa"][8][0])
-
-
-def _tr_train_loss_column(run_dir):
-    rows = _tr_log(run_dir)
-    assert [int(r["iter"]) for r in rows] == list(range(1, len(rows) + 1))  # no gaps, no duplicates
-    return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
 
 
 def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
@@ -1278,12 +1288,6 @@ def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
     assert f"{np.median([float(r['train_loss']) for r in rows]):.4f}" in table
 
 
-def test_plot_window_medians():
-    loss = np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
-    ends, med = plot.window_medians(loss, 3)
-    assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -1350,7 +1354,7 @@ def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
 @pytest.mark.slow
 def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     argv = f"train.py --mixer sa --n_embd 30 --n_head 4 --data_dir {tmp_path / 'missing'}".split()
-    r = subprocess.run([sys.executable, *argv], cwd=_TR_ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
@@ -1378,7 +1382,7 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
         + flags
         + ["--out_dir", str(tmp_path / "ddp")],
-        cwd=_TR_ROOT,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         env=env,
@@ -1398,7 +1402,285 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
     assert len(ckpt["rng"]) == 2  # each rank's dropout stream, for resuming
 
 
-# ---- end to end: fixture books on a loopback server -> prepare_data -> train sa and me -> sample
+def test_train_default_run_folders_differ_for_different_settings():
+    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
+    assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
+    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
+        "--mixer=sa", "--n_head=1"
+    ).endswith("sa-1")
+    quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
+    assert quick == os.path.join(
+        "out", "me-m2-l64-b32"
+    )  # max_iters does not name the run: extend with --resume
+    assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
+
+
+def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
+    assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
+    os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
+    open(os.path.join(out, "log.csv"), "w").write(
+        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
+    )
+    open(os.path.join(out, "run.json"), "w").write("{}")
+    assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
+    assert "iter 10/12" in capsys.readouterr().out  # the first console line comes at batch 10
+
+
+def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
+    assert train.main(flags) == 0
+    capsys.readouterr()
+    before = _tr_files(out)
+    held = train.lock_run_dir(out)  # as if another train.py were running there
+    for argv in (flags + ["--overwrite"], flags[:-1] + ["8", "--resume"]):
+        rc = train.main(argv)
+        _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
+        assert _tr_files(out) == before
+    held.close()  # the other process ends: its lock goes with it
+    assert train.main(flags[:-1] + ["8", "--resume"]) == 0
+
+
+def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys):
+    data = _tr_add_checksums(_tr_make_data(tmp_path / "a", seed=0))
+    other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
+    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"]
+    assert saved == os.path.abspath(data)
+    capsys.readouterr()
+    before = _tr_files(out)
+    resume = f"--out_dir {out} --max_iters 8 --resume --data_dir {other}".split()
+    _tr_one_error_line(train.main(resume), capsys.readouterr().err, "other data (train, val differ)")
+    assert _tr_files(out) == before
+    assert train.main(resume + ["--allow_other_data"]) == 0
+    # a checkpoint without the data's checksums is not one of this train.py's
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    del ckpt["data"]
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    rc = train.main(f"--out_dir {out} --max_iters 10 --resume".split())
+    _tr_one_error_line(rc, capsys.readouterr().err, "not from this train.py")
+
+
+def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, capsys):
+    for case in ("odd size", "changed"):
+        data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
+        raw = open(os.path.join(data, "train.bin"), "rb").read()
+        open(os.path.join(data, "train.bin"), "wb").write(
+            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
+        )
+        out = str(tmp_path / "run")
+        rc = train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"])
+        _tr_one_error_line(
+            rc, capsys.readouterr().err, "odd number of bytes" if case == "odd size" else "sha256"
+        )
+        assert not os.path.exists(out)
+
+
+def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
+    tr_data, tmp_path, capsys, monkeypatch
+):
+    out = str(tmp_path / "run")
+    _tr_one_error_line(
+        train.main(_TR_TINY + ["--data_dir", tr_data, "--lr", "inf"]), capsys.readouterr().err, "--lr"
+    )
+    real, calls = train.train_step, []
+
+    def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
+        calls.append(1)
+        return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
+
+    monkeypatch.setattr(train, "train_step", diverging)
+    rc = train.main(
+        _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
+    )
+    _tr_one_error_line(rc, capsys.readouterr().err, "became nan at batch 15; ckpt.pt keeps batch 10")
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
+
+
+def _tr_signal_run(tmp_path, data, sig):
+    """train.py in a subprocess whose output goes to a pipe (as under nohup), stopped by `sig` once its
+    first console line, at batch 10, has come through."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
+    out = str(tmp_path / f"run-{sig}")
+    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
+    p = subprocess.Popen(
+        [sys.executable, "train.py"] + argv,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while "iter 10/" not in p.stdout.readline():
+        assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
+    p.send_signal(sig)
+    rest, err = p.communicate(timeout=120)
+    return p.returncode, rest, err, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_train_kill_and_hangup_checkpoint_and_stop_like_ctrl_c(tr_data, tmp_path, sig):
+    rc, rest, err, out = _tr_signal_run(tmp_path, tr_data, sig)
+    assert rc == 128 + sig and "Traceback" not in err and "stopped at batch" in rest
+    it = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
+    assert it > 10 and [int(r["iter"]) for r in _tr_log(out)] == list(range(1, it + 1))
+
+
+class _Killed(BaseException):
+    """Stands for kill -9 in the middle of a run: nothing in train.py catches it."""
+
+
+def test_train_folder_is_locked_before_it_is_judged(tr_data, tmp_path, monkeypatch, capsys):
+    """A second train.py started while the first still loads its data (8.6 s for a 1 GB train.bin) is
+    refused at once: the first took the lock before it judged the folder, not after the data."""
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
+    loading, second_done, real_load, first = threading.Event(), threading.Event(), train.load_data, {}
+
+    def slow_load(*args):  # the first call waits until the second run has had its go
+        if not loading.is_set():
+            loading.set()
+            second_done.wait(60)
+        return real_load(*args)
+
+    monkeypatch.setattr(train, "load_data", slow_load)
+    thread = threading.Thread(target=lambda: first.setdefault("rc", train.main(flags)))
+    thread.start()
+    assert loading.wait(60)
+    rc = train.main(flags)
+    second_done.set()
+    thread.join(120)
+    _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
+    assert first["rc"] == 0 and torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 4
+
+
+def test_train_overwrite_killed_before_its_first_checkpoint_leaves_no_old_model(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """--overwrite removes the old run's checkpoint before it writes anything of the new run: killed at the
+    worst moment (new run.json and log.csv, no checkpoint yet) the folder holds no model at all."""
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
+    assert train.main(flags + ["--mixer", "sa"]) == 0
+    real_step = train.train_step
+    monkeypatch.setattr(train, "train_step", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
+    with pytest.raises(_Killed):
+        train.main(flags + ["--mixer", "me", "--overwrite"])
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # the old model went first
+    assert json.load(open(os.path.join(out, "run.json")))["config"]["mixer"] == "me"
+    capsys.readouterr()
+    assert sample.main(["--out_dir", out]) == 1 and "no checkpoint" in capsys.readouterr().err
+    _tr_one_error_line(train.main(flags + ["--resume"]), capsys.readouterr().err, "no checkpoint")
+    monkeypatch.setattr(train, "train_step", real_step)
+    assert train.main(flags + ["--mixer", "me"]) == 0  # a plain rerun starts the new run again
+    assert [int(r["iter"]) for r in _tr_log(out)] == [1, 2, 3, 4]
+
+
+def test_train_file_errors_are_one_line_saying_what_was_kept(tr_data, tmp_path, monkeypatch, capsys):
+    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "30", "--ckpt_interval", "20"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    _tr_one_error_line(train.main(flags + ["--out_dir", str(a_file)]), capsys.readouterr().err, "is a file")
+    # a folder it may not write in (as root, chmod would not stop it: the refusal is simulated)
+    real_open = builtins.open
+
+    def read_only(path, *a, **k):
+        if str(path).endswith("train.lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "open", read_only)
+        rc = train.main(flags + ["--out_dir", str(tmp_path / "ro")])
+    _tr_one_error_line(rc, capsys.readouterr().err, "Permission denied")
+    # the disk fills up at the second checkpoint (batch 20): torch.save raises RuntimeError
+    real_save, saves = torch.save, []
+
+    def disk_full(obj, f, *a, **k):
+        saves.append(1)
+        if len(saves) == 2:
+            f.write(b"half a checkpoint")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    out = str(tmp_path / "run")
+    rc = train.main(flags + ["--out_dir", out])
+    _tr_one_error_line(rc, capsys.readouterr().err, "it keeps batch 5")  # (the first log point, at 5)
+    monkeypatch.undo()
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 5
+    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
+
+
+def test_train_removes_the_temp_files_of_a_killed_write(tr_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(out)]
+    assert train.main(flags + ["--max_iters", "4"]) == 0
+    (out / ".ckpt.ptx8k2_q.tmp").write_bytes(bytes(5000))  # kill -9 during torch.save leaves this
+    (out / "notes.tmp").write_text("the user's own file")
+    capsys.readouterr()
+    assert train.main(flags + ["--max_iters", "8", "--resume"]) == 0
+    assert not (out / ".ckpt.ptx8k2_q.tmp").exists() and (out / "notes.tmp").exists()
+    assert "removed 1 temp file(s) of a killed write" in capsys.readouterr().out
+
+
+def test_train_reports_its_peak_memory_last(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    run = json.load(open(os.path.join(out, "run.json")))
+    what = "peak CUDA memory allocated" if DEVICE.type == "cuda" else "peak resident memory"
+    assert run["peak_memory_is"] == what and last.startswith(f"{what}: ") and last.endswith(" GB")
+    assert abs(float(last.split()[-2]) - run["peak_memory_mb"] / 1024) < 0.01
+    if DEVICE.type == "cpu":  # the process's own high-water mark: torch alone is over 100 MB
+        assert 100 < run["peak_memory_mb"] < 8000
+
+
+_TR_MEMORY_DRIVER = """
+import sys, train
+rss, real = {}, train.get_batch
+def resident_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) / 1024
+def get_batch(*args):
+    rss[len(rss)] = resident_mb()  # before batch k + 1, i.e. after k batches
+    return real(*args)
+train.get_batch = get_batch
+rc = train.main(sys.argv[1:])
+print("RSS", rss[20], resident_mb())
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self/status; the glibc tweak is Linux's"
+)
+def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
+    """With 8 MB of logits per batch, a tensor kept per batch until the next log point would let the
+    process grow by gigabytes over 200 batches (it did, before the loss buffer)."""
+    data = _tr_make_data(tmp_path / "data", vocab=2000, n_words=40000)
+    argv = "--mixer me --n_layer 1 --n_embd 16 --n_hidden 16 --block_size 32 --batch_size 32 --max_iters 200"
+    argv += f" --log_interval 1000 --ckpt_interval 1000 --eval_batches 0 --device cpu --data_dir {data}"
+    argv = (argv + f" --out_dir {tmp_path / 'run'}").split()
+    r = subprocess.run(
+        [sys.executable, "-c", _TR_MEMORY_DRIVER] + argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr
+    after_20, end = map(float, r.stdout.split("RSS")[1].split())
+    assert end < after_20 + 150, f"resident memory grew from {after_20:.0f} MB to {end:.0f} MB"
+
+
+# ======== sampling (sample.py), and end to end: fixture books -> prepare_data -> train -> sample ========
 
 _TR_WORDS = (
     "the a little old fox owl hen miller baker lantern river garden moon kettle meadow sang found "
@@ -1483,402 +1765,58 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     assert len(err.strip().splitlines()) == 1 and "no checkpoint" in err
 
 
-# ======== Synthesizers (synthesizer.py) against their equations as literal loops (float64) ========
-
-
-SYNTHS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
-
-
-def synth_literal(name, m, x):
-    """Synthesizer Eq. (1)-(7) and the mixture formula per head j and row i, with the causal row
-    softmax of Eq. (14), then Eq. (15)-(17). x (B, t, d) -> (B, t, d)."""
-    B, t, d = x.shape
-    n = m.n
-    h = d // n
-    V = x @ m.W_V.weight.T  # Eq. (12), all heads
-    out = torch.zeros(B, t, d, dtype=x.dtype)
-    for j in range(n):
-        cols = slice(j * h, (j + 1) * h)
-
-        def dense():  # Synthesizer Eq. (1), (2): (B, t, t)
-            S = torch.zeros(B, t, t, dtype=x.dtype)
-            for i in range(t):
-                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]  # head j's h hidden units
-                S[:, i] = hid @ m.W_2[j, :t].T  # B_i, l values, first t
-            return S
-
-        def dense_fact():  # Synthesizer Eq. (5), (6)
-            S = torch.zeros(B, t, t, dtype=x.dtype)
-            for i in range(t):
-                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]
-                A, Bv = hid @ m.W_A[j], hid @ m.W_B[j]  # (B, a), (B, b)
-                for p in range(t):  # C_p = A_{p // b} B_{p mod b}
-                    S[:, i, p] = A[:, p // m.b] * Bv[:, p % m.b]
-            return S
-
-        def random_():  # Synthesizer Eq. (4)
-            return m.R[j, :t, :t].expand(B, t, t)
-
-        def random_fact():  # Synthesizer Eq. (7)
-            S = torch.zeros(t, t, dtype=x.dtype)
-            for i in range(t):
-                for k in range(t):
-                    S[i, k] = sum(m.R_1[j, i, r] * m.R_2[j, k, r] for r in range(m.R_1.shape[2]))
-            return S.expand(B, t, t)
-
-        def dot():  # Eq. (10), (11), (13)
-            W = m.W_QK.weight.T  # (d, 2d): Q of all heads, then K
-            Q, K = x @ W[:, j * h : (j + 1) * h], x @ W[:, d + j * h : d + (j + 1) * h]
-            return Q @ K.transpose(1, 2) / math.sqrt(h)
-
-        def alphas():  # softmax of alpha_h: positive, sum 1
-            e = torch.exp(m.alpha[j])
-            return e[0] / e.sum(), e[1] / e.sum()
-
-        if name == "dense":
-            S = dense()
-        elif name == "dense-fact":
-            S = dense_fact()
-        elif name in ("random", "random-fixed"):
-            S = random_()
-        elif name == "random-fact":
-            S = random_fact()
-        elif name == "random+dense":
-            a1, a2 = alphas()
-            S = a1 * random_() + a2 * dense()
-        elif name == "random+sa":
-            a1, a2 = alphas()
-            S = a1 * random_() + a2 * dot()
-        elif name == "dense+sa":
-            a1, a2 = alphas()
-            S = a1 * dense() + a2 * dot()
-        else:
-            raise KeyError(name)
-        for i in range(t):
-            e = torch.exp(S[:, i, : i + 1])  # Eq. (14): only k <= i
-            a = e / e.sum(dim=1, keepdim=True)
-            out[:, i, cols] = (a[:, :, None] * V[:, : i + 1, cols]).sum(1)  # Eq. (15), (16)
-    return out @ m.W_out_att.weight.T  # Eq. (17)
-
-
-@pytest.mark.parametrize("name", SYNTHS)
-@pytest.mark.parametrize("d,l,n", [(12, 12, 3), (8, 16, 1), (8, 7, 4)])
-def test_synth_forward_and_gradients_equal_literal_equations(name, d, l, n):
-    for trial, t in enumerate((1, l // 2 + 1, l)):
-        m = random_mixer(name, d, l, n, seed=trial)
-        x, g = torch.randn(2, t, d).double(), torch.randn(2, t, d).double()
-        got = output_and_grads(dev(m), dev(x), dev(g), lambda mixer, x: mixer(x))
-        ref = output_and_grads(m, x, g, lambda mixer, x: synth_literal(name, mixer, x))
-        for what, a, b in zip(["y", "x"] + [k for k, _ in m.named_parameters()], got, ref):
-            assert torch.allclose(a, b, atol=TOL, rtol=0), what
-
-
-def output_and_grads(m, x, g, forward):
-    """forward(m, x) and the gradients of x and of m's parameters (zero where unused) for the output
-    gradient g, on the CPU in float64."""
-    x = x.detach().requires_grad_()
-    y = forward(m, x)
-    grads = torch.autograd.grad(y, [x, *m.parameters()], g, allow_unused=True)
-    return cpu64(y, *(torch.zeros((), dtype=y.dtype) if d is None else d for d in grads))
-
-
-@pytest.mark.parametrize("name", SYNTHS)
-def test_synth_float32_gradients_reach_every_parameter(name):
-    """The float32 path (other kernels than float64's) against the float64 literal equations."""
-    m = random_mixer(name, d=16, l=16, n=4, seed=5)
-    x = torch.randn(3, 16, 16, dtype=torch.float64)
-    g = torch.randn(3, 16, 16, dtype=torch.float64)
-    ref = torch.autograd.grad(synth_literal(name, m, x), list(m.parameters()), g)
-    m32 = copy.deepcopy(m).to(DEVICE, torch.float32)
-    got = cpu64(
-        *torch.autograd.grad(
-            m32(x.to(DEVICE, torch.float32)), list(m32.parameters()), g.to(DEVICE, torch.float32)
+def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", tr_prepared, "--out_dir", out, "--max_iters", "4"]) == 0
+    capsys.readouterr()
+    # --temperature 0 is greedy: the seed no longer matters
+    texts = []
+    for seed in ("1", "2"):
+        assert (
+            sample.main(["--out_dir", out, "--temperature", "0", "--seed", seed, "--max_new_tokens", "8"])
+            == 0
         )
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    # from another directory: the checkpoint holds the data folder's absolute path
+    monkeypatch.chdir(tmp_path.parent.parent)
+    assert sample.main(["--out_dir", out, "--max_new_tokens", "3"]) == 0
+    capsys.readouterr()
+    # a terminal that cannot show a character gets '?', not a UnicodeEncodeError
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert (
+        sample.main(["--out_dir", out, "--prompt", "Once upon a time \u2019", "--max_new_tokens", "3"]) == 0
     )
-    for (p, _), a, b in zip(m32.named_parameters(), got, ref):
-        assert (a != 0).any(), f"{p} gets no gradient"
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3), p
-
-
-@pytest.mark.parametrize("name", SYNTHS)
-def test_synth_cache_in_chunks_equals_full_forward(name):
-    """Prefill, then a chunk of several positions, then single tokens: every row equals the full
-    forward, so the position-indexed rows (R[past:T], W_2's columns) are the right ones."""
-    m, x = dev(random_mixer(name, d=12, l=12, n=3, seed=1)), dev(torch.randn(2, 12, 12))
-    cache = {}
-    steps = [m(x[:, :3], cache), m(x[:, 3:7], cache)] + [m(x[:, i : i + 1], cache) for i in range(7, 12)]
-    assert torch.allclose(torch.cat(steps, 1), m(x), atol=TOL, rtol=0)
-    assert cache["v"].shape == (2, 3, 12, 4)
-    with pytest.raises(ValueError, match="exceeds block_size l=12"):
-        m(x[:, :1], cache)
-
-
-# ---- parameter counts: the Synthesizer paper's Table 1 and text, plus W_V and W_out_att (2 d^2)
-
-
-def synth_param_formula(name, d, l, n, k=synthesizer.SYN_RANK):
-    a, b = synthesizer._syn_factors(l)
-    dense, random, mix = d * d + d * l, n * l * l, 2 * n  # Table 1; "each head adds N^2"; alphas
-    align = {
-        "dense": dense,
-        "dense-fact": d * d + d * (a + b),
-        "random": random,
-        "random-fixed": 0,
-        "random-fact": 2 * n * l * k,
-        "random+dense": random + dense + mix,
-        "random+sa": random + 2 * d * d + mix,
-        "dense+sa": dense + 2 * d * d + mix,
-    }[name]
-    return align + 2 * d * d
-
-
-@pytest.mark.parametrize(
-    "d,l,n", [(128, 128, 1), (128, 128, 4), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)]
-)
-def test_synth_parameter_counts_equal_formulas(d, l, n):
-    for name in SYNTHS:
-        assert extractor.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
-    fixed = MIXERS["random-fixed"](Config(n_embd=d, block_size=l, n_head=n, mixer="random-fixed"))
-    assert fixed.state_dict()["R"].shape == (n, l, l)  # stored, but not a parameter
-
-
-def test_synth_factorized_dense_factors():
-    for l in range(1, 300):
-        a, b = synthesizer._syn_factors(l)
-        assert a * b == l and a <= b
-        assert not any(l % f == 0 for f in range(a + 1, math.isqrt(l) + 1))  # a is the largest
-
-
-def test_synth_whole_model_parameter_count():
-    for name in SYNTHS:
-        cfg = Config(vocab_size=97, block_size=16, n_embd=24, n_hidden=40, n_layer=3, n_head=4, mixer=name)
-        model = Transformer(cfg)
-        assert model.param_counts()["mixers"] == 3 * synth_param_formula(name, 24, 16, 4)
-
-
-def test_synth_initialisation():
-    """nn.Linear and raw weights ~ N(0, 0.01²) (Section 6), mixing alphas zero (weights 1/2 each)."""
-    for name in SYNTHS:
-        model = Transformer(
-            Config(vocab_size=50, block_size=64, n_embd=64, n_hidden=64, n_layer=1, n_head=4, mixer=name)
-        )
-        mixer = model.layers[0].mixer
-        for p_name, p in list(mixer.named_parameters()) + list(mixer.named_buffers()):
-            if p_name == "alpha":
-                assert (p == 0).all() and torch.allclose(mixer.mixing_weights()[0], torch.tensor(0.5))
-            elif name == "random-fixed" and p_name == "R":  # N(0, 1): a random alignment, not a mean
-                assert abs(p.std().item() - 1.0) < 0.05 and abs(p.mean().item()) < 0.05, (name, p_name)
-            else:
-                assert abs(p.std().item() - 0.01) < 0.002 and abs(p.mean().item()) < 0.002, (name, p_name)
-
-
-# ---- Fixed Random: a random alignment, not trained, but saved
-
-
-def _row_entropy(mixer, t):
-    """Mean entropy (nats) of the rows of softmax(R) over their causal columns, for positions 8..t-1."""
-    p = synthesizer._syn_softmax(mixer.logits(0, t), 0)  # (n, t, t)
-    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (n, t)
-    return ent[:, 8:].mean().item()
-
-
-def test_synth_fixed_random_rows_are_far_from_uniform():
-    torch.manual_seed(0)
-    l = 128
-    uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)  # a running mean's rows
-    fixed = MIXERS["random-fixed"](Config(n_embd=64, block_size=l, n_head=4, mixer="random-fixed"))
-    learned = MIXERS["random"](Config(n_embd=64, block_size=l, n_head=4, mixer="random"))
-    assert _row_entropy(fixed, l) < uniform - 0.4  # N(0, 1) logits
-    assert _row_entropy(learned, l) > uniform - 0.01  # N(0, 0.01²): uniform at init
-    p = synthesizer._syn_softmax(fixed.logits(0, l), 0)[:, -1]  # the last row, (n, l)
-    assert (p.max(-1).values > 5 / l).all()  # peaked, not 1/l everywhere
-
-
-def test_synth_fixed_random_is_not_trained_and_is_saved():
-    cfg = Config(
-        vocab_size=40, block_size=8, n_embd=16, n_hidden=16, n_layer=2, n_head=4, mixer="random-fixed"
+    ascii_out.flush()
+    assert ascii_out.buffer.getvalue().startswith(b"Once upon a time ?")
+    monkeypatch.undo()
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # the peak memory of the generation, last
+    assert last.startswith("# 3 tokens in") and ("peak resident memory" in last or DEVICE.type != "cpu")
+    rc = sample.main(["--out_dir", out, "--temperature", "inf"])
+    _tr_one_error_line(rc, capsys.readouterr().err, "finite")
+    # another corpus's tokenizer is refused
+    other = tmp_path / "other"
+    os.makedirs(other)
+    tok = open(os.path.join(tr_prepared, "tokenizer.tiktoken"), "rb").read().splitlines()
+    open(other / "tokenizer.tiktoken", "wb").write(b"\n".join(tok[:-1]) + b"\n")
+    _tr_one_error_line(
+        sample.main(["--out_dir", out, "--data_dir", str(other)]), capsys.readouterr().err, "tokenizer"
     )
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    assert not any("R" in name.split(".") for name, _ in model.named_parameters())
-    R0 = [layer.mixer.R.clone() for layer in model.layers]
-    W0 = [layer.mixer.W_V.weight.clone() for layer in model.layers]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    idx = torch.randint(0, 40, (4, 8))
-    model(idx[:, :-1], idx[:, 1:])[1].backward()
-    opt.step()
-    for layer, R, W in zip(model.layers, R0, W0):
-        assert torch.equal(layer.mixer.R, R)  # the alignment did not move
-        assert not torch.equal(layer.mixer.W_V.weight, W)  # the values did
-    # a checkpoint (plain tensors, weights_only) reproduces R; the seed decides it
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    buf.seek(0)
-    torch.manual_seed(1)
-    other = Transformer(cfg)
-    assert not torch.equal(other.layers[0].mixer.R, R0[0])
-    other.load_state_dict(torch.load(buf, weights_only=True))
-    assert all(torch.equal(a.mixer.R, b.mixer.R) for a, b in zip(other.layers, model.layers))
-    torch.manual_seed(0)
-    assert torch.equal(Transformer(cfg).layers[1].mixer.R, R0[1])
-
-
-@pytest.mark.parametrize("name", SYNTHS)
-def test_synth_trains_under_bfloat16_autocast(name):
-    """train.py's --dtype bfloat16 path: the mixed dtypes (float32 R and alphas, bf16 activations)
-    must meet without errors, and the result stays close to float32."""
-    m = random_mixer(name, d=16, l=16, n=4, seed=2).to(DEVICE, torch.float32)
-    with torch.no_grad():
-        for p in list(m.parameters()) + list(m.buffers()):
-            p.mul_(0.4)
-    x = torch.randn(2, 16, 16, device=DEVICE)
-    y32 = m(x)
-    with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
-        y = m(x)
-    y.float().sum().backward()
-    assert all(p.grad is not None for p in m.parameters())
-    assert torch.allclose(y.float(), y32, atol=0.05 * y32.abs().max().item(), rtol=0)
-
-
-# ======== bench (bench.py): the quick mode runs every section, a row per mixer (no numbers asserted) ========
-
-
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
-    out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--quick", "--mixers", "all", "--threads", "1", "--json", str(out)],
-        cwd=BENCH_DIR,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    mixers = list(extractor.MIXERS)
-    tables = run.stdout.split("\n\n")[1:]  # the header line, then one block per section
-    titles = [t.splitlines()[0][:2] for t in tables]
-    assert titles[:6] == ["1.", "2.", "3.", "4.", "5.", "6."]
-    for block in tables[:6]:
-        rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
-        if block.startswith("3."):  # one row per mixer and model size
-            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
-                block
-            )
-        else:
-            assert [r[0] for r in rows if r[0] in mixers] == mixers, block
-    res = json.loads(out.read_text())
-    assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops", "memory"}
-    for name, rows in res["sections"].items():
-        want = (mixers + ["none"]) * 2 if name == "model" else mixers
-        assert sorted(r["mixer"] for r in rows) == sorted(want), name
-    for r in res["sections"]["sublayer"]:
-        assert r["ms"] > 0 and r["path"] in ("sdpa", "toeplitz", "fft", "matmul")
-    for r in res["sections"]["generation"]:
-        assert r["cached_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0
-
-
-def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
-    bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
-    for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
-        with pytest.raises(SystemExit) as e:
-            bench.main(argv + ["--no_malloc_tune"])
-        assert e.value.code == 1
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: "), err
-
-
-def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
-    """fir_path reads the taps' shape and FFT_MIN_T_SCALAR; check it against the code that actually runs."""
-    taken = []
-    toeplitz, fft_apply = extractor.toeplitz, extractor.FIRFFT.apply
-    monkeypatch.setattr(extractor, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
-    monkeypatch.setattr(extractor.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 8)
-    for name in extractor.MIXERS:
-        cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
-        module = extractor.MIXERS[name](cfg)
-        for t in (4, 12):  # both sides of the scalar-tap threshold
-            taken.clear()
-            module(torch.randn(1, t, 4))
-            want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
-            assert bench.fir_path(module, t) == want, (name, t)
-
-
-def test_bench_loglog_slope_recovers_a_power_law():
-    for b in (0.5, 1.0, 2.0):
-        ms = {t: 3.0 * t**b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
-        assert abs(bench.loglog_slope(ms, 8192) - b) < 1e-9
-
-
-def test_bench_memory_section_in_quick_mode(tmp_path, capsys):
-    """Section 6 prints a row per mixer; its accounting is AdamW = 2x parameters = 2x gradients."""
-    out = tmp_path / "bench.json"
-    argv = ["--quick", "--sections", "6", "--mixers", "me,she", "--no_malloc_tune", "--json", str(out)]
-    assert bench.main(argv) == 0
-    block = capsys.readouterr().out.split("\n\n")[1]
-    assert block.startswith("6. Memory of one training step")
-    assert [line.split()[0] for line in block.splitlines()[3:6]] == ["sa", "me", "she"]
-    rows = json.loads(out.read_text())["sections"]["memory"]
-    for r in rows:
-        assert r["grads_mib"] == r["params_mib"] and r["adamw_mib"] == 2 * r["params_mib"], r
-        assert 0 < r["saved_half_mib"] < r["saved_mib"], r  # activations grow with the batch
-        if r["peak_mib"] is not None:  # Linux
-            assert r["peak_mib"] >= r["params_mib"] + r["adamw_mib"] and r["fits"] == "yes", r
-
-
-def test_bench_memory_accounting_of_a_known_step():
-    """A step whose memory is known by hand: parameters numel * 4 bytes, their gradients the same,
-    AdamW's two states 2x, and the activations saved for backward counted once per storage (views
-    share one), leaving out the parameter that an op saves."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(8, 8, bias=False)  # 64 parameters: 256 bytes
-    opt = torch.optim.AdamW(lin.parameters())
-    x = torch.randn(6, 8, requires_grad=True)  # (6, 8): 192 bytes
-
-    def step():
-        h = lin(x)  # saves x (192 bytes) and the weight's transpose (a view of a parameter: left out)
-        loss = (h.t() @ h).sum()  # saves h and its view h.t(): one storage, 192 bytes
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    mem = bench.step_memory(lin, opt, step, torch.device("cpu"))
-    assert (mem["params"], mem["grads"], mem["adamw"], mem["saved"]) == (256, 256, 512, 384), mem
-    assert mem["peak"] is None or mem["peak"] >= 256 + 512
-    # a tiny Transformer: the same identities for every parameter, through train.train_step
-    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2, mixer="he"))
-    opt = torch.optim.AdamW(model.parameters())
-    idx = torch.randint(0, 50, (3, 9))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    step = lambda: train.train_step(model, opt, scaler, contextlib.nullcontext(), idx[:, :-1], idx[:, 1:])
-    mem = bench.step_memory(model, opt, step, torch.device("cpu"))
-    n = sum(p.numel() for p in model.parameters())
-    assert (mem["params"], mem["grads"], mem["adamw"]) == (4 * n, 4 * n, 8 * n), (mem, n)
-
-
-def test_bench_largest_batch_follows_the_line_through_two_peaks():
-    peak = lambda b: 100 + 10 * b  # bytes: a fixed part and 10 per sequence
-    assert bench.largest_batch(64, peak(64), 32, peak(32), 1000) == (10, 90)  # 100 + 10 * 90 = 1000
-    assert bench.largest_batch(64, peak(64), 32, peak(32), 999) == (10, 89)
-    assert bench.largest_batch(64, peak(64), 32, peak(32), 50) == (10, 0)  # not even one sequence
-    assert bench.largest_batch(64, 500, 32, 500, 1000)[1] is None  # no slope: nothing to extrapolate
-
-
-def test_bench_generation_stamps_wait_for_the_device(monkeypatch):
-    """On cuda/mps kernels run asynchronously: each token's time stamp must come after a sync."""
-    events = []
-    monkeypatch.setattr(bench, "sync", lambda device: events.append("sync"))
-    clock = time.perf_counter
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("stamp") or clock())
-    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=1, mixer="me"))
-    _, stamps = bench.generate_timed(model.eval(), torch.zeros(1, 2, dtype=torch.long), 3, True,
-                                     contextlib.nullcontext(), torch.device("cuda"))  # fmt: skip
-    assert len(stamps) == 3 and events == ["sync", "stamp"] * 4, events
+    # Ctrl-C while sampling ends quietly
+    capsys.readouterr()
+    monkeypatch.setattr(sample, "stream", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert sample.main(["--out_dir", out]) == 130
+    assert "Traceback" not in capsys.readouterr().err
 
 
 # ======== plots and results (plot.py) ========
+
+
+def test_plot_window_medians():
+    loss = np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
+    ends, med = plot.window_medians(loss, 3)
+    assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
 
 
 def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000, seed=1337, **config):
@@ -2218,350 +2156,388 @@ def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys,
     assert "--data_dir is for --taps" in _plot_error(capsys, [runs["me"], "--data_dir", str(data)])
 
 
-# ======== runs that cannot get stuck, collide, grow or mix data (train.py, sample.py) ========
+# ======== Synthesizers (synthesizer.py) against their equations as literal loops ========
+
+SYNTHS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
 
 
-def _tr_add_checksums(path):
-    """meta.json as prepare_data.py writes it: token counts and sha256 of the token files."""
-    meta = json.load(open(os.path.join(path, "meta.json")))
-    for split in ("train", "val"):
-        raw = open(os.path.join(path, f"{split}.bin"), "rb").read()
-        meta[f"{split}_tokens"], meta[f"{split}_sha256"] = len(raw) // 2, hashlib.sha256(raw).hexdigest()
-    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
-    return str(path)
+def synth_literal(name, m, x):
+    """Synthesizer Eq. (1)-(7) and the mixture formula per head j and row i, with the causal row
+    softmax of Eq. (14), then Eq. (15)-(17). x (B, t, d) -> (B, t, d)."""
+    B, t, d = x.shape
+    n = m.n
+    h = d // n
+    V = x @ m.W_V.weight.T  # Eq. (12), all heads
+    out = torch.zeros(B, t, d, dtype=x.dtype)
+    for j in range(n):
+        cols = slice(j * h, (j + 1) * h)
+
+        def dense():  # Synthesizer Eq. (1), (2): (B, t, t)
+            S = torch.zeros(B, t, t, dtype=x.dtype)
+            for i in range(t):
+                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]  # head j's h hidden units
+                S[:, i] = hid @ m.W_2[j, :t].T  # B_i, l values, first t
+            return S
+
+        def dense_fact():  # Synthesizer Eq. (5), (6)
+            S = torch.zeros(B, t, t, dtype=x.dtype)
+            for i in range(t):
+                hid = torch.relu(x[:, i] @ m.W_1.weight.T)[:, cols]
+                A, Bv = hid @ m.W_A[j], hid @ m.W_B[j]  # (B, a), (B, b)
+                for p in range(t):  # C_p = A_{p // b} B_{p mod b}
+                    S[:, i, p] = A[:, p // m.b] * Bv[:, p % m.b]
+            return S
+
+        def random_():  # Synthesizer Eq. (4)
+            return m.R[j, :t, :t].expand(B, t, t)
+
+        def random_fact():  # Synthesizer Eq. (7)
+            S = torch.zeros(t, t, dtype=x.dtype)
+            for i in range(t):
+                for k in range(t):
+                    S[i, k] = sum(m.R_1[j, i, r] * m.R_2[j, k, r] for r in range(m.R_1.shape[2]))
+            return S.expand(B, t, t)
+
+        def dot():  # Eq. (10), (11), (13)
+            W = m.W_QK.weight.T  # (d, 2d): Q of all heads, then K
+            Q, K = x @ W[:, j * h : (j + 1) * h], x @ W[:, d + j * h : d + (j + 1) * h]
+            return Q @ K.transpose(1, 2) / math.sqrt(h)
+
+        def alphas():  # softmax of alpha_h: positive, sum 1
+            e = torch.exp(m.alpha[j])
+            return e[0] / e.sum(), e[1] / e.sum()
+
+        if name == "dense":
+            S = dense()
+        elif name == "dense-fact":
+            S = dense_fact()
+        elif name in ("random", "random-fixed"):
+            S = random_()
+        elif name == "random-fact":
+            S = random_fact()
+        elif name == "random+dense":
+            a1, a2 = alphas()
+            S = a1 * random_() + a2 * dense()
+        elif name == "random+sa":
+            a1, a2 = alphas()
+            S = a1 * random_() + a2 * dot()
+        elif name == "dense+sa":
+            a1, a2 = alphas()
+            S = a1 * dense() + a2 * dot()
+        else:
+            raise KeyError(name)
+        for i in range(t):
+            e = torch.exp(S[:, i, : i + 1])  # Eq. (14): only k <= i
+            a = e / e.sum(dim=1, keepdim=True)
+            out[:, i, cols] = (a[:, :, None] * V[:, : i + 1, cols]).sum(1)  # Eq. (15), (16)
+    return out @ m.W_out_att.weight.T  # Eq. (17)
 
 
-def _tr_files(folder):
-    """Every file in a folder with its bytes, to show that a refused command changed nothing."""
-    if not os.path.isdir(folder):
-        return None
-    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+@pytest.mark.parametrize("name", SYNTHS)
+@pytest.mark.parametrize("d,l,n", [(12, 12, 3), (8, 16, 1), (8, 7, 4)])
+def test_synth_forward_and_gradients_equal_literal_equations(name, d, l, n):
+    for trial, t in enumerate((1, l // 2 + 1, l)):
+        m = random_mixer(name, d, l, n, seed=trial)
+        x, g = torch.randn(2, t, d).double(), torch.randn(2, t, d).double()
+        got = output_and_grads(dev(m), dev(x), dev(g), lambda mixer, x: mixer(x))
+        ref = output_and_grads(m, x, g, lambda mixer, x: synth_literal(name, mixer, x))
+        for what, a, b in zip(["y", "x"] + [k for k, _ in m.named_parameters()], got, ref):
+            assert torch.allclose(a, b, atol=TOL, rtol=0), what
 
 
-def _tr_one_error_line(rc, err, needle):
-    assert rc == 1 and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+def output_and_grads(m, x, g, forward):
+    """forward(m, x) and the gradients of x and of m's parameters (zero where unused) for the output
+    gradient g, on the CPU in float64."""
+    x = x.detach().requires_grad_()
+    y = forward(m, x)
+    grads = torch.autograd.grad(y, [x, *m.parameters()], g, allow_unused=True)
+    return cpu64(y, *(torch.zeros((), dtype=y.dtype) if d is None else d for d in grads))
 
 
-def test_train_default_run_folders_differ_for_different_settings():
-    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
-    assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
-    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
-        "--mixer=sa", "--n_head=1"
-    ).endswith("sa-1")
-    quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
-    assert quick == os.path.join(
-        "out", "me-m2-l64-b32"
-    )  # max_iters does not name the run: extend with --resume
-    assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
-
-
-def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
-    assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
-    os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
-    open(os.path.join(out, "log.csv"), "w").write(
-        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
-    )
-    open(os.path.join(out, "run.json"), "w").write("{}")
-    assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
-    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
-    assert "iter 10/12" in capsys.readouterr().out  # the first console line comes at batch 10
-
-
-def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
-    assert train.main(flags) == 0
-    capsys.readouterr()
-    before = _tr_files(out)
-    held = train.lock_run_dir(out)  # as if another train.py were running there
-    for argv in (flags + ["--overwrite"], flags[:-1] + ["8", "--resume"]):
-        rc = train.main(argv)
-        _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
-        assert _tr_files(out) == before
-    held.close()  # the other process ends: its lock goes with it
-    assert train.main(flags[:-1] + ["8", "--resume"]) == 0
-
-
-def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys):
-    data = _tr_add_checksums(_tr_make_data(tmp_path / "a", seed=0))
-    other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
-    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"]
-    assert saved == os.path.abspath(data)
-    capsys.readouterr()
-    before = _tr_files(out)
-    resume = f"--out_dir {out} --max_iters 8 --resume --data_dir {other}".split()
-    _tr_one_error_line(train.main(resume), capsys.readouterr().err, "other data (train, val differ)")
-    assert _tr_files(out) == before
-    assert train.main(resume + ["--allow_other_data"]) == 0
-    # a checkpoint without the data's checksums is not one of this train.py's
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    del ckpt["data"]
-    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
-    rc = train.main(f"--out_dir {out} --max_iters 10 --resume".split())
-    _tr_one_error_line(rc, capsys.readouterr().err, "not from this train.py")
-
-
-def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, capsys):
-    for case in ("odd size", "changed"):
-        data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
-        raw = open(os.path.join(data, "train.bin"), "rb").read()
-        open(os.path.join(data, "train.bin"), "wb").write(
-            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
+@pytest.mark.parametrize("name", SYNTHS)
+def test_synth_float32_gradients_reach_every_parameter(name):
+    """The float32 path (other kernels than float64's) against the float64 literal equations."""
+    m = random_mixer(name, d=16, l=16, n=4, seed=5)
+    x = torch.randn(3, 16, 16, dtype=torch.float64)
+    g = torch.randn(3, 16, 16, dtype=torch.float64)
+    ref = torch.autograd.grad(synth_literal(name, m, x), list(m.parameters()), g)
+    m32 = copy.deepcopy(m).to(DEVICE, torch.float32)
+    got = cpu64(
+        *torch.autograd.grad(
+            m32(x.to(DEVICE, torch.float32)), list(m32.parameters()), g.to(DEVICE, torch.float32)
         )
-        out = str(tmp_path / "run")
-        rc = train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"])
-        _tr_one_error_line(
-            rc, capsys.readouterr().err, "odd number of bytes" if case == "odd size" else "sha256"
-        )
-        assert not os.path.exists(out)
-
-
-def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
-    tr_data, tmp_path, capsys, monkeypatch
-):
-    out = str(tmp_path / "run")
-    _tr_one_error_line(
-        train.main(_TR_TINY + ["--data_dir", tr_data, "--lr", "inf"]), capsys.readouterr().err, "--lr"
     )
-    real, calls = train.train_step, []
-
-    def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
-        calls.append(1)
-        return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
-
-    monkeypatch.setattr(train, "train_step", diverging)
-    rc = train.main(
-        _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
-    )
-    _tr_one_error_line(rc, capsys.readouterr().err, "became nan at batch 15; ckpt.pt keeps batch 10")
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
+    for (p, _), a, b in zip(m32.named_parameters(), got, ref):
+        assert (a != 0).any(), f"{p} gets no gradient"
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3), p
 
 
-def _tr_signal_run(tmp_path, data, sig):
-    """train.py in a subprocess whose output goes to a pipe (as under nohup), stopped by `sig` once its
-    first console line, at batch 10, has come through."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
-    out = str(tmp_path / f"run-{sig}")
-    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
-    p = subprocess.Popen(
-        [sys.executable, "train.py"] + argv,
-        cwd=_TR_ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 120
-    while "iter 10/" not in p.stdout.readline():
-        assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
-    p.send_signal(sig)
-    rest, err = p.communicate(timeout=120)
-    return p.returncode, rest, err, out
+@pytest.mark.parametrize("name", SYNTHS)
+def test_synth_cache_in_chunks_equals_full_forward(name):
+    """Prefill, then a chunk of several positions, then single tokens: every row equals the full
+    forward, so the position-indexed rows (R[past:T], W_2's columns) are the right ones."""
+    m, x = dev(random_mixer(name, d=12, l=12, n=3, seed=1)), dev(torch.randn(2, 12, 12))
+    cache = {}
+    steps = [m(x[:, :3], cache), m(x[:, 3:7], cache)] + [m(x[:, i : i + 1], cache) for i in range(7, 12)]
+    assert torch.allclose(torch.cat(steps, 1), m(x), atol=TOL, rtol=0)
+    assert cache["v"].shape == (2, 3, 12, 4)
+    with pytest.raises(ValueError, match="exceeds block_size l=12"):
+        m(x[:, :1], cache)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_train_kill_and_hangup_checkpoint_and_stop_like_ctrl_c(tr_data, tmp_path, sig):
-    rc, rest, err, out = _tr_signal_run(tmp_path, tr_data, sig)
-    assert rc == 128 + sig and "Traceback" not in err and "stopped at batch" in rest
-    it = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
-    assert it > 10 and [int(r["iter"]) for r in _tr_log(out)] == list(range(1, it + 1))
+# ---- parameter counts: the Synthesizer paper's Table 1 and text, plus W_V and W_out_att (2 d^2)
+def synth_param_formula(name, d, l, n, k=synthesizer.SYN_RANK):
+    a, b = synthesizer._syn_factors(l)
+    dense, random, mix = d * d + d * l, n * l * l, 2 * n  # Table 1; "each head adds N^2"; alphas
+    align = {
+        "dense": dense,
+        "dense-fact": d * d + d * (a + b),
+        "random": random,
+        "random-fixed": 0,
+        "random-fact": 2 * n * l * k,
+        "random+dense": random + dense + mix,
+        "random+sa": random + 2 * d * d + mix,
+        "dense+sa": dense + 2 * d * d + mix,
+    }[name]
+    return align + 2 * d * d
 
 
-class _Killed(BaseException):
-    """Stands for kill -9 in the middle of a run: nothing in train.py catches it."""
-
-
-def test_train_folder_is_locked_before_it_is_judged(tr_data, tmp_path, monkeypatch, capsys):
-    """A second train.py started while the first still loads its data (8.6 s for a 1 GB train.bin) is
-    refused at once: the first took the lock before it judged the folder, not after the data."""
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
-    loading, second_done, real_load, first = threading.Event(), threading.Event(), train.load_data, {}
-
-    def slow_load(*args):  # the first call waits until the second run has had its go
-        if not loading.is_set():
-            loading.set()
-            second_done.wait(60)
-        return real_load(*args)
-
-    monkeypatch.setattr(train, "load_data", slow_load)
-    thread = threading.Thread(target=lambda: first.setdefault("rc", train.main(flags)))
-    thread.start()
-    assert loading.wait(60)
-    rc = train.main(flags)
-    second_done.set()
-    thread.join(120)
-    _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
-    assert first["rc"] == 0 and torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 4
-
-
-def test_train_overwrite_killed_before_its_first_checkpoint_leaves_no_old_model(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    """--overwrite removes the old run's checkpoint before it writes anything of the new run: killed at the
-    worst moment (new run.json and log.csv, no checkpoint yet) the folder holds no model at all."""
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
-    assert train.main(flags + ["--mixer", "sa"]) == 0
-    real_step = train.train_step
-    monkeypatch.setattr(train, "train_step", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
-    with pytest.raises(_Killed):
-        train.main(flags + ["--mixer", "me", "--overwrite"])
-    assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # the old model went first
-    assert json.load(open(os.path.join(out, "run.json")))["config"]["mixer"] == "me"
-    capsys.readouterr()
-    assert sample.main(["--out_dir", out]) == 1 and "no checkpoint" in capsys.readouterr().err
-    _tr_one_error_line(train.main(flags + ["--resume"]), capsys.readouterr().err, "no checkpoint")
-    monkeypatch.setattr(train, "train_step", real_step)
-    assert train.main(flags + ["--mixer", "me"]) == 0  # a plain rerun starts the new run again
-    assert [int(r["iter"]) for r in _tr_log(out)] == [1, 2, 3, 4]
-
-
-def test_train_file_errors_are_one_line_saying_what_was_kept(tr_data, tmp_path, monkeypatch, capsys):
-    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "30", "--ckpt_interval", "20"]
-    a_file = tmp_path / "a_file"
-    a_file.write_text("not a folder")
-    _tr_one_error_line(train.main(flags + ["--out_dir", str(a_file)]), capsys.readouterr().err, "is a file")
-    # a folder it may not write in (as root, chmod would not stop it: the refusal is simulated)
-    real_open = builtins.open
-
-    def read_only(path, *a, **k):
-        if str(path).endswith("train.lock"):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_open(path, *a, **k)
-
-    with monkeypatch.context() as m:
-        m.setattr(builtins, "open", read_only)
-        rc = train.main(flags + ["--out_dir", str(tmp_path / "ro")])
-    _tr_one_error_line(rc, capsys.readouterr().err, "Permission denied")
-    # the disk fills up at the second checkpoint (batch 20): torch.save raises RuntimeError
-    real_save, saves = torch.save, []
-
-    def disk_full(obj, f, *a, **k):
-        saves.append(1)
-        if len(saves) == 2:
-            f.write(b"half a checkpoint")
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
-        return real_save(obj, f, *a, **k)
-
-    monkeypatch.setattr(torch, "save", disk_full)
-    out = str(tmp_path / "run")
-    rc = train.main(flags + ["--out_dir", out])
-    _tr_one_error_line(rc, capsys.readouterr().err, "it keeps batch 5")  # (the first log point, at 5)
-    monkeypatch.undo()
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 5
-    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
-
-
-def test_train_removes_the_temp_files_of_a_killed_write(tr_data, tmp_path, capsys):
-    out = tmp_path / "run"
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(out)]
-    assert train.main(flags + ["--max_iters", "4"]) == 0
-    (out / ".ckpt.ptx8k2_q.tmp").write_bytes(bytes(5000))  # kill -9 during torch.save leaves this
-    (out / "notes.tmp").write_text("the user's own file")
-    capsys.readouterr()
-    assert train.main(flags + ["--max_iters", "8", "--resume"]) == 0
-    assert not (out / ".ckpt.ptx8k2_q.tmp").exists() and (out / "notes.tmp").exists()
-    assert "removed 1 temp file(s) of a killed write" in capsys.readouterr().out
-
-
-def test_train_reports_its_peak_memory_last(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    run = json.load(open(os.path.join(out, "run.json")))
-    what = "peak CUDA memory allocated" if DEVICE.type == "cuda" else "peak resident memory"
-    assert run["peak_memory_is"] == what and last.startswith(f"{what}: ") and last.endswith(" GB")
-    assert abs(float(last.split()[-2]) - run["peak_memory_mb"] / 1024) < 0.01
-    if DEVICE.type == "cpu":  # the process's own high-water mark: torch alone is over 100 MB
-        assert 100 < run["peak_memory_mb"] < 8000
-
-
-_TR_MEMORY_DRIVER = """
-import sys, train
-rss, real = {}, train.get_batch
-def resident_mb():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) / 1024
-def get_batch(*args):
-    rss[len(rss)] = resident_mb()  # before batch k + 1, i.e. after k batches
-    return real(*args)
-train.get_batch = get_batch
-rc = train.main(sys.argv[1:])
-print("RSS", rss[20], resident_mb())
-sys.exit(rc)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads /proc/self/status; the glibc tweak is Linux's"
+@pytest.mark.parametrize(
+    "d,l,n", [(128, 128, 1), (128, 128, 4), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)]
 )
-def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
-    """With 8 MB of logits per batch, a tensor kept per batch until the next log point would let the
-    process grow by gigabytes over 200 batches (it did, before the loss buffer)."""
-    data = _tr_make_data(tmp_path / "data", vocab=2000, n_words=40000)
-    argv = "--mixer me --n_layer 1 --n_embd 16 --n_hidden 16 --block_size 32 --batch_size 32 --max_iters 200"
-    argv += f" --log_interval 1000 --ckpt_interval 1000 --eval_batches 0 --device cpu --data_dir {data}"
-    argv = (argv + f" --out_dir {tmp_path / 'run'}").split()
-    r = subprocess.run(
-        [sys.executable, "-c", _TR_MEMORY_DRIVER] + argv,
-        cwd=_TR_ROOT,
+def test_synth_parameter_counts_equal_formulas(d, l, n):
+    for name in SYNTHS:
+        assert extractor.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
+    fixed = MIXERS["random-fixed"](Config(n_embd=d, block_size=l, n_head=n, mixer="random-fixed"))
+    assert fixed.state_dict()["R"].shape == (n, l, l)  # stored, but not a parameter
+
+
+def test_synth_factorized_dense_factors():
+    for l in range(1, 300):
+        a, b = synthesizer._syn_factors(l)
+        assert a * b == l and a <= b
+        assert not any(l % f == 0 for f in range(a + 1, math.isqrt(l) + 1))  # a is the largest
+
+
+def test_synth_whole_model_parameter_count():
+    for name in SYNTHS:
+        cfg = Config(vocab_size=97, block_size=16, n_embd=24, n_hidden=40, n_layer=3, n_head=4, mixer=name)
+        model = Transformer(cfg)
+        assert model.param_counts()["mixers"] == 3 * synth_param_formula(name, 24, 16, 4)
+
+
+def test_synth_initialisation():
+    """nn.Linear and raw weights ~ N(0, 0.01²) (Section 6), mixing alphas zero (weights 1/2 each)."""
+    for name in SYNTHS:
+        model = Transformer(
+            Config(vocab_size=50, block_size=64, n_embd=64, n_hidden=64, n_layer=1, n_head=4, mixer=name)
+        )
+        mixer = model.layers[0].mixer
+        for p_name, p in list(mixer.named_parameters()) + list(mixer.named_buffers()):
+            if p_name == "alpha":
+                assert (p == 0).all() and torch.allclose(mixer.mixing_weights()[0], torch.tensor(0.5))
+            elif name == "random-fixed" and p_name == "R":  # N(0, 1): a random alignment, not a mean
+                assert abs(p.std().item() - 1.0) < 0.05 and abs(p.mean().item()) < 0.05, (name, p_name)
+            else:
+                assert abs(p.std().item() - 0.01) < 0.002 and abs(p.mean().item()) < 0.002, (name, p_name)
+
+
+# ---- Fixed Random: a random alignment, not trained, but saved
+def _row_entropy(mixer, t):
+    """Mean entropy (nats) of the rows of softmax(R) over their causal columns, for positions 8..t-1."""
+    p = synthesizer._syn_softmax(mixer.logits(0, t), 0)  # (n, t, t)
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (n, t)
+    return ent[:, 8:].mean().item()
+
+
+def test_synth_fixed_random_rows_are_far_from_uniform():
+    torch.manual_seed(0)
+    l = 128
+    uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)  # a running mean's rows
+    fixed = MIXERS["random-fixed"](Config(n_embd=64, block_size=l, n_head=4, mixer="random-fixed"))
+    learned = MIXERS["random"](Config(n_embd=64, block_size=l, n_head=4, mixer="random"))
+    assert _row_entropy(fixed, l) < uniform - 0.4  # N(0, 1) logits
+    assert _row_entropy(learned, l) > uniform - 0.01  # N(0, 0.01²): uniform at init
+    p = synthesizer._syn_softmax(fixed.logits(0, l), 0)[:, -1]  # the last row, (n, l)
+    assert (p.max(-1).values > 5 / l).all()  # peaked, not 1/l everywhere
+
+
+def test_synth_fixed_random_is_not_trained_and_is_saved():
+    cfg = Config(
+        vocab_size=40, block_size=8, n_embd=16, n_hidden=16, n_layer=2, n_head=4, mixer="random-fixed"
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert not any("R" in name.split(".") for name, _ in model.named_parameters())
+    R0 = [layer.mixer.R.clone() for layer in model.layers]
+    W0 = [layer.mixer.W_V.weight.clone() for layer in model.layers]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 40, (4, 8))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    opt.step()
+    for layer, R, W in zip(model.layers, R0, W0):
+        assert torch.equal(layer.mixer.R, R)  # the alignment did not move
+        assert not torch.equal(layer.mixer.W_V.weight, W)  # the values did
+    # a checkpoint (plain tensors, weights_only) reproduces R; the seed decides it
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    torch.manual_seed(1)
+    other = Transformer(cfg)
+    assert not torch.equal(other.layers[0].mixer.R, R0[0])
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert all(torch.equal(a.mixer.R, b.mixer.R) for a, b in zip(other.layers, model.layers))
+    torch.manual_seed(0)
+    assert torch.equal(Transformer(cfg).layers[1].mixer.R, R0[1])
+
+
+@pytest.mark.parametrize("name", SYNTHS)
+def test_synth_trains_under_bfloat16_autocast(name):
+    """train.py's --dtype bfloat16 path: the mixed dtypes (float32 R and alphas, bf16 activations)
+    must meet without errors, and the result stays close to float32."""
+    m = random_mixer(name, d=16, l=16, n=4, seed=2).to(DEVICE, torch.float32)
+    with torch.no_grad():
+        for p in list(m.parameters()) + list(m.buffers()):
+            p.mul_(0.4)
+    x = torch.randn(2, 16, 16, device=DEVICE)
+    y32 = m(x)
+    with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
+        y = m(x)
+    y.float().sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    assert torch.allclose(y.float(), y32, atol=0.05 * y32.abs().max().item(), rtol=0)
+
+
+# ======== bench (bench.py): the quick mode runs every section, a row per mixer (no timings asserted) ========
+
+
+def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "bench.py", "--quick", "--mixers", "all", "--threads", "1", "--json", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
     )
-    assert r.returncode == 0, r.stderr
-    after_20, end = map(float, r.stdout.split("RSS")[1].split())
-    assert end < after_20 + 150, f"resident memory grew from {after_20:.0f} MB to {end:.0f} MB"
+    assert run.returncode == 0, run.stderr[-2000:]
+    mixers = list(extractor.MIXERS)
+    tables = run.stdout.split("\n\n")[1:]  # the header line, then one block per section
+    titles = [t.splitlines()[0][:2] for t in tables]
+    assert titles[:6] == ["1.", "2.", "3.", "4.", "5.", "6."]
+    for block in tables[:6]:
+        rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
+        if block.startswith("3."):  # one row per mixer and model size
+            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
+                block
+            )
+        else:
+            assert [r[0] for r in rows if r[0] in mixers] == mixers, block
+    res = json.loads(out.read_text())
+    assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops", "memory"}
+    for name, rows in res["sections"].items():
+        want = (mixers + ["none"]) * 2 if name == "model" else mixers
+        assert sorted(r["mixer"] for r in rows) == sorted(want), name
+    for r in res["sections"]["sublayer"]:
+        assert r["ms"] > 0 and r["path"] in ("sdpa", "toeplitz", "fft", "matmul")
+    for r in res["sections"]["generation"]:
+        assert r["cached_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0
 
 
-def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, capsys, monkeypatch):
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", tr_prepared, "--out_dir", out, "--max_iters", "4"]) == 0
-    capsys.readouterr()
-    # --temperature 0 is greedy: the seed no longer matters
-    texts = []
-    for seed in ("1", "2"):
-        assert (
-            sample.main(["--out_dir", out, "--temperature", "0", "--seed", seed, "--max_new_tokens", "8"])
-            == 0
-        )
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1]
-    # from another directory: the checkpoint holds the data folder's absolute path
-    monkeypatch.chdir(tmp_path.parent.parent)
-    assert sample.main(["--out_dir", out, "--max_new_tokens", "3"]) == 0
-    capsys.readouterr()
-    # a terminal that cannot show a character gets '?', not a UnicodeEncodeError
-    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
-    monkeypatch.setattr(sys, "stdout", ascii_out)
-    assert (
-        sample.main(["--out_dir", out, "--prompt", "Once upon a time \u2019", "--max_new_tokens", "3"]) == 0
-    )
-    ascii_out.flush()
-    assert ascii_out.buffer.getvalue().startswith(b"Once upon a time ?")
-    monkeypatch.undo()
-    last = capsys.readouterr().err.strip().splitlines()[-1]  # the peak memory of the generation, last
-    assert last.startswith("# 3 tokens in") and ("peak resident memory" in last or DEVICE.type != "cpu")
-    rc = sample.main(["--out_dir", out, "--temperature", "inf"])
-    _tr_one_error_line(rc, capsys.readouterr().err, "finite")
-    # another corpus's tokenizer is refused
-    other = tmp_path / "other"
-    os.makedirs(other)
-    tok = open(os.path.join(tr_prepared, "tokenizer.tiktoken"), "rb").read().splitlines()
-    open(other / "tokenizer.tiktoken", "wb").write(b"\n".join(tok[:-1]) + b"\n")
-    _tr_one_error_line(
-        sample.main(["--out_dir", out, "--data_dir", str(other)]), capsys.readouterr().err, "tokenizer"
-    )
-    # Ctrl-C while sampling ends quietly
-    capsys.readouterr()
-    monkeypatch.setattr(sample, "stream", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
-    assert sample.main(["--out_dir", out]) == 130
-    assert "Traceback" not in capsys.readouterr().err
+def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
+    bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
+    for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv + ["--no_malloc_tune"])
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
+    """fir_path reads the taps' shape and FFT_MIN_T_SCALAR; check it against the code that actually runs."""
+    taken = []
+    toeplitz, fft_apply = extractor.toeplitz, extractor.FIRFFT.apply
+    monkeypatch.setattr(extractor, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
+    monkeypatch.setattr(extractor.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
+    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 8)
+    for name in extractor.MIXERS:
+        cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
+        module = extractor.MIXERS[name](cfg)
+        for t in (4, 12):  # both sides of the scalar-tap threshold
+            taken.clear()
+            module(torch.randn(1, t, 4))
+            want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
+            assert bench.fir_path(module, t) == want, (name, t)
+
+
+def test_bench_loglog_slope_recovers_a_power_law():
+    for b in (0.5, 1.0, 2.0):
+        ms = {t: 3.0 * t**b for t in (128, 256, 512, 1024)}  # time per step ~ t^b at fixed tokens
+        assert abs(bench.loglog_slope(ms, 8192) - b) < 1e-9
+
+
+def test_bench_memory_section_in_quick_mode(tmp_path, capsys):
+    """Section 6 prints a row per mixer; its accounting is AdamW = 2x parameters = 2x gradients."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--sections", "6", "--mixers", "me,she", "--no_malloc_tune", "--json", str(out)]
+    assert bench.main(argv) == 0
+    block = capsys.readouterr().out.split("\n\n")[1]
+    assert block.startswith("6. Memory of one training step")
+    assert [line.split()[0] for line in block.splitlines()[3:6]] == ["sa", "me", "she"]
+    rows = json.loads(out.read_text())["sections"]["memory"]
+    for r in rows:
+        assert r["grads_mib"] == r["params_mib"] and r["adamw_mib"] == 2 * r["params_mib"], r
+        assert 0 < r["saved_half_mib"] < r["saved_mib"], r  # activations grow with the batch
+        if r["peak_mib"] is not None:  # Linux
+            assert r["peak_mib"] >= r["params_mib"] + r["adamw_mib"] and r["fits"] == "yes", r
+
+
+def test_bench_memory_accounting_of_a_known_step():
+    """A step whose memory is known by hand: parameters numel * 4 bytes, their gradients the same,
+    AdamW's two states 2x, and the activations saved for backward counted once per storage (views
+    share one), leaving out the parameter that an op saves."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False)  # 64 parameters: 256 bytes
+    opt = torch.optim.AdamW(lin.parameters())
+    x = torch.randn(6, 8, requires_grad=True)  # (6, 8): 192 bytes
+
+    def step():
+        h = lin(x)  # saves x (192 bytes) and the weight's transpose (a view of a parameter: left out)
+        loss = (h.t() @ h).sum()  # saves h and its view h.t(): one storage, 192 bytes
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    mem = bench.step_memory(lin, opt, step, torch.device("cpu"))
+    assert (mem["params"], mem["grads"], mem["adamw"], mem["saved"]) == (256, 256, 512, 384), mem
+    assert mem["peak"] is None or mem["peak"] >= 256 + 512
+    # a tiny Transformer: the same identities for every parameter, through train.train_step
+    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2, mixer="he"))
+    opt = torch.optim.AdamW(model.parameters())
+    idx = torch.randint(0, 50, (3, 9))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = lambda: train.train_step(model, opt, scaler, contextlib.nullcontext(), idx[:, :-1], idx[:, 1:])
+    mem = bench.step_memory(model, opt, step, torch.device("cpu"))
+    n = sum(p.numel() for p in model.parameters())
+    assert (mem["params"], mem["grads"], mem["adamw"]) == (4 * n, 4 * n, 8 * n), (mem, n)
+
+
+def test_bench_largest_batch_follows_the_line_through_two_peaks():
+    peak = lambda b: 100 + 10 * b  # bytes: a fixed part and 10 per sequence
+    assert bench.largest_batch(64, peak(64), 32, peak(32), 1000) == (10, 90)  # 100 + 10 * 90 = 1000
+    assert bench.largest_batch(64, peak(64), 32, peak(32), 999) == (10, 89)
+    assert bench.largest_batch(64, peak(64), 32, peak(32), 50) == (10, 0)  # not even one sequence
+    assert bench.largest_batch(64, 500, 32, 500, 1000)[1] is None  # no slope: nothing to extrapolate
+
+
+def test_bench_generation_stamps_wait_for_the_device(monkeypatch):
+    """On cuda/mps kernels run asynchronously: each token's time stamp must come after a sync."""
+    events = []
+    monkeypatch.setattr(bench, "sync", lambda device: events.append("sync"))
+    clock = time.perf_counter
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("stamp") or clock())
+    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=1, mixer="me"))
+    _, stamps = bench.generate_timed(model.eval(), torch.zeros(1, 2, dtype=torch.long), 3, True,
+                                     contextlib.nullcontext(), torch.device("cuda"))  # fmt: skip
+    assert len(stamps) == 3 and events == ["sync", "stamp"] * 4, events
