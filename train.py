@@ -27,6 +27,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -567,9 +568,10 @@ def save_checkpoint(run, it, elapsed, saved_at):
     path = os.path.join(run.args.out_dir, "ckpt.pt")
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
-    except (OSError, RuntimeError) as e:  # a full disk: torch.save says RuntimeError
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save says RuntimeError ("unexpected pos")
         kept = f"it keeps batch {saved_at}" if saved_at else "no checkpoint was kept"
-        reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:120]
+        free = shutil.disk_usage(run.args.out_dir).free / 2**20
+        reason = getattr(e, "strerror", None) or f"{type(e).__name__} with {free:.0f} MB free on its disk"
         fail(f"cannot write {path} ({reason}); {kept}: free space, then continue with --resume")
 
 
