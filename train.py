@@ -433,9 +433,10 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 
 @torch.no_grad()
-def evaluate(run, args):
+def evaluate(run):
     """Mean loss over a fixed validation set: eval_batches * batch_size windows spread evenly over
     val.bin, the same at every evaluation; each global batch is split over the ranks like training."""
+    args = run.args
     n, b = args.eval_batches * args.batch_size, args.batch_size // run.world
     starts = torch.from_numpy(
         np.linspace(0, len(run.val_data) - args.block_size - 1, n).round().astype(np.int64)
@@ -686,7 +687,7 @@ def loop(run, log, start):
             if not (it % args.log_interval == 0 or eval_now or ckpt_now or (stop["signal"] and world == 1)):
                 continue
             if eval_now:
-                val = evaluate(run, args)
+                val = evaluate(run)
             stopping = agree_to_stop(stop, world)
             rows = log.take(world)
             check_finite(rows, saved_at)
