@@ -16,6 +16,8 @@ does at the end, into RUN/loss.png (with --taps: RUN/taps.png); with -o, that ch
 Several runs, --raw and --sweep make one figure and need -o. Run folders are those train.py
 writes (log.csv, run.json; --taps reads ckpt.pt). --window defaults to the paper's 2000 batches,
 or to about 30 windows for shorter runs. Lines keep one colour and order per mixer in every figure.
+With --sweep, a CSV that --results wrote may stand among the runs: its points stay in the figure
+where no run folder gives the same mixer and setting, so a sweep can grow after its runs are gone.
 """
 
 import argparse
@@ -180,6 +182,41 @@ def sweep_rows(runs, key, window, until=None):
             }
         )
     return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), r[x]))
+
+
+def read_points(path, key, window, batches=None):
+    """A sweep CSV that --sweep --results wrote earlier: its points, as sweep_rows gives them, so a
+    figure can grow run by run after the earlier run folders are gone."""
+    x, y = SYMBOLS.get(key, key), f"median_last_{window}"
+    header = ["mixer", x, "batches", y, "val_loss"]
+    if not os.path.isfile(path):
+        fail(f"{path} not found; pass run folders, or a CSV that --sweep {key} --results wrote")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or list(rows[0]) != header:
+        want = ",".join(header)
+        fail(f"{path} is not a --sweep {key} CSV of the last {window} batches; its header must be {want}")
+    points = []
+    for i, r in enumerate(rows, 2):
+        try:
+            value = float(r[x]) if "." in r[x] or "e" in r[x] else int(r[x])  # as run.json holds it
+            point = {"mixer": r["mixer"], x: value, "batches": int(r["batches"]), y: float(r[y])}
+            point["val_loss"] = float(r["val_loss"]) if r["val_loss"] else ""
+        except (TypeError, ValueError):
+            fail(f"{path}, line {i}: not a number where one belongs; write it again with --sweep --results")
+        if batches is not None and point["batches"] != batches:
+            n = point["batches"]
+            fail(f"{path}: the {r['mixer']} point at {x} = {r[x]} is at {n} batches, not --batches {batches}")
+        points.append(point)
+    return points
+
+
+def merge_points(rows, earlier, key):
+    """The runs' points, plus the earlier points (read_points) at settings no run gives."""
+    x = SYMBOLS.get(key, key)
+    new = {(r["mixer"], r[x]) for r in rows}
+    kept = [r for r in earlier if (r["mixer"], r[x]) not in new]
+    return sorted(rows + kept, key=lambda r: (paper_rank(r["mixer"]), r[x]))
 
 
 def plot_sweep(rows, key, path, window, title=None):
@@ -453,7 +490,12 @@ def build_parser():
     p = argparse.ArgumentParser(
         description=intro, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("runs", nargs="+", help="run folders written by train.py")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders written by train.py; with --sweep also a CSV that --results wrote, whose points "
+        "stay in the figure where no run folder gives the same mixer and setting",
+    )
     p.add_argument(
         "-o",
         "--output",
@@ -529,6 +571,14 @@ def default_output(args):
     fail("several runs, --raw and --sweep make one figure of many runs: name it with -o FILE")
 
 
+def split_inputs(paths, sweep):
+    """Run folders, and with --sweep the CSVs of earlier points among the inputs."""
+    earlier = [p for p in paths if p.endswith(".csv")]
+    if earlier and not sweep:
+        fail(f"{earlier[0]}: a CSV input adds earlier points to a --sweep figure; pass run folders here")
+    return [p for p in paths if not p.endswith(".csv")], earlier
+
+
 def check_batches(runs, batches):
     """--batches N must be at least 1 and within every run."""
     if batches is None:
@@ -541,18 +591,22 @@ def check_batches(runs, batches):
             fail(f"--batches {batches}: {shlex.quote(d)} has only {n} batches; pass --batches {n} or less")
 
 
-def plot_logs(args, runs, output):
-    """The training curves from the runs' log.csv: the figure, the CSVs and the printed table.
-    Returns the paths written."""
+def plot_logs(args, runs, output, earlier=()):
+    """The training curves from the runs' log.csv (and with --sweep the `earlier` CSVs' points):
+    the figure, the CSVs and the printed table. Returns the paths written."""
     check_batches(runs, args.batches)
     window = args.window
     if window is None:
-        shortest = min(len(read_log(d, args.batches)["train_loss"]) for _, d in runs)
+        shortest = min((len(read_log(d, args.batches)["train_loss"]) for _, d in runs), default=2000)
         window = min(2000, shortest) if args.sweep else auto_window(shortest)
     if window < 1:
         fail(f"--window must be at least 1, got {window}")
     if args.sweep:
         rows = sweep_rows(runs, args.sweep, window, args.batches)
+        for path in earlier:
+            merged = merge_points(rows, read_points(path, args.sweep, window, args.batches), args.sweep)
+            print(f"{len(merged) - len(rows)} points from {path} (settings no run folder gives)")
+            rows = merged
         plot_sweep(rows, args.sweep, output, window, args.title)
     elif len(runs) == 1 and not args.raw:
         plot_run(runs[0][1], output, args.window, args.batches, args.title)
@@ -565,7 +619,8 @@ def plot_logs(args, runs, output):
         written.append(write_csv(os.path.join(args.results, name), rows))
     elif args.results:
         written += write_results(runs, args.results, window, args.batches, args.seeds)
-    print_summary(summary_rows(runs, until=args.batches))
+    if runs:
+        print_summary(summary_rows(runs, until=args.batches))
     return written
 
 
@@ -575,13 +630,14 @@ def main(argv=None):
         check_flags(args)
         output = default_output(args)
         image_format(output)  # an unknown extension fails here, before any work
-        runs = in_paper_order(run_names(args.runs))
+        folders, earlier = split_inputs(args.runs, args.sweep)
+        runs = in_paper_order(run_names(folders))
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
         if args.taps:
             plot_taps(runs, output, args.data_dir, args.title)
             written = [output]
         else:
-            written = plot_logs(args, runs, output)
+            written = plot_logs(args, runs, output, earlier)
         print("wrote " + " ".join(shlex.quote(path) for path in written))
     except OSError as e:  # an unwritable output folder, a full disk
         where = shlex.quote(str(e.filename)) if e.filename else "the output"

@@ -2039,6 +2039,48 @@ def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
         assert float(r["median_last_50"]) == float(np.median(losses[m]))
 
 
+def test_plot_sweep_keeps_the_points_of_a_csv_it_wrote_where_no_run_replaces_them(tmp_path, capsys):
+    rng = random.Random(5)
+    losses = {}
+
+    def run(name, mixer, heads, l):  # a run folder of 2100 batches at block size l
+        losses[name] = [rng.uniform(3, 6) for _ in range(2100)]
+        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, block_size=l)
+        return str(tmp_path / name)
+
+    res = tmp_path / "results"
+    fig, table = str(res / "fig10.png"), str(res / "fig10.csv")
+    sweep = ["--sweep", "block_size", "--results", str(res), "-o", fig]
+    assert plot.main([run("she-32", "she", 1, 32), run("sa-32", "sa", 32, 32)] + sweep) == 0
+    earlier = open(table).read()
+    # the first runs are gone; a new run and the CSV make the figure with all three points
+    assert plot.main([table, run("she-64", "she", 1, 64)] + sweep) == 0
+    rows = list(csv.DictReader(open(table)))
+    assert [(r["mixer"], r["l"]) for r in rows] == [("sa-32", "32"), ("she", "32"), ("she", "64")]
+    assert float(rows[2]["median_last_2000"]) == float(np.median(losses["she-64"][-2000:]))
+    assert open(table).read().splitlines()[:3] == earlier.splitlines()  # earlier rows kept to the digit
+    # a run folder at a point the CSV holds replaces that point
+    assert plot.main([table, run("she-32b", "she", 1, 32)] + sweep) == 0
+    rows = list(csv.DictReader(open(table)))
+    assert len(rows) == 3 and float(rows[1]["median_last_2000"]) == float(
+        np.median(losses["she-32b"][-2000:])
+    )
+    # the CSV alone redraws the figure and rewrites the same CSV
+    before = open(table).read()
+    assert plot.main([table] + sweep) == 0 and open(table).read() == before
+    # bad inputs: one line each
+    other = ["--sweep", "n_layer", "-o", str(tmp_path / "f.png")]
+    assert "header must be mixer,m,batches,median_last_2000,val_loss" in _plot_error(capsys, [table] + other)
+    assert "the sa-32 point at l = 32 is at 2100 batches, not --batches 2050" in _plot_error(
+        capsys, [table, "--batches", "2050"] + sweep
+    )
+    assert "adds earlier points to a --sweep figure" in _plot_error(capsys, [table, "-o", fig])
+    assert "not found" in _plot_error(capsys, [str(tmp_path / "nope.csv")] + sweep)
+    with open(table, "a") as f:
+        f.write("we,32,2100,low,3.9\n")
+    assert "fig10.csv, line 5: not a number" in _plot_error(capsys, [table] + sweep)
+
+
 def _plot_tiny(mixer, n_head=1, d=4, l=4, seed=0):
     torch.manual_seed(seed)
     cfg = Config(vocab_size=16, block_size=l, n_embd=d, n_hidden=8, n_layer=2, n_head=n_head, mixer=mixer)
