@@ -1,8 +1,8 @@
 """
 Plot training runs the way the paper does (Section 6): the median training cost of every
 non-overlapping window of batches (Figures 7-8), every batch's cost (Figure 9), or the median of
-the last window against a swept setting (Figures 10-11); or, with --taps, what each layer's filter
-learned. Prints a table of the runs too.
+the last window against a swept setting (Figures 10-11, the validation loss beside it); or, with
+--taps, what each layer's filter learned. Prints a table of the runs too.
 
     python plot.py out/me-m2-l64-b32                                             # its loss.png again
     python plot.py out/sa-1 out/sa-32 out/she out/he out/we out/me -o fig8.png   # window medians
@@ -220,18 +220,30 @@ def merge_points(rows, earlier, key):
 
 
 def plot_sweep(rows, key, path, window, title=None):
-    """sweep_rows' medians against the swept setting, one line per mixer (sa per head count)."""
-    x, y = SYMBOLS.get(key, key), f"median_last_{window}"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["mixer"] for r in rows):  # in paper order, each once
-        pts = [(r[x], r[y]) for r in rows if r["mixer"] == name]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=STYLE.get(name), label=name)
-    values = sorted({r[x] for r in rows})
-    if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) / min(values) >= 8:
-        ax.set_xscale("log", base=2)  # l = 32 ... 1024 and similar doubling sweeps
-    ax.set_xticks(values, [str(v) for v in values])
-    ax.set(xlabel=f"{x} ({key})" if x != key else key, ylabel=f"median cost of the last {window} batches")
-    finish(fig, ax, title or f"last {window} batches against {x}", path)
+    """sweep_rows' points against the swept setting, one line per mixer (sa per head count): on the
+    left the median training cost of the last `window` batches (the paper's axes), on the right the
+    last validation loss, where the runs have one."""
+    x = SYMBOLS.get(key, key)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    panels = {
+        f"median_last_{window}": f"median cost of the last {window} batches",
+        "val_loss": "validation loss",
+    }
+    for ax, (y, what) in zip(axes, panels.items()):
+        for name in dict.fromkeys(r["mixer"] for r in rows):  # in paper order, each once
+            pts = [(r[x], r[y]) for r in rows if r["mixer"] == name and r[y] != ""]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=STYLE.get(name), label=name)
+        values = sorted({r[x] for r in rows})
+        if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) / min(values) >= 8:
+            ax.set_xscale("log", base=2)  # l = 32 ... 1024 and similar doubling sweeps
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.set(xlabel=f"{x} ({key})" if x != key else key, ylabel=what, title=f"{what} against {x}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    save(fig, path)
 
 
 def finish(fig, ax, title, path):

@@ -2039,6 +2039,26 @@ def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
         assert float(r["median_last_50"]) == float(np.median(losses[m]))
 
 
+def test_plot_sweep_draws_the_papers_axes_and_the_validation_loss_beside_them(tmp_path, monkeypatch):
+    rows = [  # as sweep_rows gives them; sa-32 has no validation loss at l = 64
+        {"mixer": "sa-32", "l": 32, "batches": 10, "median_last_10": 4.0, "val_loss": 3.9},
+        {"mixer": "sa-32", "l": 64, "batches": 10, "median_last_10": 3.8, "val_loss": ""},
+        {"mixer": "she", "l": 32, "batches": 10, "median_last_10": 4.1, "val_loss": 4.2},
+        {"mixer": "she", "l": 64, "batches": 10, "median_last_10": 3.7, "val_loss": 3.95},
+    ]
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
+    plot.plot_sweep(rows, "block_size", str(tmp_path / "f.png"), 10)
+    left, right = figures[0].axes
+    assert (
+        left.get_ylabel() == "median cost of the last 10 batches" and right.get_ylabel() == "validation loss"
+    )
+    lines = lambda ax: {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
+    assert lines(left) == {"sa-32": ([32, 64], [4.0, 3.8]), "she": ([32, 64], [4.1, 3.7])}
+    assert lines(right) == {"sa-32": ([32], [3.9]), "she": ([32, 64], [4.2, 3.95])}
+    plot.plt.close(figures[0])
+
+
 def test_plot_sweep_keeps_the_points_of_a_csv_it_wrote_where_no_run_replaces_them(tmp_path, capsys):
     rng = random.Random(5)
     losses = {}
