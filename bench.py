@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import extractor
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 import train
-from common import atomic_write, fail, pick_device
+from common import atomic_write, fail, one_line_errors, pick_device
 from extractor import MIXERS, Config, Transformer
 
 # name: (the paper's Table 1 shapes, the tiny ones of --quick)
@@ -63,82 +63,6 @@ SETTINGS = {
 PAPER_MIXERS = ("sa", "she", "he", "we", "me", "he-ext")  # the default: attention and the paper's Extractors
 SECTIONS = {1: "sublayer", 2: "sweep", 3: "model", 4: "generation", 5: "flops", 6: "memory"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# each section's table: title, columns (a row's key, with a format after the colon) and notes;
-# {d}, {rounds}, ... are filled from the settings
-TABLES = {
-    "sublayer": (
-        "1. Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads); "
-        "median of {rounds} interleaved rounds",
-        "mixer path ms:.2f iqr_ms:.2f vs_sa:.3f",
-        ["path: the computation causal_fir takes (toeplitz, fft), sdpa for attention, matmul otherwise"],
-    ),
-    "sweep": (
-        "2. Context sweep, l = t, batch * t = {sweep_tokens} tokens: forward+backward ms, ratio to sa, "
-        "slope of log(time per token) vs log(l)",
-        None,  # columns per t: see sweep_columns
-        [
-            "path: the computation taken at each t (scalar taps: toeplitz below t = {fft_min_t}, then fft)",
-            "one_call: t at which one call took over --max_call_s, so it was timed once; longer t skipped",
-        ],
-    ),
-    "model": (
-        "3. Whole model training step (fwd, loss, bwd, AdamW), batch {batch} x {l}, Table 1 otherwise; "
-        "median of {model_rounds} interleaved steps",
-        "model mixer params:si step_ms:.0f tokens_per_s:.0f vs_sa:.2f peak_mb:.0f paper_hours:.1f",
-        [
-            "none: no first sublayer (zeros added): embeddings, FFNs and the softmax are the floor",
-            "peak_mb: high-water mark of one step above the memory resident before it, plus the parameters "
-            "and AdamW states (cpu: Linux VmHWM)",
-            "paper_hours: the paper's {paper_batches} batches at this step time",
-        ],
-    ),
-    "generation": (
-        "4. Generation, batch 1, {gen_prompt}-token prompt, {gen_new} new tokens (greedy), m = {gen_layers}, "
-        "l = {gen_block}, d = {d}; median of {gen_rounds} rounds",
-        "mixer cached_tokens_per_s:.0f cached_ms_per_token:.2f full_tokens_per_s:.0f "
-        "full_ms_per_token:.2f speedup:.1f same_tokens",
-        [
-            "ms_per_token: median time of one new token; tokens_per_s includes the prompt's forward",
-            "same_tokens: leading tokens on which cached and full recomputation agree (beyond l both run "
-            "a forward over the last l tokens per token, Eq. 2)",
-        ],
-    ),
-    "flops": (
-        "5. One sublayer forward, one sequence, d = l = {d}: the paper's Tables 3/4 counts against "
-        "torch.utils.flop_counter",
-        "mixer path paper_ops:si paper_mult_add:si stock_flops:si fft_flops_est:si completed_flops:si "
-        "completed_vs_paper:.2f",
-        [
-            "paper_ops: mult+add+div+exp of extractor.complexity_training (sa with n = --n_head)",
-            "stock_flops: FlopCounterMode as shipped: matmuls only, 2 flops per multiply-add, complex ones "
-            "as real; no FFT, no elementwise op, not SDPA's cpu kernel (sa: projections only)",
-            "completed_flops: adds SDPA's cpu kernel (full t x t, causal half not subtracted), complex bmm "
-            "x4 (8 real flops per complex multiply-add), elementwise mul (6 if complex)",
-            "  and FFTs estimated at 2.5 n log2 n per real transform (fft_flops_est); softmax, exp and "
-            "additions outside matmuls are still not counted",
-        ],
-    ),
-    "memory": (
-        "6. Memory of one training step (train.train_step: fwd, loss, bwd, AdamW), m = {mem_layers}, "
-        "l = d = {d}, batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?",
-        "mixer params_mib:.1f grads_mib:.1f adamw_mib:.1f saved_mib:.1f peak_mib:.0f saved_half_mib:.1f "
-        "peak_half_mib:.0f per_seq_mib:.2f fits max_batch",
-        [
-            "params, grads, adamw (exp_avg + exp_avg_sq): the tensors of one train.train_step; saved: what "
-            "autograd saves for backward in it, each storage once, parameters left out",
-            "peak: high-water mark of the next train.train_step, with the parameters and AdamW states "
-            "(cpu: Linux VmHWM; cuda: max_memory_allocated)",
-            "*_half: the same at batch {half_batch}; per_seq: the peak's slope, (peak - peak_half) / "
-            "{half_batch}",
-            "fits: peak <= {budget_mib:.0f} MiB, a {gpu_gib:g} GiB GPU less a {margin_gib:g} GiB margin (the "
-            "CUDA context takes a few hundred MB that max_memory_allocated does not count, plus",
-            "  the caching allocator's slack); max_batch: the largest batch under it on the line through "
-            "both peaks",
-        ],
-    ),
-}
-
 
 # -------------------------------------------------------------------------------------------- timing
 
@@ -577,6 +501,77 @@ def memory_at_batch(s, args, mixer, B, device, ctx, dtype):
 
 # ---------------------------------------------------------------------------------------------- tables
 
+# Each section's table, printed by show(): a block of "name: title", its columns (a row's key, with a
+# format after the colon; "per t" for the sweep's, see sweep_columns) and its notes, "- " each. A
+# backslash at a line's end continues it; {d}, {rounds}, ... are filled from the settings.
+TABLE_TEXT = """
+sublayer: 1. Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads); \
+median of {rounds} interleaved rounds
+mixer path ms:.2f iqr_ms:.2f vs_sa:.3f
+- path: the computation causal_fir takes (toeplitz, fft), sdpa for attention, matmul otherwise
+
+sweep: 2. Context sweep, l = t, batch * t = {sweep_tokens} tokens: forward+backward ms, ratio to sa, \
+slope of log(time per token) vs log(l)
+per t
+- path: the computation taken at each t (scalar taps: toeplitz below t = {fft_min_t}, then fft)
+- one_call: t at which one call took over --max_call_s, so it was timed once; longer t skipped
+
+model: 3. Whole model training step (fwd, loss, bwd, AdamW), batch {batch} x {l}, Table 1 otherwise; \
+median of {model_rounds} interleaved steps
+model mixer params:si step_ms:.0f tokens_per_s:.0f vs_sa:.2f peak_mb:.0f paper_hours:.1f
+- none: no first sublayer (zeros added): embeddings, FFNs and the softmax are the floor
+- peak_mb: high-water mark of one step above the memory resident before it, plus the parameters \
+and AdamW states (cpu: Linux VmHWM)
+- paper_hours: the paper's {paper_batches} batches at this step time
+
+generation: 4. Generation, batch 1, {gen_prompt}-token prompt, {gen_new} new tokens (greedy), \
+m = {gen_layers}, l = {gen_block}, d = {d}; median of {gen_rounds} rounds
+mixer cached_tokens_per_s:.0f cached_ms_per_token:.2f full_tokens_per_s:.0f full_ms_per_token:.2f \
+speedup:.1f same_tokens
+- ms_per_token: median time of one new token; tokens_per_s includes the prompt's forward
+- same_tokens: leading tokens on which cached and full recomputation agree (beyond l both run \
+a forward over the last l tokens per token, Eq. 2)
+
+flops: 5. One sublayer forward, one sequence, d = l = {d}: the paper's Tables 3/4 counts against \
+torch.utils.flop_counter
+mixer path paper_ops:si paper_mult_add:si stock_flops:si fft_flops_est:si completed_flops:si \
+completed_vs_paper:.2f
+- paper_ops: mult+add+div+exp of extractor.complexity_training (sa with n = --n_head)
+- stock_flops: FlopCounterMode as shipped: matmuls only, 2 flops per multiply-add, complex ones \
+as real; no FFT, no elementwise op, not SDPA's cpu kernel (sa: projections only)
+- completed_flops: adds SDPA's cpu kernel (full t x t, causal half not subtracted), complex bmm \
+x4 (8 real flops per complex multiply-add), elementwise mul (6 if complex)
+-   and FFTs estimated at 2.5 n log2 n per real transform (fft_flops_est); softmax, exp and \
+additions outside matmuls are still not counted
+
+memory: 6. Memory of one training step (train.train_step: fwd, loss, bwd, AdamW), m = {mem_layers}, \
+l = d = {d}, batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?
+mixer params_mib:.1f grads_mib:.1f adamw_mib:.1f saved_mib:.1f peak_mib:.0f saved_half_mib:.1f \
+peak_half_mib:.0f per_seq_mib:.2f fits max_batch
+- params, grads, adamw (exp_avg + exp_avg_sq): the tensors of one train.train_step; saved: what \
+autograd saves for backward in it, each storage once, parameters left out
+- peak: high-water mark of the next train.train_step, with the parameters and AdamW states \
+(cpu: Linux VmHWM; cuda: max_memory_allocated)
+- *_half: the same at batch {half_batch}; per_seq: the peak's slope, (peak - peak_half) / {half_batch}
+- fits: peak <= {budget_mib:.0f} MiB, a {gpu_gib:g} GiB GPU less a {margin_gib:g} GiB margin (the \
+CUDA context takes a few hundred MB that max_memory_allocated does not count, plus
+-   the caching allocator's slack); max_batch: the largest batch under it on the line through \
+both peaks
+"""
+
+
+def parse_tables(text):
+    """TABLE_TEXT as {name: (title, columns, notes)}."""
+    tables = {}
+    for block in text.strip().split("\n\n"):
+        head, columns, *notes = block.split("\n")
+        name, title = head.split(": ", 1)
+        tables[name] = (title, columns, [n[2:] for n in notes])
+    return tables
+
+
+TABLES = parse_tables(TABLE_TEXT)
+
 
 def fmt(v, spec):
     """One cell: '-' for nothing, 1234567 -> '1.23M' for spec 'si', else format(v, spec)."""
@@ -600,7 +595,8 @@ def sweep_columns(s):
 def show(name, rows, s):
     """Print one section's rows as a table: a title, the columns, a dashed line, the rows, the notes."""
     title, columns, notes = TABLES[name]
-    columns = [c.partition(":")[::2] for c in (columns or sweep_columns(s)).split()]  # (key, spec)
+    columns = sweep_columns(s) if columns == "per t" else columns
+    columns = [c.partition(":")[::2] for c in columns.split()]  # (key, spec)
     table = [[key for key, _ in columns]] + [[fmt(r[k], spec) for k, spec in columns] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
     line = lambda r: "  ".join(
@@ -619,6 +615,7 @@ def parse_args(argv):
         description="Benchmark every token mixer against attention (sections 1-6).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    one_line_errors(p, "bench.py")
     p.add_argument(
         "--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps"
     )
@@ -642,7 +639,6 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     p.add_argument("--no_malloc_tune", action="store_true", help="leave glibc's allocator at its defaults")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
-    p.error = lambda msg: fail(f"{msg} (see python bench.py --help)")
     args = p.parse_args(argv)
     try:
         args.sections = sorted({int(x) for x in args.sections.split(",") if x.strip()})

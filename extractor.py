@@ -1,6 +1,6 @@
 """
 The pre-LN Transformer of "Attention Is Not All You Need Anymore" (Zhe Chen, 2023, arXiv:2308.07661),
-its baseline token mixer (causal multi-head self-attention) and the four Extractors (SHE, HE, WE, ME)
+its baseline token mixer (causal multi-head self-attention) and the four Extractors (SHE, WE, HE, ME)
 that replace it, plus the extraction-only HE named at the end of Section 5. The file follows the paper:
 Config (Table 1); the Transformer (Section 4, Eq. 3-22) and its generation (Eq. 2); self-attention
 (Eq. 10-17); the Extractors (Section 5, Eq. 23-29); the causal FIR filter they share, first as the
@@ -259,6 +259,24 @@ class SHE(nn.Module):
         return self.W_out(x_adj)  # Eq. (25): X^out_sub1 = X^adj W^out
 
 
+class WE(nn.Module):
+    """The worthwhile Extractor, Eq. (26), (24), (25): vector taps."""
+
+    uses_heads = False
+
+    def __init__(self, cfg):
+        super().__init__()
+        l, d = cfg.block_size, cfg.n_embd
+        self.w_ext = normal_weight(l, d)  # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
+        self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
+        self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
+
+    def forward(self, x, cache=None):
+        x_ext = causal_fir(x, self.w_ext, cache)  # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
+        x_adj = self.W_adj(x) * x_ext  # Eq. (24)
+        return self.W_out(x_adj)  # Eq. (25)
+
+
 class HE(nn.Module):
     """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map, then vector taps."""
 
@@ -275,24 +293,6 @@ class HE(nn.Module):
     def forward(self, x, cache=None):
         x_e = self.W_in_ext(x)  # Eq. (27): X^ext = X W^in_ext
         x_ext = causal_fir(x_e, self.w_ext, cache)  # Eq. (28): x_i^out_ext = sum_j x^ext_j o w_{i-j+1}
-        x_adj = self.W_adj(x) * x_ext  # Eq. (24)
-        return self.W_out(x_adj)  # Eq. (25)
-
-
-class WE(nn.Module):
-    """The worthwhile Extractor, Eq. (26), (24), (25): vector taps."""
-
-    uses_heads = False
-
-    def __init__(self, cfg):
-        super().__init__()
-        l, d = cfg.block_size, cfg.n_embd
-        self.w_ext = normal_weight(l, d)  # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
-        self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
-        self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
-
-    def forward(self, x, cache=None):
-        x_ext = causal_fir(x, self.w_ext, cache)  # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
         x_adj = self.W_adj(x) * x_ext  # Eq. (24)
         return self.W_out(x_adj)  # Eq. (25)
 
