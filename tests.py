@@ -8,6 +8,7 @@ import csv
 import hashlib
 import http.server
 import io
+import itertools
 import json
 import math
 import os
@@ -80,6 +81,47 @@ def cpu64(*tensors):
     return [t.detach().cpu().double() for t in tensors]
 
 
+def error_line(capsys, fn, *args, many_lines=False, **kw):
+    """fn(*args, **kw), a script's main or one of its functions, must end with exit status 1 (returned or
+    raised as SystemExit) and one line "error: ..." on stderr, no traceback; returns that line (with
+    many_lines: the whole message, for an error that lists several items below its first line)."""
+    capsys.readouterr()
+    try:
+        rc = fn(*args, **kw)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.startswith("error: ") and "Traceback" not in err, (rc, err)
+    assert many_lines or "\n" not in err, err
+    return err
+
+
+def assert_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+
+
+def tiny_model(mixer, l=16, d=16, n_head=4, n_layer=2, vocab=50, n_hidden=32, seed=0):
+    """A small Transformer on the CPU in float32, with the paper's initialisation, in eval mode."""
+    torch.manual_seed(seed)
+    cfg = Config(
+        vocab_size=vocab, block_size=l, n_embd=d, n_hidden=n_hidden, n_layer=n_layer, n_head=n_head,
+        mixer=mixer,
+    )  # fmt: skip
+    return Transformer(cfg).eval()
+
+
+def scrambled(module, std):
+    """module in float64 with every parameter and buffer (Fixed Random's R too) drawn again ~ N(0, std²):
+    larger than the paper's init, so that every term matters, alignments are far from uniform and
+    greedy choices are not ties."""
+    module = module.double()
+    with torch.no_grad():
+        for p in list(module.parameters()) + list(module.buffers()):
+            p.normal_(0, std)
+    return module
+
+
 @pytest.mark.slow
 def test_an_absent_test_device_ends_the_run_with_one_line():
     env = {**os.environ, "TEST_DEVICE": "cuda:99"}  # no machine has a hundredth GPU
@@ -145,14 +187,9 @@ PAPER_MIXERS = ["sa", "she", "he", "we", "me", "he-ext"]
 
 
 def random_mixer(name, d=8, l=12, n=2, seed=0):
-    """A mixer on the CPU in float64 with every parameter and buffer (Fixed Random's R too) ~ N(0, 0.5²),
-    larger than the paper's init, so that every term matters and the alignments are far from uniform."""
+    """A mixer on the CPU, scrambled to N(0, 0.5²) in float64."""
     torch.manual_seed(seed)
-    m = MIXERS[name](Config(n_embd=d, block_size=l, n_head=n, mixer=name)).double()
-    with torch.no_grad():
-        for p in list(m.parameters()) + list(m.buffers()):
-            p.normal_(0, 0.5)
-    return m
+    return scrambled(MIXERS[name](Config(n_embd=d, block_size=l, n_head=n, mixer=name)), 0.5)
 
 
 @pytest.mark.parametrize("name", PAPER_MIXERS)
@@ -191,13 +228,24 @@ def fir_and_grads(fir, x, w, g):
     return cpu64(y, *torch.autograd.grad(y, (x, w), g))
 
 
-def test_fir_reading_copy_equals_literal_sum():
-    """extractor.causal_fir_reference, the few lines a reader checks against Eq. (23), is the sum."""
+def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
+    """extractor.causal_fir_reference, the few lines a reader checks against Eq. (23), tested as a filter
+    rather than against another copy of its sum: a unit impulse in channel c at position j gives the
+    taps back from j on (w_1 at j: Eq. 23's k = i - j + 1), nothing before j, and the output is linear
+    in the input, so these impulse responses are the whole map."""
     torch.manual_seed(5)
+    fir = lambda x, w: cpu64(extractor.causal_fir_reference(dev(x), dev(w)))[0]
     for shape in ((9,), (9, 4), (9, 4, 4)):
-        x, w = torch.randn(2, 9, 4, dtype=torch.float64), torch.randn(*shape, dtype=torch.float64)
-        (y,) = cpu64(extractor.causal_fir_reference(dev(x), dev(w)))
-        assert torch.allclose(y, literal_fir(x, w), atol=TOL, rtol=0)
+        w = torch.randn(*shape, dtype=torch.float64)
+        for j, c in itertools.product(range(9), range(4)):
+            x = torch.zeros(1, 9, 4, dtype=torch.float64)
+            x[0, j, c] = 1.0
+            want = torch.zeros(9, 4, dtype=torch.float64)
+            for k in range(9 - j):  # the impulse read through tap k + 1: row c of a matrix, else e_c scaled
+                want[j + k] = w[k][c] if w.dim() == 3 else w[k] * x[0, j]
+            assert torch.allclose(fir(x, w)[0], want, atol=TOL, rtol=0), (shape, j, c)
+        x1, x2 = torch.randn(2, 2, 9, 4, dtype=torch.float64)
+        assert torch.allclose(fir(2 * x1 - x2, w), 2 * fir(x1, w) - fir(x2, w), atol=TOL, rtol=0)
 
 
 def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch):
@@ -407,7 +455,7 @@ def test_whole_model_parameter_count_closed_form():
 
 
 def test_initialisation_follows_section6():
-    model = Transformer(Config(vocab_size=500, block_size=32, n_embd=64, n_hidden=128, n_layer=2, mixer="he"))
+    model = tiny_model("he", l=32, d=64, n_hidden=128, vocab=500)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             assert (p == 0).all(), name
@@ -418,10 +466,8 @@ def test_initialisation_follows_section6():
 
 
 def test_forward_loss_is_eq3():
-    torch.manual_seed(3)
-    model = Transformer(Config(vocab_size=30, block_size=8, n_embd=16, n_hidden=32, n_layer=2, mixer="we"))
+    model = tiny_model("we", l=8, vocab=30, seed=3)
     idx, targets = torch.randint(0, 30, (2, 8)), torch.randint(0, 30, (2, 8))
-    model.eval()
     logits, loss = model(idx, targets)
     p_hat = logits.softmax(-1)  # Eq. (21), (22)
     nll = -torch.log(p_hat.gather(-1, targets[..., None])).mean()  # Eq. (3)
@@ -429,23 +475,14 @@ def test_forward_loss_is_eq3():
 
 
 # ---- generation
-def tiny_model(name, l=16, seed=0):
-    """A 2-layer model on the test device, every parameter and buffer ~ N(0, 0.3²): distinct logits, so
-    that greedy choices are not ties."""
-    torch.manual_seed(seed)
-    cfg = Config(
-        vocab_size=50, block_size=l, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.0, mixer=name
-    )
-    model = Transformer(cfg).double().eval()
-    with torch.no_grad():
-        for p in list(model.parameters()) + list(model.buffers()):
-            p.normal_(0, 0.3)
-    return dev(model)
+def scrambled_model(name, l=16):
+    """tiny_model on the test device, scrambled to N(0, 0.3²): distinct logits."""
+    return dev(scrambled(tiny_model(name, l=l), 0.3))
 
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
 def test_cached_generation_equals_uncached(name):
-    model = tiny_model(name)
+    model = scrambled_model(name)
     idx = torch.randint(0, 50, (2, 5), device=DEVICE)
     cached = model.generate(idx, 11, temperature=0, use_cache=True)  # fills l = 16 exactly
     uncached = model.generate(idx, 11, temperature=0, use_cache=False)
@@ -462,7 +499,7 @@ def test_cached_generation_equals_uncached(name):
 def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
     """Eq. (2): every token beyond l is predicted from exactly the l tokens before it."""
     l = 16
-    model = tiny_model(name, l=l)
+    model = scrambled_model(name, l=l)
     prompt = torch.randint(0, 50, (2, 9), device=DEVICE)
     out = model.generate(prompt, 30, temperature=0)  # the default: cached, then sliding
     idx = prompt
@@ -505,1717 +542,9 @@ def test_bad_config_gives_clear_value_errors():
 
 
 def test_sequence_longer_than_block_size_is_refused():
-    model = tiny_model("me", l=8)
+    model = scrambled_model("me", l=8)
     with pytest.raises(ValueError, match="exceeds block_size l=8"):
         model(torch.zeros(1, 9, dtype=torch.long, device=DEVICE))
-
-
-# ======== data (prepare_data.py) ========
-
-# Fixture books are made-up text in real-shaped Project Gutenberg wrappers, served by a loopback
-# HTTP server on a free port; no network.
-_PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
-_PD_SYLLABLES = "ka lo mi ren tho va quil sa ne dor bri el fen u ya zo pe gra ish om tü ça wy har".split()
-
-
-def _pd_body(seed, n_sentences=220):
-    """Deterministic made-up prose: a title line, chapters, dialogue, a few non-ASCII letters."""
-    rng = random.Random(seed)
-    words = ["".join(rng.choice(_PD_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(200)]
-    title = " ".join(rng.choice(words) for _ in range(3)).upper()
-    lines, para = [f"THE TALE OF {title}", "", f"by {rng.choice(words).title()}", "", ""], []
-    for s in range(n_sentences):
-        if s % 60 == 0:
-            lines += ["", f"CHAPTER {s // 60 + 1}.", ""]
-        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
-        sentence = sentence[0].upper() + sentence[1:] + rng.choice([".", ".", "!", "?", ";", "--"])
-        if rng.random() < 0.2:
-            sentence = f"\u201c{sentence}\u201d said {rng.choice(words).title()}."
-        para.append(sentence)
-        if rng.random() < 0.15:
-            text = " ".join(para)
-            while len(text) > 70:  # wrap like a Gutenberg text
-                cut = text.rfind(" ", 0, 70)
-                lines.append(text[:cut])
-                text = text[cut + 1 :]
-            lines += [text, ""]
-            para = []
-    lines += [" ".join(para), "", "THE END"]
-    return "\n".join(lines) + "\n"
-
-
-_PD_LICENCE = """\
-Updated editions will replace the previous one--the old editions will be renamed.
-
-START: FULL LICENSE
-
-THE FULL PROJECT GUTENBERG LICENSE
-PLEASE READ THIS BEFORE YOU DISTRIBUTE OR USE THIS WORK
-
-Section 1. General Terms of Use and Redistributing Project Gutenberg-tm electronic works
-Project Gutenberg-tm is synonymous with the free distribution of electronic works.
-Most people start at our website which has the main PG search facility: www.gutenberg.org
-"""
-
-
-def _pd_wrap(kind, book_id, title, body):
-    """body inside a header and footer of the given historical shape; returns the raw bytes."""
-    up = title.upper()
-    if kind == "the":  # current shape
-        text = (
-            f"The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere "
-            f"in the United States and\nmost other parts of the world at no cost.\n\nTitle: {title}\n\n"
-            f"Release date: May 1, 2001 [eBook #{book_id}]\n\nLanguage: English\n\n"
-            f"*** START OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n{body}\n\n\n"
-            f"*** END OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n" + _PD_LICENCE
-        )
-        return text.encode("utf-8")
-    if kind == "this":  # 2000s shape: THIS, a producer credit, the "End of ..." line split over two
-        text = (
-            f"Project Gutenberg\u2019s {title}, by Somebody\n\nThis eBook is for the use of anyone anywhere"
-            f" at no cost and with\nalmost no restrictions whatsoever.\n\nTitle: {title}\n\n"
-            f"Posting Date: June 25, 2008 [EBook #{book_id}]\nCharacter set encoding: UTF-8\n\n"
-            f"*** START OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n\nProduced by Some Volunteers and"
-            " the Online Distributed\nProofreading Team at http://www.pgdp.net\n\n\n\n\n"
-            f"{body}\n\n\n\n\nEnd of the Project Gutenberg EBook of {title}, by\nSomebody Else\n\n"
-            f"*** END OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n***** This file should be named "
-            f"{book_id}.txt or {book_id}.zip *****\n\n" + _PD_LICENCE
-        )
-        return b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")  # BOM and CRLF
-    if kind == "split":  # markers split over lines
-        text = (
-            f"The Project Gutenberg EBook of {title}\n\nTitle: {title}\n\n"
-            f"***START OF THE PROJECT GUTENBERG EBOOK A RATHER LONG AND\nWINDING {up}***\n\n"
-            "Note: Project Gutenberg also has an HTML version of this\n      file which includes the "
-            "original illustrations.\n      (http://www.gutenberg.net/dirs/1/2/3/123-h.zip)\n\n\n"
-            f"{body}\n\n*** END OF THE PROJECT\nGUTENBERG EBOOK A RATHER LONG AND WINDING {up} ***\n\n"
-            + _PD_LICENCE
-        )
-        return text.encode("utf-8")
-    if kind == "small_print":  # 1990s shape: no START marker, licence ends "*END*THE SMALL PRINT!"
-        text = (
-            f"The Project Gutenberg Etext of {title}\n\nPlease take a look at the important information in"
-            " this header.\n\n**Welcome To The World of Free Plain Vanilla Electronic Texts**\n\n"
-            f"Release Date: January, 2002  [Etext #{book_id}]\n\n**The Legal Small Print**\n\n"
-            "***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n"
-            "Why is this \u201cSmall Print!\u201d statement here?  You know: lawyers.\n"
-            "ABOUT PROJECT GUTENBERG-TM ETEXTS\n"
-            "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n\n\n"
-            "This etext was prepared by A Scanner, typed and\nproofread by A Reader.\n\n\n\n"
-            f"{body}\n\n\nEnd of The Project Gutenberg Etext of {title}\nby Somebody\n\n"
-        )
-        return text.encode("cp1252")  # an old Windows file: not valid UTF-8
-    if kind == "none":  # no Project Gutenberg markers at all: kept whole
-        return body.encode("utf-8")
-    raise ValueError(kind)
-
-
-# (ebook id, title, wrapper shape); ids are made up
-_PD_BOOKS = [
-    (9001, "Mossy Dell", "the"),
-    (9002, "The Brass Kite", "this"),
-    (9003, "Oddly Far", "split"),
-    (9004, "Quince Hall", "small_print"),
-    (9005, "Plain Thing", "none"),
-    (9006, "Lark Rise", "the"),
-    (9007, "Tin Fern", "this"),
-]
-_PD_BODIES = {i: _pd_body(i) for i, _, _ in _PD_BOOKS}
-_PD_RAW = {i: _pd_wrap(kind, i, title, _PD_BODIES[i]) for i, title, kind in _PD_BOOKS}
-
-
-def _pd_books_tsv(path, books=_PD_BOOKS):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("rank\tid\ttitle\tauthor\n")
-        for rank, (i, title, _) in enumerate(books, 1):
-            f.write(f"{rank}\t{i}\t{title}\tSomebody\n")
-    return str(path)
-
-
-class _PdServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address):
-        pass  # clients that gave up (timeout fault) make writes fail; that is expected
-
-
-class _PdHandler(http.server.BaseHTTPRequestHandler):
-    """Serves server.files; server.faults[path] is a list of faults used up one per request: an HTTP
-    status such as '500', '429' or '404', 'html' (an HTML page), 'timeout' (answer after server.delay
-    s), 'truncate' (half the promised bytes)."""
-
-    def do_GET(self):
-        srv = self.server
-        with srv.lock:
-            srv.log.append((self.path, self.headers.get("User-Agent", "")))
-            faults = srv.faults.get(self.path)
-            fault = faults.pop(0) if faults else None
-        body = srv.files.get(self.path)
-        if fault == "html":
-            body = b"<!DOCTYPE html>\n<html><body>Please complete the check.</body></html>\n"
-        if fault == "timeout":
-            time.sleep(srv.delay)
-        status = int(fault) if fault and fault.isdigit() else 404 if body is None else 200
-        if status != 200:
-            self.send_error(status)
-        else:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body[: len(body) // 2] if fault == "truncate" else body)
-            self.close_connection = True
-
-    def log_message(self, *args):
-        pass
-
-
-@contextlib.contextmanager
-def _pd_serve(raws, all_paths=True):
-    """A loopback server with every book at gutenberg.org's three paths (or only the first); raws:
-    {ebook id: bytes}. A user's proxy must not see loopback requests: no_proxy is set meanwhile."""
-    srv = _PdServer(("127.0.0.1", 0), _PdHandler)
-    srv.lock, srv.log, srv.faults, srv.delay = threading.Lock(), [], {}, 1.0
-    patterns = prepare_data.URL_PATTERNS if all_paths else prepare_data.URL_PATTERNS[:1]
-    srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in patterns}
-    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("no_proxy", "127.0.0.1,localhost")
-            yield srv
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
-def _pd_run(data_dir, *extra, books_tsv, mirror=None, timeout=0.5):
-    """prepare_data.main with fast network settings (a 0.5 s timeout, 2 retries after 0.01 s and
-    0.02 s, no pause); returns its exit status."""
-    argv = ["--data_dir", str(data_dir), "--books", books_tsv, *f"--vocab_size {_PD_VOCAB} --pause 0".split()]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(prepare_data, "TIMEOUT", timeout)
-        mp.setattr(prepare_data, "RETRIES", 2)
-        mp.setattr(prepare_data, "BACKOFF", 0.01)
-        return prepare_data.main(argv + (["--mirror", mirror] if mirror else []) + list(extra))
-
-
-def _pd_source(folder, raws=_PD_RAW, name="{}.txt"):
-    """Write raws ({ebook id: bytes}) into folder, a --source DIR, as name.format(id); returns folder."""
-    for i, raw in raws.items():
-        path = folder / name.format(i)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(raw)
-    return folder
-
-
-def _pd_outputs(data_dir):
-    names = ["train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"]
-    return {n: open(os.path.join(data_dir, n), "rb").read() for n in names}
-
-
-def _pd_leftovers(root):
-    """Temp files anywhere under root (a half-written file would show up as one)."""
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
-
-
-@pytest.fixture(autouse=True)
-def _pd_no_proxy(monkeypatch):
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")  # a user's proxy must not see loopback
-
-
-@pytest.fixture(scope="module")
-def pd_clean(tmp_path_factory):
-    """One run against a clean server: (data_dir, books.tsv, server url)."""
-    root = tmp_path_factory.mktemp("pd_clean")
-    tsv = _pd_books_tsv(root / "books.tsv")
-    with _pd_serve(_PD_RAW) as srv:
-        assert _pd_run(root / "data", books_tsv=tsv, mirror=srv.url) == 0
-        url = srv.url
-    return root / "data", tsv, url
-
-
-def test_pd_strip_keeps_body_and_drops_licence():
-    for book_id, title, kind in _PD_BOOKS:
-        body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(_PD_RAW[book_id]))
-        assert body == _PD_BODIES[book_id], (book_id, kind)
-        assert (warning is not None) == (kind == "none"), (book_id, kind)
-        raw_lines = prepare_data.decode_book(_PD_RAW[book_id]).replace("\r\n", "\n").split("\n")
-        body_lines = set(_PD_BODIES[book_id].split("\n"))
-        wrapper = [ln for ln in raw_lines if ln.strip() and ln not in body_lines]
-        assert kind == "none" or len(wrapper) > 5  # the fixture really has a header and licence
-        kept = [ln for ln in wrapper if ln in body.split("\n")]
-        assert kept == [], (book_id, kind, kept)
-        assert "gutenberg" not in body.lower() and "small print" not in body.lower()
-
-
-def test_pd_decode_utf8_bom_and_cp1252():
-    assert (
-        prepare_data.decode_book("\ufeffcaf\u00e9 \u201cx\u201d".encode("utf-8")) == "caf\u00e9 \u201cx\u201d"
-    )
-    assert prepare_data.decode_book("caf\u00e9 \u201cx\u201d".encode("cp1252")) == "caf\u00e9 \u201cx\u201d"
-
-
-def test_pd_clean_run_outputs(pd_clean):
-    data_dir, _, url = pd_clean
-    meta = json.load(open(data_dir / "meta.json"))
-    ids = [i for i, _, _ in _PD_BOOKS]
-    assert meta["vocab_size"] == _PD_VOCAB and meta["source"] == url
-    assert sorted(meta["train_books"] + meta["val_books"]) == sorted(ids)
-    assert set(meta["train_books"]).isdisjoint(meta["val_books"]) and meta["val_books"]
-    enc = prepare_data.load_tokenizer(data_dir)
-    assert enc.n_vocab == _PD_VOCAB and enc.eot_token == _PD_VOCAB - 1
-    assert enc.decode([enc.eot_token]) == "<|endoftext|>"
-    for split in ("train", "val"):
-        tokens = np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        assert len(tokens) == meta[f"{split}_tokens"]
-        books = [i for i in ids if i in meta[f"{split}_books"]]  # in list order
-        expected = "".join(_PD_BODIES[i] + "<|endoftext|>" for i in books)
-        assert enc.decode(tokens.tolist()) == expected
-        assert int(tokens.max()) == enc.eot_token and (tokens == enc.eot_token).sum() == len(books)
-    lines = open(data_dir / "tokenizer.tiktoken", "rb").read().splitlines()
-    assert len(lines) == _PD_VOCAB - 1 and len({ln.split()[0] for ln in lines}) == _PD_VOCAB - 1
-    assert (
-        hashlib.sha256(open(data_dir / "tokenizer.tiktoken", "rb").read()).hexdigest()
-        == meta["tokenizer_sha256"]
-    )
-    assert sorted(os.listdir(data_dir / "raw")) == sorted(f"{i}.txt" for i in ids)
-    umask = os.umask(0o022)
-    os.umask(umask)
-    for name in ["train.bin", "meta.json", "raw/9001.txt"]:  # written via temp files, normal modes
-        assert os.stat(data_dir / name).st_mode & 0o777 == 0o666 & ~umask
-    for i in ids:
-        assert open(data_dir / "raw" / f"{i}.txt", "rb").read() == _PD_RAW[i]
-
-
-def _pd_record_sleeps(monkeypatch):
-    """Record the main thread's time.sleep calls (the server's threads sleep for real)."""
-    calls, real_sleep = [], time.sleep
-
-    def sleep(s):
-        if threading.current_thread() is threading.main_thread():
-            calls.append(s)
-        real_sleep(s)
-
-    monkeypatch.setattr(time, "sleep", sleep)
-    return calls
-
-
-def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, monkeypatch):
-    clean_dir, tsv, _ = pd_clean
-    sleeps = _pd_record_sleeps(monkeypatch)
-    with _pd_serve(_PD_RAW) as srv:
-        first, second = prepare_data.URL_PATTERNS[:2]
-        srv.faults = {
-            first.format(id=9001): ["500", "500"],
-            first.format(id=9002): ["timeout"],
-            first.format(id=9003): ["404"],
-            first.format(id=9004): ["truncate"],
-            first.format(id=9005): ["html"],
-            first.format(id=9007): ["429"],
-        }
-        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
-        paths = collections.Counter(p for p, _ in srv.log)
-        agents = {a for _, a in srv.log}
-    assert all(not f for f in srv.faults.values())  # every fault was served
-    assert paths[first.format(id=9001)] == 3 and paths[first.format(id=9002)] == 2
-    assert paths[first.format(id=9003)] == 1 and paths[second.format(id=9003)] == 1
-    assert paths[first.format(id=9004)] == 2 and paths[first.format(id=9006)] == 1
-    assert paths[first.format(id=9005)] == 1 and paths[second.format(id=9005)] == 1  # HTML is no book
-    assert paths[first.format(id=9007)] == 2  # 429 Too Many Requests: wait, then the same URL
-    assert agents == {prepare_data.USER_AGENT}
-    # backoff 0.01 s doubling: 9001 waits twice, 9002, 9004 and 9007 once; --pause 0 between books
-    assert sorted(s for s in sleeps if s) == [0.01, 0.01, 0.01, 0.01, 0.02]
-    got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
-    meta_got, meta_want = json.loads(got.pop("meta.json")), json.loads(want.pop("meta.json"))
-    assert got == want  # train.bin, val.bin, tokenizer: byte for byte
-    meta_got.pop("source"), meta_want.pop("source")  # the two servers have different ports
-    assert meta_got == meta_want
-    assert _pd_leftovers(tmp_path) == []
-
-
-def test_pd_second_run_uses_cache_and_is_identical(pd_clean, tmp_path, monkeypatch):
-    _, tsv, _ = pd_clean
-    sleeps = _pd_record_sleeps(monkeypatch)
-    with _pd_serve(_PD_RAW) as srv:
-        assert _pd_run(tmp_path / "data", "--pause", "0.05", books_tsv=tsv, mirror=srv.url) == 0
-        assert sleeps == [0.05] * (len(_PD_BOOKS) - 1)  # a pause between downloads
-        first = _pd_outputs(tmp_path / "data")
-        n_requests = len(srv.log)
-        assert _pd_run(tmp_path / "data", "--pause", "0.05", books_tsv=tsv, mirror=srv.url) == 0
-        assert len(srv.log) == n_requests == len(_PD_BOOKS)  # nothing fetched twice
-        assert len(sleeps) == len(_PD_BOOKS) - 1  # and no pauses for cached books
-    assert _pd_outputs(tmp_path / "data") == first
-
-
-def test_pd_source_dir_gives_the_same_result(pd_clean, tmp_path):
-    clean_dir, tsv, _ = pd_clean
-    src = tmp_path / "src"
-    for k, name in enumerate(["{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt"]):  # every naming style
-        _pd_source(src, {i: raw for i, raw in _PD_RAW.items() if i % 3 == k}, name)
-    assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
-    got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
-    for name in ("train.bin", "val.bin", "tokenizer.tiktoken"):
-        assert got[name] == want[name]
-
-
-def _pd_error(capsys, fn, *args, **kw):
-    """Run fn, which must stop with exit status 1 and no traceback; return what it printed on stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        fn(*args, **kw)
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
-
-
-def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t0 = time.time()
-    msg = _pd_error(
-        capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=f"http://127.0.0.1:{port}", timeout=30
-    )
-    # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
-    assert time.time() - t0 < 10
-    assert "could not download" in msg and "ebook 9001" in msg and "--mirror" in msg and "--source" in msg
-    assert "not tried" in msg and "Traceback" not in msg
-    first_book = [ln for ln in msg.split("\n") if "ebook 9001" in ln][0]
-    assert first_book.count("http://") == 1  # an unreachable host: its other paths are not tried
-    assert os.listdir(tmp_path / "data" / "raw") == [] and not os.path.exists(tmp_path / "data" / "train.bin")
-    assert _pd_leftovers(tmp_path) == []
-
-
-def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    raws = {i: r for i, r in _PD_RAW.items() if i != 9003}
-    with _pd_serve(raws) as srv:
-        err = _pd_error(capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=srv.url)
-        failed = [ln for ln in err.split("\n") if ln.startswith("  ebook")]
-        assert len(failed) == 1 and "ebook 9003" in failed[0] and "HTTP 404" in failed[0]
-        assert sorted(os.listdir(tmp_path / "data" / "raw")) == sorted(f"{i}.txt" for i in raws)
-        assert not os.path.exists(tmp_path / "data" / "train.bin")
-        srv.files.update({p.format(id=9003): _PD_RAW[9003] for p in prepare_data.URL_PATTERNS})
-        n_requests = len(srv.log)
-        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
-        assert [p for p, _ in srv.log[n_requests:]] == [prepare_data.URL_PATTERNS[0].format(id=9003)]
-
-
-def test_pd_tokenizer_round_trips_arbitrary_unicode(pd_clean):
-    enc = prepare_data.load_tokenizer(pd_clean[0])
-    rng = random.Random(0)
-    ranges = [
-        (0x20, 0x7E),
-        (0xA0, 0x24F),
-        (0x300, 0x36F),
-        (0x590, 0x6FF),
-        (0x4E00, 0x9FFF),
-        (0xAC00, 0xD7A3),
-        (0x1F300, 0x1FAFF),
-        (0x10000, 0x10FFFF),
-    ]
-    samples = [
-        "",
-        " ",
-        "\n\n\t \r\n",
-        "e\u0301\u0302 a\u0308",
-        "\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f44d\U0001f3fd",
-        "\u4f60\u597d\uff0c\u4e16\u754c\u3002",
-        "\u00a0\u3000x",
-        "<|endoftext|>",
-        "don't 123 4567 ...!!",
-    ]
-    for _ in range(200):
-        lo, hi = rng.choice(ranges)
-        chars = [
-            chr(c)
-            for c in (rng.randint(lo, hi) for _ in range(rng.randint(1, 40)))
-            if not 0xD800 <= c <= 0xDFFF
-        ]
-        samples.append("".join(chars))
-        samples.append(bytes(rng.randrange(256) for _ in range(60)).decode("utf-8", errors="replace"))
-    samples.append(_PD_BODIES[9001])
-    for s in samples:
-        ids = enc.encode_ordinary(s)
-        assert enc.decode(ids) == s
-        assert all(0 <= t < enc.eot_token for t in ids)  # text never turns into <|endoftext|>
-
-
-def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    src = _pd_source(tmp_path / "src")
-    data = tmp_path / "data"
-    for vocab in (_PD_VOCAB, 300):  # the same path, a new file: no cached ranks may survive
-        assert _pd_run(data, "--source", str(src), "--vocab_size", str(vocab), books_tsv=tsv) == 0
-        enc = prepare_data.load_tokenizer(data)
-        assert enc.n_vocab == vocab and enc.eot_token == vocab - 1
-        assert enc.decode(enc.encode_ordinary(_PD_BODIES[9002])) == _PD_BODIES[9002]
-    tok = data / "tokenizer.tiktoken"
-    tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
-    assert "meta.json" in _pd_error(capsys, prepare_data.load_tokenizer, data)
-    os.remove(data / "meta.json")
-    assert "damaged" in _pd_error(capsys, prepare_data.load_tokenizer, data)
-    assert "run `python prepare_data.py" in _pd_error(
-        capsys, prepare_data.load_tokenizer, tmp_path / "nowhere"
-    )
-
-
-def _pd_naive_bpe(word_counts, n_tokens):
-    """Reference trainer: recount every pair before every merge."""
-    vocab = [bytes([b]) for b in range(256)]
-    ids = {t: i for i, t in enumerate(vocab)}
-    words = collections.Counter({tuple(w.encode("utf-8")): c for w, c in word_counts.items()})
-    while len(vocab) < n_tokens:
-        pairs = collections.Counter()
-        for w, c in words.items():
-            for p in zip(w, w[1:]):
-                pairs[p] += c
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merged = vocab[best[0]] + vocab[best[1]]
-        if merged not in ids:
-            ids[merged] = len(vocab)
-            vocab.append(merged)
-        new, merged_words = ids[merged], collections.Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if w[i : i + 2] == best:
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged_words[tuple(out)] += c
-        words = merged_words
-    return vocab
-
-
-def test_pd_bpe_worked_example_of_the_docstring():
-    vocab = prepare_data.train_bpe(collections.Counter({"aaab": 2, "ab": 1}), 259, log_every=0)
-    assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
-
-
-def test_pd_incremental_bpe_matches_full_recount():
-    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
-        rng = random.Random(seed)
-        words = collections.Counter(
-            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(400)
-        )
-        vocab = prepare_data.train_bpe(words, 256 + 60, log_every=0)
-        assert vocab == _pd_naive_bpe(words, 256 + 60)
-        assert len(set(vocab)) == len(vocab) == 256 + 60
-    words = prepare_data.count_words([_PD_BODIES[9001]])
-    assert prepare_data.train_bpe(words, 256 + 80, log_every=0) == _pd_naive_bpe(words, 256 + 80)
-
-
-def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
-    rng = random.Random(1)
-    ids = rng.sample(range(1, 60000), 100)
-    texts = ["x" * rng.randint(20_000, 600_000) for _ in ids]
-    train, val = prepare_data.split_books(ids, texts, 0.05)
-    assert sorted(train + val) == list(range(100)) and not set(train) & set(val)
-    share = sum(len(texts[i]) for i in val) / sum(map(len, texts))
-    assert 0.05 <= share < 0.05 + max(map(len, texts)) / sum(map(len, texts))
-    # the split depends on the books, not on their order in the list
-    order = list(range(100))
-    rng.shuffle(order)
-    train2, val2 = prepare_data.split_books([ids[i] for i in order], [texts[i] for i in order], 0.05)
-    assert sorted(ids[order[i]] for i in val2) == sorted(ids[i] for i in val)
-
-
-def test_pd_default_book_list_is_the_100_ranked_books_in_the_repository():
-    path = prepare_data.parse_args([]).books
-    assert os.path.dirname(path) == os.path.dirname(os.path.abspath(prepare_data.__file__))
-    books = prepare_data.read_books_tsv(path)
-    ranks = [line.split("\t")[0] for line in open(path, encoding="utf-8").read().splitlines()[1:]]
-    assert len(books) == 100 and ranks == [str(r) for r in range(1, 101)]
-    assert all(title and author for _, title, author in books)
-    assert books[0] == (11, "Alice's Adventures in Wonderland", "Lewis Carroll")
-    # the six validation books the docstring names are on the list
-    assert {55, 146, 51, 2726, 2557, 1154} <= {i for i, _, _ in books}
-
-
-def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    bad = tmp_path / "bad.tsv"
-    bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\televen\tOops\tX\n")
-    cases = [
-        (["--books", str(bad)], "line 3"),
-        (["--books", tsv, "--mirror", "http://127.0.0.1:9", "--data_dir", str(bad)], "check --data_dir"),
-        (["--books", tsv, "--vocab_size", "70000"], "uint16"),
-        (["--books", tsv, "--vocab_size", "many"], "invalid int value"),
-        (["--books", tsv, "--pause", "-1"], "--pause"),
-        (["--books", tsv, "--source", str(tmp_path / "nowhere")], "not a folder"),
-        (["--books", tsv, "--mirror", "ftp://example"], "http"),
-        (["--books", tsv, "--source", str(tmp_path)], "not found in --source"),
-    ]
-    utf16 = tmp_path / "books-utf16.tsv"  # a spreadsheet's "Unicode text": read as it is
-    utf16.write_bytes(
-        open(tsv, encoding="utf-8").read().replace("The Brass Kite", "Brass Kite \u00e9").encode("utf-16")
-    )
-    titles = [t for _, t, _ in prepare_data.read_books_tsv(tsv)]
-    titles[1] = "Brass Kite \u00e9"
-    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == titles
-    latin1 = tmp_path / "books-latin1.tsv"
-    latin1.write_bytes("rank\tid\ttitle\n1\t11\tCaf\u00e9\n2\t12\tNa\u00efve\n".encode("latin-1"))
-    cases.append((["--books", str(latin1)], "save it as UTF-8"))
-    for argv, words in cases:  # a --data_dir in argv wins over the first
-        msg = _pd_error(capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data"), *argv])
-        assert len(msg.strip().splitlines()) == 1 and words in msg, (argv, msg)
-    assert not os.path.exists(tmp_path / "data" / "train.bin")
-
-
-def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
-    """On an ASCII terminal (PYTHONIOENCODING=ascii) a title such as "The N\u00fcrnberg Stove" prints
-    as "The N?rnberg Stove" instead of ending the run with UnicodeEncodeError."""
-    tsv = _pd_books_tsv(tmp_path / "books.tsv", [(9001, "The N\u00fcrnberg Stove", "the"), *_PD_BOOKS[1:]])
-    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
-    monkeypatch.setattr(sys, "stdout", out)
-    monkeypatch.setattr(sys, "stderr", err)
-    with _pd_serve(_PD_RAW) as srv:
-        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
-    out.flush()
-    assert "ebook 9001" in out.buffer.getvalue().decode("ascii")
-    assert "The N?rnberg Stove" in out.buffer.getvalue().decode("ascii")
-
-
-def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    short = _pd_wrap("the", 9006, "Lark Rise", "A short error page.\n")
-    src = _pd_source(tmp_path / "src", {**_PD_RAW, 9006: short})
-    err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
-    assert "ebook 9006" in err and "characters" in err and str(src / "9006.txt") in err
-    (src / "9006.txt").write_bytes(b"")  # an empty file: the advice names it, not raw/9006.txt
-    err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
-    assert "only 0 characters" in err and str(src / "9006.txt") in err and "raw" not in err
-    (src / "9006.txt").write_bytes(bytes(range(256)) * 40)  # a binary file is refused, not decoded
-    before = {p: p.read_bytes() for p in src.iterdir()}
-    err = _pd_error(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
-    assert "not a text file" in err and str(src / "9006.txt") in err and len(err.strip().splitlines()) == 1
-    assert {p: p.read_bytes() for p in src.iterdir()} == before
-    assert not os.path.exists(tmp_path / "data" / "train.bin")
-
-
-def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    argv = ["--source", str(_pd_source(tmp_path / "src")), *"--vocab_size 60000".split()]
-    err = _pd_error(capsys, _pd_run, tmp_path / "data", *argv, books_tsv=tsv)
-    assert "smaller --vocab_size" in err
-
-
-# ======== training (train.py): data order, resume, the run folder, logging, bad inputs, DDP ========
-
-_TR_TINY = "--n_layer 2 --n_embd 32 --n_hidden 64 --block_size 16 --batch_size 8 --n_head 4".split()
-_TR_TINY += f"--eval_batches 2 --log_interval 5 --device {DEVICE}".split()
-
-
-def _tr_make_data(path, vocab=64, n_words=5000, seed=0):
-    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json), from made-up 'words':
-    fixed random token strings, so that there is something to learn."""
-    rng = np.random.default_rng(seed)
-    words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
-    ids = np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(np.uint16)
-    os.makedirs(path, exist_ok=True)
-    cut = int(0.9 * len(ids))
-    ids[:cut].tofile(os.path.join(path, "train.bin"))
-    ids[cut:].tofile(os.path.join(path, "val.bin"))
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"vocab_size": vocab}, f)
-    return str(path)
-
-
-def _tr_log(run_dir):
-    with open(os.path.join(run_dir, "log.csv"), newline="") as f:
-        return list(csv.DictReader(f))
-
-
-@pytest.fixture(scope="module")
-def tr_data(tmp_path_factory):
-    return _tr_make_data(tmp_path_factory.mktemp("trdata") / "data")
-
-
-def _tr_add_checksums(path):
-    """meta.json as prepare_data.py writes it: token counts and sha256 of the token files."""
-    meta = json.load(open(os.path.join(path, "meta.json")))
-    for split in ("train", "val"):
-        raw = open(os.path.join(path, f"{split}.bin"), "rb").read()
-        meta[f"{split}_tokens"], meta[f"{split}_sha256"] = len(raw) // 2, hashlib.sha256(raw).hexdigest()
-    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
-    return str(path)
-
-
-def _tr_files(folder):
-    """Every file in a folder with its bytes, to show that a refused command changed nothing."""
-    if not os.path.isdir(folder):
-        return None
-    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
-
-
-def _tr_one_error_line(rc, err, needle):
-    assert rc == 1 and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
-
-
-def _tr_train_loss_column(run_dir):
-    rows = _tr_log(run_dir)
-    assert [int(r["iter"]) for r in rows] == list(range(1, len(rows) + 1))  # no gaps, no duplicates
-    return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
-
-
-def test_train_batch_order_is_a_seeded_permutation_per_epoch():
-    n, b = 50, 8
-    per_epoch = n // b
-    epoch0 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch)])
-    epoch1 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
-    assert len(set(epoch0.tolist())) == per_epoch * b  # no start repeats within an epoch
-    assert 0 <= epoch0.min() and epoch0.max() < n
-    assert not torch.equal(epoch0, epoch1)  # a new permutation for the next epoch
-    assert torch.equal(train.batch_starts(2, n, b, 3), train.batch_starts(2, n, b, 3))
-    assert not torch.equal(train.batch_starts(0, n, b, 3), train.batch_starts(0, n, b, 4))
-
-
-def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
-    seen = {}
-    real_get_batch = train.get_batch
-
-    def recording(run):
-        def get_batch(data, starts, block_size, device):
-            x, y = real_get_batch(data, starts, block_size, device)
-            seen.setdefault(run, []).append((x.clone(), y.clone()))
-            return x, y
-
-        return get_batch
-
-    runs = {
-        "sa": ["--mixer", "sa", "--seed", "1", "--dropout", "0.1"],
-        "me": ["--mixer", "me", "--seed", "2", "--dropout", "0.0"],
-        "other_data_seed": ["--mixer", "me", "--data_seed", "99"],
-    }
-    for run, flags in runs.items():
-        monkeypatch.setattr(train, "get_batch", recording(run))
-        rc = train.main(_TR_TINY + flags + f"--data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
-                        + ["--out_dir", str(tmp_path / run)])  # fmt: skip
-        assert rc == 0
-    assert len(seen["sa"]) == len(seen["me"]) > 6  # 6 training batches plus the validation batches
-    for (xa, ya), (xm, ym) in zip(seen["sa"], seen["me"]):
-        assert torch.equal(xa, xm) and torch.equal(ya, ym)
-        assert torch.equal(xa[:, 1:], ya[:, :-1])  # y is x shifted by one token
-    assert not torch.equal(seen["sa"][0][0], seen["other_data_seed"][0][0])
-    # the validation windows are the same at every evaluation (batches 4-5 and 8-9 of the calls)
-    assert torch.equal(seen["sa"][3][0], seen["sa"][8][0])
-
-
-def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
-    flags = (
-        _TR_TINY
-        + f"--mixer sa --dropout 0.1 --data_dir {tr_data} --eval_interval 4 --ckpt_interval 3".split()
-    )
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
-    assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
-    with open(os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
-        f.write("7,1.0,,0.001,1.0,1.0\n8,2.")
-    # resumed with only --out_dir and --max_iters: every other setting comes from the checkpoint
-    assert train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
-    loss_full, val_full = _tr_train_loss_column(full)
-    loss_part, val_part = _tr_train_loss_column(part)
-    assert len(loss_full) == 14 and loss_part == loss_full  # the same strings: the same floats, to the bit
-    assert val_part["4"] == val_full["4"] and val_part["12"] == val_full["12"]
-    ckpt = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
-    assert ckpt["iter"] == 14 and ckpt["config"]["mixer"] == "sa" and ckpt["args"]["data_seed"] == 1337
-
-
-def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
-    flags = (
-        _TR_TINY
-        + f"--mixer me --dropout 0.1 --data_dir {tr_data} --eval_interval 100 --ckpt_interval 100".split()
-    )
-    flags += ["--max_iters", "10"]
-    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    assert train.main(flags + ["--out_dir", full]) == 0
-    real_get_batch, calls = train.get_batch, []
-
-    def interrupting(data, starts, block_size, device):
-        calls.append(1)
-        if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_get_batch(data, starts, block_size, device)
-
-    monkeypatch.setattr(train, "get_batch", interrupting)
-    assert train.main(flags + ["--out_dir", cut]) == 130
-    assert torch.load(os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
-    monkeypatch.setattr(train, "get_batch", real_get_batch)
-    assert train.main(flags + ["--out_dir", cut, "--resume"]) == 0
-    assert _tr_train_loss_column(cut)[0] == _tr_train_loss_column(full)[0]
-
-
-def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
-    runs = []
-    for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
-        run = str(tmp_path / f"{m} {layers}")  # a space in the path: the printed hint quotes it
-        flags = (
-            f"--mixer {m} --n_layer {layers} --data_dir {tr_data} --max_iters 12 --eval_interval 6".split()
-        )
-        assert train.main(_TR_TINY + flags + ["--out_dir", run]) == 0
-        runs.append(run)
-    out = capsys.readouterr().out
-    assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
-    hint = next(line for line in out.splitlines() if line.startswith("sample from it: "))
-    assert shlex.split(hint.split(": ", 1)[1]) == ["python", "sample.py", "--out_dir", runs[0]]
-    rows = _tr_log(runs[0])
-    assert list(rows[0]) == ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
-    assert len(rows) == 12 and [r["val_loss"] != "" for r in rows].count(True) == 2
-    assert all(float(r["lr"]) == 1e-3 and float(r["tokens_per_s"]) > 0 for r in rows)
-    ckpt = torch.load(os.path.join(runs[0], "ckpt.pt"), weights_only=True)
-    assert {"model", "optimizer", "config", "args", "iter", "rng", "scaler"} <= set(ckpt)
-    for path in [os.path.join(r, "loss.png") for r in runs]:
-        with open(path, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    outs = {k: str(tmp_path / f"{k}.png") for k in ("medians", "raw", "sweep")}
-    assert plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
-    assert plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
-    assert plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
-    for path in outs.values():
-        with open(path, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    table = capsys.readouterr().out
-    assert all(os.path.basename(r) in table for r in runs)
-    # the printed median is the median of the last 1000 (here all 12) logged costs
-    assert f"{np.median([float(r['train_loss']) for r in rows]):.4f}" in table
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        "unknown mixer",
-        "missing data",
-        "n_head",
-        "negative",
-        "other config",
-        "existing run",
-        "token beyond vocab",
-        "resume nothing",
-        "bad batch",
-        "eval beyond val",
-    ],
-)
-def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
-    out_dir = str(tmp_path / "run")
-    base = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out_dir, "--max_iters", "2"]
-    if case in ("other config", "existing run"):
-        assert train.main(base) == 0
-        capsys.readouterr()
-    if case == "token beyond vocab":
-        bad = _tr_make_data(tmp_path / "bad", vocab=64)
-        with open(os.path.join(bad, "meta.json"), "w") as f:
-            json.dump({"vocab_size": 32}, f)
-        base = base + ["--data_dir", bad]
-    argv = (
-        base
-        + {
-            "unknown mixer": ["--mixer", "nope"],
-            "missing data": ["--data_dir", str(tmp_path / "none")],
-            "n_head": ["--n_embd", "30", "--n_head", "4", "--mixer", "sa"],
-            "negative": ["--n_layer", "-2"],
-            "other config": ["--resume", "--n_layer", "3"],
-            "existing run": [],
-            "token beyond vocab": [],
-            "resume nothing": ["--resume"],
-            "bad batch": ["--batch_size", "0"],
-            "eval beyond val": ["--eval_batches", "1000000000"],
-        }[case]
-    )
-    before = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
-    rc = train.main(argv)
-    err = capsys.readouterr().err
-    assert rc != 0
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
-    key = {
-        "unknown mixer": "nope",
-        "missing data": "prepare_data",
-        "n_head": "n_head",
-        "negative": "n_layer",
-        "other config": "n_layer",
-        "existing run": "--resume",
-        "token beyond vocab": "vocab_size",
-        "resume nothing": "no checkpoint",
-        "bad batch": "batch_size",
-        "eval beyond val": "--eval_batches",
-    }[case]
-    assert key in err
-    after = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
-    assert after == before  # nothing written, nothing half-written
-
-
-@pytest.mark.slow
-def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
-    argv = f"train.py --mixer sa --n_embd 30 --n_head 4 --data_dir {tmp_path / 'missing'}".split()
-    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-
-
-def test_train_help_gives_every_setting_its_symbol(capsys):
-    assert train.main(["--help"]) == 0
-    text = capsys.readouterr().out
-    import dataclasses
-
-    for f in dataclasses.fields(train.Config):
-        if f.name != "vocab_size":
-            assert f"--{f.name}" in text, f.name
-    for name, symbol in common.SYMBOLS.items():  # the flag's own help starts with its symbol
-        assert re.search(rf"--{name} \S+\s+{re.escape(symbol)}: ", text), (name, symbol)
-    assert common.SYMBOLS["n_layer"] == "m" and common.SYMBOLS["block_size"] == "l"  # Table 1's letters
-
-
-@pytest.mark.slow
-def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
-    """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
-    whole global batch, as in one process."""
-    flags = _TR_TINY + f"--mixer sa --dropout 0 --data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
-    flags += "--ckpt_interval 3 --device cpu".split()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-        + flags
-        + ["--out_dir", str(tmp_path / "ddp")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("iter 6/6") == 1 and r.stdout.count("parameters:") == 1  # rank 0 only
-    assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
-    ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
-    assert len(ddp) == len(one) == 6
-    for a, b in zip(ddp, one):
-        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-5
-        assert (a["val_loss"] == "") == (b["val_loss"] == "")
-        if a["val_loss"]:
-            assert abs(float(a["val_loss"]) - float(b["val_loss"])) < 1e-5
-    ckpt = torch.load(str(tmp_path / "ddp" / "ckpt.pt"), weights_only=True)
-    assert len(ckpt["rng"]) == 2  # each rank's dropout stream, for resuming
-
-
-def test_train_default_run_folders_differ_for_different_settings():
-    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
-    assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
-    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
-        "--mixer=sa", "--n_head=1"
-    ).endswith("sa-1")
-    quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
-    assert quick == os.path.join(
-        "out", "me-m2-l64-b32"
-    )  # max_iters does not name the run: extend with --resume
-    assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
-
-
-def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
-    assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
-    os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
-    open(os.path.join(out, "log.csv"), "w").write(
-        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
-    )
-    open(os.path.join(out, "run.json"), "w").write("{}")
-    assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
-    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
-    assert "iter 10/12" in capsys.readouterr().out  # the first console line comes at batch 10
-
-
-def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
-    assert train.main(flags) == 0
-    capsys.readouterr()
-    before = _tr_files(out)
-    held = train.lock_run_dir(out)  # as if another train.py were running there
-    for argv in (flags + ["--overwrite"], flags[:-1] + ["8", "--resume"]):
-        rc = train.main(argv)
-        _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
-        assert _tr_files(out) == before
-    held.close()  # the other process ends: its lock goes with it
-    assert train.main(flags[:-1] + ["8", "--resume"]) == 0
-
-
-def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys):
-    data = _tr_add_checksums(_tr_make_data(tmp_path / "a", seed=0))
-    other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
-    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"]
-    assert saved == os.path.abspath(data)
-    capsys.readouterr()
-    before = _tr_files(out)
-    resume = f"--out_dir {out} --max_iters 8 --resume --data_dir {other}".split()
-    _tr_one_error_line(train.main(resume), capsys.readouterr().err, "other data (train, val differ)")
-    assert _tr_files(out) == before
-    assert train.main(resume + ["--allow_other_data"]) == 0
-    # a checkpoint without the data's checksums is not one of this train.py's
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    del ckpt["data"]
-    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
-    rc = train.main(f"--out_dir {out} --max_iters 10 --resume".split())
-    _tr_one_error_line(rc, capsys.readouterr().err, "not from this train.py")
-
-
-def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, capsys):
-    for case in ("odd size", "changed"):
-        data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
-        raw = open(os.path.join(data, "train.bin"), "rb").read()
-        open(os.path.join(data, "train.bin"), "wb").write(
-            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
-        )
-        out = str(tmp_path / "run")
-        rc = train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"])
-        _tr_one_error_line(
-            rc, capsys.readouterr().err, "odd number of bytes" if case == "odd size" else "sha256"
-        )
-        assert not os.path.exists(out)
-
-
-def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
-    tr_data, tmp_path, capsys, monkeypatch
-):
-    out = str(tmp_path / "run")
-    _tr_one_error_line(
-        train.main(_TR_TINY + ["--data_dir", tr_data, "--lr", "inf"]), capsys.readouterr().err, "--lr"
-    )
-    real, calls = train.train_step, []
-
-    def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
-        calls.append(1)
-        return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
-
-    monkeypatch.setattr(train, "train_step", diverging)
-    rc = train.main(
-        _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
-    )
-    _tr_one_error_line(rc, capsys.readouterr().err, "became nan at batch 15; ckpt.pt keeps batch 10")
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
-
-
-def _tr_signal_run(tmp_path, data, sig):
-    """train.py in a subprocess whose output goes to a pipe (as under nohup), stopped by `sig` once its
-    first console line, at batch 10, has come through."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
-    out = str(tmp_path / f"run-{sig}")
-    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
-    p = subprocess.Popen(
-        [sys.executable, "train.py"] + argv,
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 120
-    while "iter 10/" not in p.stdout.readline():
-        assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
-    p.send_signal(sig)
-    rest, err = p.communicate(timeout=120)
-    return p.returncode, rest, err, out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_train_kill_and_hangup_checkpoint_and_stop_like_ctrl_c(tr_data, tmp_path, sig):
-    rc, rest, err, out = _tr_signal_run(tmp_path, tr_data, sig)
-    assert rc == 128 + sig and "Traceback" not in err and "stopped at batch" in rest
-    it = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
-    assert it > 10 and [int(r["iter"]) for r in _tr_log(out)] == list(range(1, it + 1))
-
-
-class _Killed(BaseException):
-    """Stands for kill -9 in the middle of a run: nothing in train.py catches it."""
-
-
-def test_train_folder_is_locked_before_it_is_judged(tr_data, tmp_path, monkeypatch, capsys):
-    """A second train.py started while the first still loads its data (8.6 s for a 1 GB train.bin) is
-    refused at once: the first took the lock before it judged the folder, not after the data."""
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
-    loading, second_done, real_load, first = threading.Event(), threading.Event(), train.load_data, {}
-
-    def slow_load(*args):  # the first call waits until the second run has had its go
-        if not loading.is_set():
-            loading.set()
-            second_done.wait(60)
-        return real_load(*args)
-
-    monkeypatch.setattr(train, "load_data", slow_load)
-    thread = threading.Thread(target=lambda: first.setdefault("rc", train.main(flags)))
-    thread.start()
-    assert loading.wait(60)
-    rc = train.main(flags)
-    second_done.set()
-    thread.join(120)
-    _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
-    assert first["rc"] == 0 and torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 4
-
-
-def test_train_overwrite_killed_before_its_first_checkpoint_leaves_no_old_model(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    """--overwrite removes the old run's checkpoint before it writes anything of the new run: killed at the
-    worst moment (new run.json and log.csv, no checkpoint yet) the folder holds no model at all."""
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
-    assert train.main(flags + ["--mixer", "sa"]) == 0
-    real_step = train.train_step
-    monkeypatch.setattr(train, "train_step", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
-    with pytest.raises(_Killed):
-        train.main(flags + ["--mixer", "me", "--overwrite"])
-    assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # the old model went first
-    assert json.load(open(os.path.join(out, "run.json")))["config"]["mixer"] == "me"
-    capsys.readouterr()
-    assert sample.main(["--out_dir", out]) == 1 and "no checkpoint" in capsys.readouterr().err
-    _tr_one_error_line(train.main(flags + ["--resume"]), capsys.readouterr().err, "no checkpoint")
-    monkeypatch.setattr(train, "train_step", real_step)
-    assert train.main(flags + ["--mixer", "me"]) == 0  # a plain rerun starts the new run again
-    assert [int(r["iter"]) for r in _tr_log(out)] == [1, 2, 3, 4]
-
-
-def test_train_file_errors_are_one_line_saying_what_was_kept(tr_data, tmp_path, monkeypatch, capsys):
-    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "30", "--ckpt_interval", "20"]
-    a_file = tmp_path / "a_file"
-    a_file.write_text("not a folder")
-    _tr_one_error_line(train.main(flags + ["--out_dir", str(a_file)]), capsys.readouterr().err, "is a file")
-    # a folder it may not write in (as root, chmod would not stop it: the refusal is simulated)
-    real_open = builtins.open
-
-    def read_only(path, *a, **k):
-        if str(path).endswith("train.lock"):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_open(path, *a, **k)
-
-    with monkeypatch.context() as m:
-        m.setattr(builtins, "open", read_only)
-        rc = train.main(flags + ["--out_dir", str(tmp_path / "ro")])
-    _tr_one_error_line(rc, capsys.readouterr().err, "Permission denied")
-    # the disk fills up at the second checkpoint (batch 20): torch.save raises RuntimeError
-    real_save, saves = torch.save, []
-
-    def disk_full(obj, f, *a, **k):
-        saves.append(1)
-        if len(saves) == 2:
-            f.write(b"half a checkpoint")
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
-        return real_save(obj, f, *a, **k)
-
-    monkeypatch.setattr(torch, "save", disk_full)
-    out = str(tmp_path / "run")
-    rc = train.main(flags + ["--out_dir", out])
-    _tr_one_error_line(rc, capsys.readouterr().err, "it keeps batch 5")  # (the first log point, at 5)
-    monkeypatch.undo()
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 5
-    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
-
-
-def test_train_removes_the_temp_files_of_a_killed_write(tr_data, tmp_path, capsys):
-    out = tmp_path / "run"
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(out)]
-    assert train.main(flags + ["--max_iters", "4"]) == 0
-    (out / ".ckpt.ptx8k2_q.tmp").write_bytes(bytes(5000))  # kill -9 during torch.save leaves this
-    (out / "notes.tmp").write_text("the user's own file")
-    capsys.readouterr()
-    assert train.main(flags + ["--max_iters", "8", "--resume"]) == 0
-    assert not (out / ".ckpt.ptx8k2_q.tmp").exists() and (out / "notes.tmp").exists()
-    assert "removed 1 temp file(s) of a killed write" in capsys.readouterr().out
-
-
-def test_train_reports_its_peak_memory_last(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    run = json.load(open(os.path.join(out, "run.json")))
-    what = "peak CUDA memory allocated" if DEVICE.type == "cuda" else "peak resident memory"
-    assert run["peak_memory_is"] == what and last.startswith(f"{what}: ") and last.endswith(" GB")
-    assert abs(float(last.split()[-2]) - run["peak_memory_mb"] / 1024) < 0.01
-    if DEVICE.type == "cpu":  # the process's own high-water mark: torch alone is over 100 MB
-        assert 100 < run["peak_memory_mb"] < 8000
-
-
-_TR_MEMORY_DRIVER = """
-import sys, train
-rss, real = {}, train.get_batch
-def resident_mb():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) / 1024
-def get_batch(*args):
-    rss[len(rss)] = resident_mb()  # before batch k + 1, i.e. after k batches
-    return real(*args)
-train.get_batch = get_batch
-rc = train.main(sys.argv[1:])
-print("RSS", rss[20], resident_mb())
-sys.exit(rc)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads /proc/self/status; the glibc tweak is Linux's"
-)
-def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
-    """With 8 MB of logits per batch, a tensor kept per batch until the next log point would let the
-    process grow by gigabytes over 200 batches (it did, before the loss buffer)."""
-    data = _tr_make_data(tmp_path / "data", vocab=2000, n_words=40000)
-    argv = "--mixer me --n_layer 1 --n_embd 16 --n_hidden 16 --block_size 32 --batch_size 32 --max_iters 200"
-    argv += f" --log_interval 1000 --ckpt_interval 1000 --eval_batches 0 --device cpu --data_dir {data}"
-    argv = (argv + f" --out_dir {tmp_path / 'run'}").split()
-    r = subprocess.run(
-        [sys.executable, "-c", _TR_MEMORY_DRIVER] + argv,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert r.returncode == 0, r.stderr
-    after_20, end = map(float, r.stdout.split("RSS")[1].split())
-    assert end < after_20 + 150, f"resident memory grew from {after_20:.0f} MB to {end:.0f} MB"
-
-
-# ======== sampling (sample.py), and end to end: fixture books -> prepare_data -> train -> sample ========
-
-_TR_WORDS = (
-    "the a little old fox owl hen miller baker lantern river garden moon kettle meadow sang found "
-    "carried laughed whispered wandered over under beside quickly softly bright green silver "
-    "morning evening and but so then once upon time there was who"
-).split()
-
-
-def _tr_book(book_id, n_sentences, seed):
-    """A made-up book inside Project-Gutenberg-shaped header and footer lines."""
-    rng = np.random.default_rng(seed)
-    sentences = []
-    for _ in range(n_sentences):
-        words = [_TR_WORDS[i] for i in rng.integers(0, len(_TR_WORDS), size=rng.integers(5, 12))]
-        sentences.append(" ".join(words).capitalize() + ".")
-    body = "\n\n".join(" ".join(sentences[i : i + 5]) for i in range(0, len(sentences), 5))
-    return (
-        f"The Project Gutenberg eBook of Made-up Tales {book_id}\n\nTitle: Made-up Tales {book_id}\n"
-        f"Author: Nobody\n\n*** START OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n\n"
-        f"{body}\n\n\n*** END OF THE PROJECT GUTENBERG EBOOK MADE-UP TALES {book_id} ***\n\n"
-        "Updated editions will replace the previous one.\n"
-    )
-
-
-@pytest.fixture(scope="module")
-def tr_prepared(tmp_path_factory):
-    """prepare_data.py's outputs for three made-up books served by a loopback mirror."""
-    root = tmp_path_factory.mktemp("trprep")
-    raws = {101: _tr_book(101, 900, 1), 102: _tr_book(102, 900, 2), 103: _tr_book(103, 300, 3)}
-    tsv = _pd_books_tsv(root / "books.tsv", [(i, f"Made-up Tales {i}", "the") for i in raws])
-    with _pd_serve({i: text.encode() for i, text in raws.items()}, all_paths=False) as srv:
-        argv = ["--data_dir", str(root / "data"), "--mirror", srv.url, "--books", tsv]
-        assert prepare_data.main([*argv, *"--vocab_size 300 --pause 0 --min_chars 1000".split()]) == 0
-    return str(root / "data")
-
-
-def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
-    """A byte-level token may hold part of a UTF-8 character: nothing is printed until it is whole."""
-    from prepare_data import load_tokenizer
-
-    enc = load_tokenizer(tr_prepared)
-    text = "é€ ok"
-    ids = [enc.encode_single_token(bytes([c])) for c in text.encode("utf-8")]  # one token per byte
-
-    class FakeModel:
-        def generate_stream(self, idx, max_new_tokens, **kw):
-            for i in ids[:max_new_tokens]:
-                yield torch.tensor([[i]])
-
-    args = sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
-    sample.stream(FakeModel(), None, enc, args)
-    assert capsys.readouterr().out == text + "\n"
-
-
-@pytest.mark.slow
-def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, capsys, monkeypatch):
-    data = tr_prepared
-    monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
-    for mixer in ("sa", "me"):
-        flags = f"--mixer {mixer} --data_dir {data} --n_layer 2 --n_embd 32 --n_hidden 64 --block_size 32"
-        flags += " --batch_size 16 --n_head 4 --max_iters 40 --eval_interval 20 --eval_batches 2 --lr 3e-3"
-        flags += f" --device {DEVICE} --out_dir out/{'sa-4' if mixer == 'sa' else 'me'}"
-        assert train.main(flags.split()) == 0
-        loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
-        assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
-    capsys.readouterr()
-    prompt = "Once upon a time there was"
-    assert sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
-    first = capsys.readouterr()
-    assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
-    assert (
-        sample.main(["--out_dir", "out/me", "--prompt", prompt, *"--max_new_tokens 30 --seed 7".split()]) == 0
-    )
-    assert capsys.readouterr().out == first.out  # the seed makes it reproducible
-    long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
-    argv = ["--out_dir", "out/sa-4", "--prompt", long_prompt, *"--max_new_tokens 5 --num_samples 2".split()]
-    assert sample.main(argv) == 0
-    res = capsys.readouterr()
-    assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
-    assert sample.main(["--out_dir", "out/nothing"]) == 1
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "no checkpoint" in err
-
-
-def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, capsys, monkeypatch):
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", tr_prepared, "--out_dir", out, "--max_iters", "4"]) == 0
-    capsys.readouterr()
-    # --temperature 0 is greedy: the seed no longer matters
-    texts = []
-    for seed in ("1", "2"):
-        assert (
-            sample.main(["--out_dir", out, "--temperature", "0", "--seed", seed, "--max_new_tokens", "8"])
-            == 0
-        )
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1]
-    # from another directory: the checkpoint holds the data folder's absolute path
-    monkeypatch.chdir(tmp_path.parent.parent)
-    assert sample.main(["--out_dir", out, "--max_new_tokens", "3"]) == 0
-    capsys.readouterr()
-    # a terminal that cannot show a character gets '?', not a UnicodeEncodeError
-    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
-    monkeypatch.setattr(sys, "stdout", ascii_out)
-    assert (
-        sample.main(["--out_dir", out, "--prompt", "Once upon a time \u2019", "--max_new_tokens", "3"]) == 0
-    )
-    ascii_out.flush()
-    assert ascii_out.buffer.getvalue().startswith(b"Once upon a time ?")
-    monkeypatch.undo()
-    last = capsys.readouterr().err.strip().splitlines()[-1]  # the peak memory of the generation, last
-    assert last.startswith("# 3 tokens in") and ("peak resident memory" in last or DEVICE.type != "cpu")
-    rc = sample.main(["--out_dir", out, "--temperature", "inf"])
-    _tr_one_error_line(rc, capsys.readouterr().err, "finite")
-    # another corpus's tokenizer is refused
-    other = tmp_path / "other"
-    os.makedirs(other)
-    tok = open(os.path.join(tr_prepared, "tokenizer.tiktoken"), "rb").read().splitlines()
-    open(other / "tokenizer.tiktoken", "wb").write(b"\n".join(tok[:-1]) + b"\n")
-    _tr_one_error_line(
-        sample.main(["--out_dir", out, "--data_dir", str(other)]), capsys.readouterr().err, "tokenizer"
-    )
-    # Ctrl-C while sampling ends quietly
-    capsys.readouterr()
-    monkeypatch.setattr(sample, "stream", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
-    assert sample.main(["--out_dir", out]) == 130
-    assert "Traceback" not in capsys.readouterr().err
-
-
-# ======== plots and results (plot.py) ========
-
-
-def test_plot_window_medians():
-    loss = np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
-    ends, med = plot.window_medians(loss, 3)
-    assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
-
-
-def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000, seed=1337, **config):
-    """A run folder as train.py writes it, with made-up costs: run.json and log.csv."""
-    os.makedirs(folder)
-    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32, **config}
-    args = {"batch_size": 64, "seed": seed}
-    run = {"config": cfg, "args": args, "params": {"mixers": params, "total": 10 * params}}
-    with open(os.path.join(folder, "run.json"), "w") as f:
-        json.dump(run, f)
-    with open(os.path.join(folder, "log.csv"), "w") as f:
-        f.write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n")
-        for i, loss in enumerate(losses, 1):
-            val = repr(loss - 0.5) if i % val_every == 0 else ""
-            f.write(f"{i},{loss!r},{val},0.001,{1000.0 + i % 3},{i * 0.1:.3f}\n")
-        f.write("7")  # a half-written last row, as in a run that is still going
-
-
-def test_plot_results_csvs_are_the_window_medians_of_the_logs(tmp_path):
-    rng = random.Random(0)
-    logs = {"sa-32": [rng.uniform(3, 6) for _ in range(23)], "she": [rng.uniform(3, 6) for _ in range(21)]}
-    dirs = {"sa-32": str(tmp_path / "a"), "she": str(tmp_path / "b")}
-    _plot_fake_run(dirs["she"], "she", 1, logs["she"], val_every=5)  # given first: the order comes from STYLE
-    _plot_fake_run(dirs["sa-32"], "sa", 32, logs["sa-32"], val_every=5)
-    out = tmp_path / "results"
-    argv = [dirs["she"], dirs["sa-32"], "--window", "4", "--results", str(out), "-o", str(out / "f.png")]
-    assert plot.main(argv) == 0
-    with open(out / "f.png", "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    read = lambda name: list(csv.reader(open(out / name)))
-    medians = read("medians.csv")
-    assert medians[0] == ["batches", "sa-32", "she"]
-    # every full window of 4 batches, up to the shorter run's 5 windows; the longer run's 5th too
-    assert [int(r[0]) for r in medians[1:]] == [4, 8, 12, 16, 20]
-    for row in medians[1:]:
-        end = int(row[0])
-        for col, name in ((1, "sa-32"), (2, "she")):
-            window = sorted(logs[name][end - 4 : end])
-            assert float(row[col]) == (window[1] + window[2]) / 2  # median of four, exactly
-    vals = read("val_loss.csv")
-    assert [int(r[0]) for r in vals[1:]] == [5, 10, 15, 20]
-    assert float(vals[2][2]) == logs["she"][9] - 0.5
-    summary = {r["run"]: r for r in csv.DictReader(open(out / "summary.csv"))}
-    assert summary["she"]["batches"] == "21" and summary["sa-32"]["params_mixers"] == "1000"
-    assert float(summary["she"]["median_last_1000"]) == float(np.median(logs["she"]))
-    assert float(summary["sa-32"]["val_loss"]) == logs["sa-32"][19] - 0.5
-    # --batches compares the runs at one length: the first 16 batches of each
-    assert plot.main(argv + ["--batches", "16"]) == 0
-    assert [int(r[0]) for r in read("medians.csv")[1:]] == [4, 8, 12, 16]
-    summary = {r["run"]: r for r in csv.DictReader(open(out / "summary.csv"))}
-    assert summary["sa-32"]["batches"] == "16" and float(summary["she"]["median_last_1000"]) == float(
-        np.median(logs["she"][:16])
-    )
-    assert plot.main(argv + ["--batches", "22"]) == 1  # she has only 21
-
-
-def test_plot_default_window_fits_a_short_run(tmp_path, capsys):
-    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
-    assert plot.main([str(tmp_path / "run"), "-o", str(tmp_path / "run.png")]) == 0  # 90 < 2000 batches
-    assert "me" in capsys.readouterr().out
-    assert plot.auto_window(60000) == 2000 and plot.auto_window(90) == 3 and plot.auto_window(5) == 1
-
-
-def test_plot_bad_input_gives_one_line(tmp_path, capsys):
-    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0] * 10, val_every=5)
-    cases = [
-        [str(tmp_path / "nope")],
-        [str(tmp_path / "run"), "--window", "50"],
-        [str(tmp_path / "run"), "--sweep", "colour"],
-        [str(tmp_path / "run"), "--window", "0"],
-    ]
-    for argv in cases:
-        assert plot.main(argv + ["-o", str(tmp_path / "x.png")]) == 1, argv
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
-    assert not os.path.exists(tmp_path / "x.png")
-
-
-def _plot_error(capsys, argv):
-    """plot.main's exit status 1 and its one error line."""
-    assert plot.main(argv) == 1, argv
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
-    return err[0]
-
-
-def test_plot_one_run_without_o_redraws_its_own_loss_png(tmp_path, capsys, monkeypatch):
-    run = str(tmp_path / "me-m2")
-    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
-    monkeypatch.chdir(tmp_path)
-    assert plot.main([run]) == 0
-    assert os.listdir(tmp_path) == ["me-m2"]  # nothing in the working folder
-    plot.plot_run(run, str(tmp_path / "by_train.png"))  # what train.py draws at the end
-    with open(os.path.join(run, "loss.png"), "rb") as a, open(tmp_path / "by_train.png", "rb") as b:
-        assert a.read() == b.read()
-    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run}/loss.png"
-    other = str(tmp_path / "other")
-    _plot_fake_run(other, "he", 1, [5.0] * 90, val_every=30)
-    assert "name it with -o" in _plot_error(capsys, [run, other])  # several runs: no default file
-
-
-def test_plot_unknown_image_extension_is_one_line_naming_the_formats(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    err = _plot_error(capsys, [run, "-o", str(tmp_path / "x.xyz")])
-    assert "cannot write a .xyz image" in err and ".png" in err and ".svg" in err and ".pdf" in err
-    assert sorted(os.listdir(tmp_path)) == ["run"]
-
-
-def test_plot_batches_errors_are_plain_sentences(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    argv = [run, "-o", str(tmp_path / "x.png")]
-    assert _plot_error(capsys, argv + ["--batches", "0"]) == "error: --batches must be at least 1, got 0"
-    err = _plot_error(capsys, argv + ["--batches", "11"])
-    assert err == f"error: --batches 11: {run} has only 10 batches; pass --batches 10 or less"
-
-
-def test_plot_printed_paths_paste_back_as_the_same_paths(tmp_path, capsys):
-    run = str(tmp_path / "my runs" / "me")
-    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(40)], val_every=10)
-    out, res = str(tmp_path / "my figs" / "a b.png"), str(tmp_path / "my results")
-    assert plot.main([run, "-o", out, "--results", res]) == 0
-    last = capsys.readouterr().out.splitlines()[-1]
-    csvs = [os.path.join(res, f) for f in ("medians.csv", "val_loss.csv", "summary.csv")]
-    assert shlex.split(last) == ["wrote", out] + csvs
-    assert all(os.path.isfile(p) for p in [out] + csvs)
-
-
-def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path):
-    rng = random.Random(1)
-    losses = [rng.uniform(3, 6) for _ in range(2500)]
-    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses, val_every=500)
-    assert plot.main([str(tmp_path / "he"), "-o", str(tmp_path / "f.png"), "--results", str(tmp_path)]) == 0
-    (row,) = csv.DictReader(open(tmp_path / "summary.csv"))
-    assert float(row["median_last_1000"]) == float(np.median(losses[-1000:]))
-    assert float(row["median_last_2000"]) == float(np.median(losses[-2000:]))
-    assert row["batches"] == "2500" and float(row["val_loss"]) == losses[2499] - 0.5
-
-
-def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, capsys):
-    rng = random.Random(2)
-    runs = {  # folder: (mixer, heads, seed, batches); the seed-1337 runs are the longer ones
-        "sa-32": ("sa", 32, 1337, 1500),
-        "she": ("she", 1, 1337, 1400),
-        "she-s1338": ("she", 1, 1338, 1100),
-        "she-s1339": ("she", 1, 1339, 1200),
-        "sa-32-s1338": ("sa", 32, 1338, 1300),
-    }
-    losses = {}
-    for name, (mixer, heads, seed, n) in runs.items():
-        losses[name] = [rng.uniform(3, 6) for _ in range(n)]
-        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, seed=seed)
-    main_runs = [str(tmp_path / n) for n in ("she", "sa-32")]
-    seeds = [str(tmp_path / n) for n in ("she-s1338", "she-s1339", "sa-32-s1338")]
-    res = tmp_path / "results"
-    argv = (
-        main_runs + ["--seeds"] + seeds + ["--results", str(res), "-o", str(res / "f.png"), "--window", "100"]
-    )
-    assert plot.main(argv) == 0
-    rows = list(csv.DictReader(open(res / "seeds.csv")))
-    assert list(rows[0]) == ["mixer", "seed", "batches", "median_last_1000", "val_loss"]
-    labels = [("sa-32", "1337"), ("sa-32", "1338"), ("she", "1337"), ("she", "1338"), ("she", "1339")]
-    assert [(r["mixer"], r["seed"]) for r in rows] == labels
-    for r, name in zip(
-        rows, ["sa-32", "sa-32-s1338", "she", "she-s1338", "she-s1339"]
-    ):  # every run at the shortest run's 1100 batches
-        assert r["batches"] == "1100"
-        assert float(r["median_last_1000"]) == float(np.median(losses[name][100:1100]))
-        assert float(r["val_loss"]) == losses[name][1099] - 0.5
-    # the figure's tables keep one column or row per mixer, each at its full length
-    assert next(csv.reader(open(res / "medians.csv"))) == ["batches", "sa-32", "she"]
-    summary = list(csv.DictReader(open(res / "summary.csv")))
-    assert [(r["run"], r["batches"]) for r in summary] == [("sa-32", "1500"), ("she", "1400")]
-    # --batches shorter than every run: all rows there
-    assert plot.main(argv + ["--batches", "1050"]) == 0
-    assert {r["batches"] for r in csv.DictReader(open(res / "seeds.csv"))} == {"1050"}
-    assert "seeds.csv, which --results DIR writes" in _plot_error(
-        capsys, main_runs + ["--seeds"] + seeds + ["-o", str(res / "f.png")]
-    )
-
-
-def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
-    rng = random.Random(3)
-    runs, losses = [], {}
-    for name, mixer, heads in (("she", "she", 1), ("sa-32", "sa", 32)):
-        for l in (64, 128):
-            run = str(tmp_path / f"{l}-{name}")  # the names sort in no useful order
-            losses[name, l] = [rng.uniform(3, 6) for _ in range(2500)]
-            _plot_fake_run(run, mixer, heads, losses[name, l], val_every=500, block_size=l)
-            runs.append(run)
-    res = tmp_path / "results"
-    argv = runs + ["--sweep", "block_size", "--results", str(res), "-o", str(res / "fig10_l_sweep.png")]
-    assert plot.main(argv) == 0
-    assert sorted(os.listdir(res)) == ["fig10_l_sweep.csv", "fig10_l_sweep.png"]  # no medians.csv etc.
-    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
-    assert list(rows[0]) == ["mixer", "l", "batches", "median_last_2000", "val_loss"]  # 2000: the default
-    expect = [("sa-32", "64"), ("sa-32", "128"), ("she", "64"), ("she", "128")]
-    assert [(r["mixer"], r["l"]) for r in rows] == expect
-    for r in rows:
-        loss = losses[r["mixer"], int(r["l"])]
-        assert r["batches"] == "2500" and float(r["median_last_2000"]) == float(np.median(loss[-2000:]))
-        assert float(r["val_loss"]) == loss[2499] - 0.5
-    assert plot.main(argv + ["--batches", "2200", "--window", "1000"]) == 0
-    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
-    assert float(rows[0]["median_last_1000"]) == float(np.median(losses["sa-32", 64][1200:2200]))
-    assert float(rows[0]["val_loss"]) == losses["sa-32", 64][1999] - 0.5 and rows[0]["batches"] == "2200"
-    runs, losses = [], {}
-    for m in (4, 2):  # an m sweep of short runs: the median of the whole run
-        runs.append(str(tmp_path / f"he-m{m}"))
-        losses[m] = [rng.uniform(3, 6) for _ in range(50)]
-        _plot_fake_run(runs[-1], "he", 1, losses[m], val_every=10, n_layer=m)
-    assert (
-        plot.main(runs + ["--sweep", "n_layer", "--results", str(res), "-o", str(tmp_path / "f11.svg")]) == 0
-    )
-    rows = list(csv.DictReader(open(res / "f11.csv")))
-    assert list(rows[0]) == ["mixer", "m", "batches", "median_last_50", "val_loss"]
-    for r, m in zip(rows, (2, 4)):
-        assert (r["mixer"], r["m"], r["batches"]) == ("he", str(m), "50")
-        assert float(r["median_last_50"]) == float(np.median(losses[m]))
-
-
-def test_plot_sweep_draws_the_papers_axes_and_the_validation_loss_beside_them(tmp_path, monkeypatch):
-    rows = [  # as sweep_rows gives them; sa-32 has no validation loss at l = 64
-        {"mixer": "sa-32", "l": 32, "batches": 10, "median_last_10": 4.0, "val_loss": 3.9},
-        {"mixer": "sa-32", "l": 64, "batches": 10, "median_last_10": 3.8, "val_loss": ""},
-        {"mixer": "she", "l": 32, "batches": 10, "median_last_10": 4.1, "val_loss": 4.2},
-        {"mixer": "she", "l": 64, "batches": 10, "median_last_10": 3.7, "val_loss": 3.95},
-    ]
-    figures = []
-    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
-    plot.plot_sweep(rows, "block_size", str(tmp_path / "f.png"), 10)
-    left, right = figures[0].axes
-    assert (
-        left.get_ylabel() == "median cost of the last 10 batches" and right.get_ylabel() == "validation loss"
-    )
-    lines = lambda ax: {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
-    assert lines(left) == {"sa-32": ([32, 64], [4.0, 3.8]), "she": ([32, 64], [4.1, 3.7])}
-    assert lines(right) == {"sa-32": ([32], [3.9]), "she": ([32, 64], [4.2, 3.95])}
-    plot.plt.close(figures[0])
-
-
-def test_plot_sweep_keeps_the_points_of_a_csv_it_wrote_where_no_run_replaces_them(tmp_path, capsys):
-    rng = random.Random(5)
-    losses = {}
-
-    def run(name, mixer, heads, l):  # a run folder of 2100 batches at block size l
-        losses[name] = [rng.uniform(3, 6) for _ in range(2100)]
-        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, block_size=l)
-        return str(tmp_path / name)
-
-    res = tmp_path / "results"
-    fig, table = str(res / "fig10.png"), str(res / "fig10.csv")
-    sweep = ["--sweep", "block_size", "--results", str(res), "-o", fig]
-    assert plot.main([run("she-32", "she", 1, 32), run("sa-32", "sa", 32, 32)] + sweep) == 0
-    earlier = open(table).read()
-    # the first runs are gone; a new run and the CSV make the figure with all three points
-    assert plot.main([table, run("she-64", "she", 1, 64)] + sweep) == 0
-    rows = list(csv.DictReader(open(table)))
-    assert [(r["mixer"], r["l"]) for r in rows] == [("sa-32", "32"), ("she", "32"), ("she", "64")]
-    assert float(rows[2]["median_last_2000"]) == float(np.median(losses["she-64"][-2000:]))
-    assert open(table).read().splitlines()[:3] == earlier.splitlines()  # earlier rows kept to the digit
-    # a run folder at a point the CSV holds replaces that point
-    assert plot.main([table, run("she-32b", "she", 1, 32)] + sweep) == 0
-    rows = list(csv.DictReader(open(table)))
-    assert len(rows) == 3 and float(rows[1]["median_last_2000"]) == float(
-        np.median(losses["she-32b"][-2000:])
-    )
-    # the CSV alone redraws the figure and rewrites the same CSV
-    before = open(table).read()
-    assert plot.main([table] + sweep) == 0 and open(table).read() == before
-    # bad inputs: one line each
-    other = ["--sweep", "n_layer", "-o", str(tmp_path / "f.png")]
-    assert "header must be mixer,m,batches,median_last_2000,val_loss" in _plot_error(capsys, [table] + other)
-    assert "the sa-32 point at l = 32 is at 2100 batches, not --batches 2050" in _plot_error(
-        capsys, [table, "--batches", "2050"] + sweep
-    )
-    assert "adds earlier points to a --sweep figure" in _plot_error(capsys, [table, "-o", fig])
-    assert "not found" in _plot_error(capsys, [str(tmp_path / "nope.csv")] + sweep)
-    with open(table, "a") as f:
-        f.write("we,32,2100,low,3.9\n")
-    assert "fig10.csv, line 5: not a number" in _plot_error(capsys, [table] + sweep)
-
-
-def _plot_tiny(mixer, n_head=1, d=4, l=4, seed=0):
-    torch.manual_seed(seed)
-    cfg = Config(vocab_size=16, block_size=l, n_embd=d, n_hidden=8, n_layer=2, n_head=n_head, mixer=mixer)
-    return Transformer(cfg).eval()
-
-
-def test_plot_tap_profile_is_each_taps_norm_per_layer():
-    c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # one tap per distance back k = 1..4
-    cases = {  # mixer: (taps, their norms / |c|); d = 4
-        "me": (c, 1.0),
-        "we": (c[:, None] * torch.ones(4), 2.0),  # ||c (1, 1, 1, 1)||_2 = 2|c|
-        "he": (c[:, None] * torch.ones(4), 2.0),
-        "she": (c[:, None, None] * torch.eye(4), 2.0),  # ||c I||_F = 2|c|
-    }
-    for mixer, (taps, norm) in cases.items():
-        model = _plot_tiny(mixer)
-        with torch.no_grad():
-            for i, layer in enumerate(model.layers):
-                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(taps * (i + 1))
-        profile = plot.tap_profile(model)
-        assert list(profile) == [1, 2], mixer
-        for layer in (1, 2):  # layer 2's taps are twice layer 1's
-            assert profile[layer].tolist() == [norm * layer * abs(v) for v in c.tolist()], (mixer, layer)
-
-
-def test_plot_recomputed_attention_weights_give_the_mixers_output():
-    mixer = _plot_tiny("sa", n_head=2, d=8, l=6).layers[0].mixer
-    torch.nn.init.normal_(mixer.W_QKV.weight)  # far from uniform attention
-    x = torch.randn(3, 6, 8)
-    a = plot.attention_weights(mixer, x)  # (3, 2, 6, 6)
-    assert torch.allclose(a.sum(-1), torch.ones(3, 2, 6)) and (a.triu(1) == 0).all()
-    assert a.max() > 0.9  # sharp rows: a wrong scale or head split would not reproduce the output
-    v = mixer.W_QKV(x)[..., 16:].view(3, 6, 2, 4).transpose(1, 2)  # (B, n, t, h)
-    r = (a @ v).transpose(1, 2).reshape(3, 6, 8)
-    assert torch.allclose(mixer.W_out_att(r), mixer(x), atol=1e-5)
-
-
-def test_plot_attention_by_distance_of_uniform_attention_by_hand():
-    model = _plot_tiny("sa", n_head=2, d=8)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
-    windows = torch.randint(0, 16, (40, 4))  # two chunks of 32 and 8
-    by_hand = [(1 + 1 / 2 + 1 / 3 + 1 / 4) / 4, (1 / 2 + 1 / 3 + 1 / 4) / 3, (1 / 3 + 1 / 4) / 2, 1 / 4]
-    profile = plot.tap_profile(model, windows)
-    assert list(profile) == [1, 2]
-    for layer in (1, 2):
-        np.testing.assert_allclose(profile[layer], by_hand, rtol=1e-6)
-    np.testing.assert_allclose(plot.uniform_by_distance(4), by_hand, rtol=1e-15)
-
-
-def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_and_windows():
-    model = _plot_tiny("sa", n_head=2, d=8, l=5)
-    for layer in model.layers:
-        torch.nn.init.normal_(layer.mixer.W_QKV.weight)
-    windows = torch.randint(0, 16, (7, 5))
-    profile = plot.tap_profile(model, windows)
-    with torch.no_grad():
-        pos = torch.arange(5)
-        h = (model.emb_tok(windows) + model.emb_pos(pos)) * math.sqrt(8)  # dropout is off in eval
-        for i, layer in enumerate(model.layers, 1):
-            a = plot.attention_weights(layer.mixer, layer.ln1(h))  # (7, 2, 5, 5)
-            for back in range(5):
-                pairs = [a[b, n, j + back, j] for b in range(7) for n in range(2) for j in range(5 - back)]
-                assert abs(profile[i][back] - float(sum(pairs)) / len(pairs)) < 1e-6, (i, back)
-            h = layer(h)
-
-
-def test_plot_val_windows_are_spread_evenly_over_val_bin(tmp_path):
-    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
-    windows = plot.val_windows(str(tmp_path), 4, n=3)  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
-    assert windows.tolist() == [[0, 1, 2, 3], [48, 49, 50, 51], [95, 96, 97, 98]]
-
-
-def _plot_fake_ckpt_run(folder, model, data_dir):
-    """A run folder with run.json, log.csv and a ckpt.pt holding `model`."""
-    _plot_fake_run(folder, model.cfg.mixer, model.cfg.n_head, [5.0] * 10, val_every=5)
-    ckpt = {
-        "model": model.state_dict(),
-        "config": vars(model.cfg),
-        "args": {"data_dir": data_dir},
-        "iter": 10,
-    }
-    torch.save(ckpt, os.path.join(folder, "ckpt.pt"))
-
-
-def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys, monkeypatch):
-    data = tmp_path / "data"
-    data.mkdir()
-    (np.arange(300) % 16).astype(np.uint16).tofile(data / "val.bin")
-    models = {"me": _plot_tiny("me"), "sa": _plot_tiny("sa", d=8)}
-    runs = {}
-    for name, model in models.items():
-        runs[name] = str(tmp_path / name)
-        _plot_fake_ckpt_run(runs[name], model, str(tmp_path / "moved"))  # its data has moved since
-    figures, save = [], plot.save
-    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
-    argv = [runs["me"], runs["sa"], "--taps", "-o", str(tmp_path / "taps.png")]
-    assert "val.bin not found; pass --data_dir" in _plot_error(capsys, argv)
-    assert plot.main(argv + ["--data_dir", str(data)]) == 0
-    with open(tmp_path / "taps.png", "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    panels = [ax for ax in figures[-1].axes if ax.get_visible()]
-    assert [ax.get_title() for ax in panels] == ["sa-1, batch 10", "me, batch 10"]  # in paper order
-    windows = torch.from_numpy(plot.val_windows(str(data), 4))
-    for ax, profile in zip(panels, (plot.tap_profile(models["sa"], windows), plot.tap_profile(models["me"]))):
-        lines = {line.get_label(): line for line in ax.get_lines()}
-        for layer in (1, 2):
-            assert lines[f"layer {layer}"].get_xdata().tolist() == [1, 2, 3, 4]
-            assert lines[f"layer {layer}"].get_ydata().tolist() == profile[layer].tolist()
-    assert plot.main([runs["me"], "--taps"]) == 0  # one run: its own folder
-    assert os.path.isfile(os.path.join(runs["me"], "taps.png"))
-    for extra in (["--results", str(tmp_path)], ["--raw"], ["--batches", "5"]):
-        _plot_error(capsys, [runs["me"], "--taps", "-o", str(tmp_path / "t.png")] + extra)
-    assert "--data_dir is for --taps" in _plot_error(capsys, [runs["me"], "--data_dir", str(data)])
 
 
 # ======== Synthesizers (synthesizer.py) against their equations as literal loops ========
@@ -2470,21 +799,1674 @@ def test_synth_trains_under_bfloat16_autocast(name):
     assert torch.allclose(y.float(), y32, atol=0.05 * y32.abs().max().item(), rtol=0)
 
 
-# ======== bench (bench.py): the quick mode runs every section, a row per mixer (no timings asserted) ========
+# ======== data (prepare_data.py) ========
+
+# Fixture books are made-up text in real-shaped Project Gutenberg wrappers, served by a loopback
+# HTTP server on a free port; no network.
+_PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
+_PD_SYLLABLES = "ka lo mi ren tho va quil sa ne dor bri el fen u ya zo pe gra ish om tü ça wy har".split()
 
 
-def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
-    out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [sys.executable, "bench.py", "--quick", "--mixers", "all", "--threads", "1", "--json", str(out)],
+def fake_book(seed, n_sentences=220, words=None):
+    """Deterministic made-up prose: a title line, chapters, dialogue; its words made of syllables with a
+    few non-ASCII letters, or drawn from `words`."""
+    rng = random.Random(seed)
+    syllables = lambda: "".join(rng.choice(_PD_SYLLABLES) for _ in range(rng.randint(1, 3)))
+    words = words or [syllables() for _ in range(200)]
+    title = " ".join(rng.choice(words) for _ in range(3)).upper()
+    lines, para = [f"THE TALE OF {title}", "", f"by {rng.choice(words).title()}", "", ""], []
+    for s in range(n_sentences):
+        if s % 60 == 0:
+            lines += ["", f"CHAPTER {s // 60 + 1}.", ""]
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice([".", ".", "!", "?", ";", "--"])
+        if rng.random() < 0.2:
+            sentence = f"\u201c{sentence}\u201d said {rng.choice(words).title()}."
+        para.append(sentence)
+        if rng.random() < 0.15:
+            text = " ".join(para)
+            while len(text) > 70:  # wrap like a Gutenberg text
+                cut = text.rfind(" ", 0, 70)
+                lines.append(text[:cut])
+                text = text[cut + 1 :]
+            lines += [text, ""]
+            para = []
+    lines += [" ".join(para), "", "THE END"]
+    return "\n".join(lines) + "\n"
+
+
+_PD_LICENCE = """\
+Updated editions will replace the previous one--the old editions will be renamed.
+
+START: FULL LICENSE
+
+THE FULL PROJECT GUTENBERG LICENSE
+PLEASE READ THIS BEFORE YOU DISTRIBUTE OR USE THIS WORK
+
+Section 1. General Terms of Use and Redistributing Project Gutenberg-tm electronic works
+Project Gutenberg-tm is synonymous with the free distribution of electronic works.
+Most people start at our website which has the main PG search facility: www.gutenberg.org
+"""
+
+
+def _pd_wrap(kind, book_id, title, body):
+    """body inside a header and footer of the given historical shape; returns the raw bytes."""
+    up = title.upper()
+    if kind == "the":  # current shape
+        text = (
+            f"The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere "
+            f"in the United States and\nmost other parts of the world at no cost.\n\nTitle: {title}\n\n"
+            f"Release date: May 1, 2001 [eBook #{book_id}]\n\nLanguage: English\n\n"
+            f"*** START OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n{body}\n\n\n"
+            f"*** END OF THE PROJECT GUTENBERG EBOOK {up} ***\n\n" + _PD_LICENCE
+        )
+        return text.encode("utf-8")
+    if kind == "this":  # 2000s shape: THIS, a producer credit, the "End of ..." line split over two
+        text = (
+            f"Project Gutenberg\u2019s {title}, by Somebody\n\nThis eBook is for the use of anyone anywhere"
+            f" at no cost and with\nalmost no restrictions whatsoever.\n\nTitle: {title}\n\n"
+            f"Posting Date: June 25, 2008 [EBook #{book_id}]\nCharacter set encoding: UTF-8\n\n"
+            f"*** START OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n\n\n\nProduced by Some Volunteers and"
+            " the Online Distributed\nProofreading Team at http://www.pgdp.net\n\n\n\n\n"
+            f"{body}\n\n\n\n\nEnd of the Project Gutenberg EBook of {title}, by\nSomebody Else\n\n"
+            f"*** END OF THIS PROJECT GUTENBERG EBOOK {up} ***\n\n***** This file should be named "
+            f"{book_id}.txt or {book_id}.zip *****\n\n" + _PD_LICENCE
+        )
+        return b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode("utf-8")  # BOM and CRLF
+    if kind == "split":  # markers split over lines
+        text = (
+            f"The Project Gutenberg EBook of {title}\n\nTitle: {title}\n\n"
+            f"***START OF THE PROJECT GUTENBERG EBOOK A RATHER LONG AND\nWINDING {up}***\n\n"
+            "Note: Project Gutenberg also has an HTML version of this\n      file which includes the "
+            "original illustrations.\n      (http://www.gutenberg.net/dirs/1/2/3/123-h.zip)\n\n\n"
+            f"{body}\n\n*** END OF THE PROJECT\nGUTENBERG EBOOK A RATHER LONG AND WINDING {up} ***\n\n"
+            + _PD_LICENCE
+        )
+        return text.encode("utf-8")
+    if kind == "small_print":  # 1990s shape: no START marker, licence ends "*END*THE SMALL PRINT!"
+        text = (
+            f"The Project Gutenberg Etext of {title}\n\nPlease take a look at the important information in"
+            " this header.\n\n**Welcome To The World of Free Plain Vanilla Electronic Texts**\n\n"
+            f"Release Date: January, 2002  [Etext #{book_id}]\n\n**The Legal Small Print**\n\n"
+            "***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n"
+            "Why is this \u201cSmall Print!\u201d statement here?  You know: lawyers.\n"
+            "ABOUT PROJECT GUTENBERG-TM ETEXTS\n"
+            "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n\n\n"
+            "This etext was prepared by A Scanner, typed and\nproofread by A Reader.\n\n\n\n"
+            f"{body}\n\n\nEnd of The Project Gutenberg Etext of {title}\nby Somebody\n\n"
+        )
+        return text.encode("cp1252")  # an old Windows file: not valid UTF-8
+    if kind == "none":  # no Project Gutenberg markers at all: kept whole
+        return body.encode("utf-8")
+    raise ValueError(kind)
+
+
+# (ebook id, title, wrapper shape); ids are made up
+_PD_BOOKS = [
+    (9001, "Mossy Dell", "the"),
+    (9002, "The Brass Kite", "this"),
+    (9003, "Oddly Far", "split"),
+    (9004, "Quince Hall", "small_print"),
+    (9005, "Plain Thing", "none"),
+    (9006, "Lark Rise", "the"),
+    (9007, "Tin Fern", "this"),
+]
+_PD_BODIES = {i: fake_book(i) for i, _, _ in _PD_BOOKS}
+_PD_RAW = {i: _pd_wrap(kind, i, title, _PD_BODIES[i]) for i, title, kind in _PD_BOOKS}
+
+
+def _pd_books_tsv(path, books=_PD_BOOKS):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("rank\tid\ttitle\tauthor\n")
+        for rank, (i, title, _) in enumerate(books, 1):
+            f.write(f"{rank}\t{i}\t{title}\tSomebody\n")
+    return str(path)
+
+
+class _PdServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # clients that gave up (timeout fault) make writes fail; that is expected
+
+
+class _PdHandler(http.server.BaseHTTPRequestHandler):
+    """Serves server.files; server.faults[path] is a list of faults used up one per request: an HTTP
+    status such as '500', '429' or '404', 'html' (an HTML page), 'timeout' (answer after server.delay
+    s), 'truncate' (half the promised bytes)."""
+
+    def do_GET(self):
+        srv = self.server
+        with srv.lock:
+            srv.log.append((self.path, self.headers.get("User-Agent", "")))
+            faults = srv.faults.get(self.path)
+            fault = faults.pop(0) if faults else None
+        body = srv.files.get(self.path)
+        if fault == "html":
+            body = b"<!DOCTYPE html>\n<html><body>Please complete the check.</body></html>\n"
+        if fault == "timeout":
+            time.sleep(srv.delay)
+        status = int(fault) if fault and fault.isdigit() else 404 if body is None else 200
+        if status != 200:
+            self.send_error(status)
+        else:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2] if fault == "truncate" else body)
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _pd_serve(raws, all_paths=True):
+    """A loopback server with every book at gutenberg.org's three paths (or only the first); raws:
+    {ebook id: bytes}. A user's proxy must not see loopback requests: no_proxy is set meanwhile."""
+    srv = _PdServer(("127.0.0.1", 0), _PdHandler)
+    srv.lock, srv.log, srv.faults, srv.delay = threading.Lock(), [], {}, 1.0
+    patterns = prepare_data.URL_PATTERNS if all_paths else prepare_data.URL_PATTERNS[:1]
+    srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in patterns}
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("no_proxy", "127.0.0.1,localhost")
+            yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _pd_run(data_dir, *extra, books_tsv, mirror=None, timeout=0.5):
+    """prepare_data.main with fast network settings (a 0.5 s timeout, 2 retries after 0.01 s and
+    0.02 s, no pause); returns its exit status."""
+    argv = ["--data_dir", str(data_dir), "--books", books_tsv, *f"--vocab_size {_PD_VOCAB} --pause 0".split()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare_data, "TIMEOUT", timeout)
+        mp.setattr(prepare_data, "RETRIES", 2)
+        mp.setattr(prepare_data, "BACKOFF", 0.01)
+        return prepare_data.main(argv + (["--mirror", mirror] if mirror else []) + list(extra))
+
+
+def _pd_source(folder, raws=_PD_RAW, name="{}.txt"):
+    """Write raws ({ebook id: bytes}) into folder, a --source DIR, as name.format(id); returns folder."""
+    for i, raw in raws.items():
+        path = folder / name.format(i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(raw)
+    return folder
+
+
+def _pd_outputs(data_dir):
+    names = ["train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"]
+    return {n: open(os.path.join(data_dir, n), "rb").read() for n in names}
+
+
+def _pd_leftovers(root):
+    """Temp files anywhere under root (a half-written file would show up as one)."""
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+
+
+@pytest.fixture(autouse=True)
+def _pd_no_proxy(monkeypatch):
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")  # a user's proxy must not see loopback
+
+
+@pytest.fixture(scope="module")
+def pd_clean(tmp_path_factory):
+    """One run against a clean server: (data_dir, books.tsv, server url)."""
+    root = tmp_path_factory.mktemp("pd_clean")
+    tsv = _pd_books_tsv(root / "books.tsv")
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(root / "data", books_tsv=tsv, mirror=srv.url) == 0
+        url = srv.url
+    return root / "data", tsv, url
+
+
+def test_pd_strip_keeps_body_and_drops_licence():
+    for book_id, title, kind in _PD_BOOKS:
+        body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(_PD_RAW[book_id]))
+        assert body == _PD_BODIES[book_id], (book_id, kind)
+        assert (warning is not None) == (kind == "none"), (book_id, kind)
+        raw_lines = prepare_data.decode_book(_PD_RAW[book_id]).replace("\r\n", "\n").split("\n")
+        body_lines = set(_PD_BODIES[book_id].split("\n"))
+        wrapper = [ln for ln in raw_lines if ln.strip() and ln not in body_lines]
+        assert kind == "none" or len(wrapper) > 5  # the fixture really has a header and licence
+        kept = [ln for ln in wrapper if ln in body.split("\n")]
+        assert kept == [], (book_id, kind, kept)
+        assert "gutenberg" not in body.lower() and "small print" not in body.lower()
+
+
+def test_pd_decode_utf8_bom_and_cp1252():
+    assert (
+        prepare_data.decode_book("\ufeffcaf\u00e9 \u201cx\u201d".encode("utf-8")) == "caf\u00e9 \u201cx\u201d"
+    )
+    assert prepare_data.decode_book("caf\u00e9 \u201cx\u201d".encode("cp1252")) == "caf\u00e9 \u201cx\u201d"
+
+
+def test_pd_clean_run_outputs(pd_clean):
+    data_dir, _, url = pd_clean
+    meta = json.load(open(data_dir / "meta.json"))
+    ids = [i for i, _, _ in _PD_BOOKS]
+    assert meta["vocab_size"] == _PD_VOCAB and meta["source"] == url
+    assert sorted(meta["train_books"] + meta["val_books"]) == sorted(ids)
+    assert set(meta["train_books"]).isdisjoint(meta["val_books"]) and meta["val_books"]
+    enc = prepare_data.load_tokenizer(data_dir)
+    assert enc.n_vocab == _PD_VOCAB and enc.eot_token == _PD_VOCAB - 1
+    assert enc.decode([enc.eot_token]) == "<|endoftext|>"
+    for split in ("train", "val"):
+        tokens = np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
+        assert len(tokens) == meta[f"{split}_tokens"]
+        books = [i for i in ids if i in meta[f"{split}_books"]]  # in list order
+        expected = "".join(_PD_BODIES[i] + "<|endoftext|>" for i in books)
+        assert enc.decode(tokens.tolist()) == expected
+        assert int(tokens.max()) == enc.eot_token and (tokens == enc.eot_token).sum() == len(books)
+    lines = open(data_dir / "tokenizer.tiktoken", "rb").read().splitlines()
+    assert len(lines) == _PD_VOCAB - 1 and len({ln.split()[0] for ln in lines}) == _PD_VOCAB - 1
+    assert (
+        hashlib.sha256(open(data_dir / "tokenizer.tiktoken", "rb").read()).hexdigest()
+        == meta["tokenizer_sha256"]
+    )
+    assert sorted(os.listdir(data_dir / "raw")) == sorted(f"{i}.txt" for i in ids)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ["train.bin", "meta.json", "raw/9001.txt"]:  # written via temp files, normal modes
+        assert os.stat(data_dir / name).st_mode & 0o777 == 0o666 & ~umask
+    for i in ids:
+        assert open(data_dir / "raw" / f"{i}.txt", "rb").read() == _PD_RAW[i]
+
+
+def _pd_record_sleeps(monkeypatch):
+    """Record the main thread's time.sleep calls (the server's threads sleep for real)."""
+    calls, real_sleep = [], time.sleep
+
+    def sleep(s):
+        if threading.current_thread() is threading.main_thread():
+            calls.append(s)
+        real_sleep(s)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    return calls
+
+
+def test_pd_faults_are_retried_and_give_the_clean_result(pd_clean, tmp_path, monkeypatch):
+    clean_dir, tsv, _ = pd_clean
+    sleeps = _pd_record_sleeps(monkeypatch)
+    with _pd_serve(_PD_RAW) as srv:
+        first, second = prepare_data.URL_PATTERNS[:2]
+        srv.faults = {
+            first.format(id=9001): ["500", "500"],
+            first.format(id=9002): ["timeout"],
+            first.format(id=9003): ["404"],
+            first.format(id=9004): ["truncate"],
+            first.format(id=9005): ["html"],
+            first.format(id=9007): ["429"],
+        }
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
+        paths = collections.Counter(p for p, _ in srv.log)
+        agents = {a for _, a in srv.log}
+    assert all(not f for f in srv.faults.values())  # every fault was served
+    assert paths[first.format(id=9001)] == 3 and paths[first.format(id=9002)] == 2
+    assert paths[first.format(id=9003)] == 1 and paths[second.format(id=9003)] == 1
+    assert paths[first.format(id=9004)] == 2 and paths[first.format(id=9006)] == 1
+    assert paths[first.format(id=9005)] == 1 and paths[second.format(id=9005)] == 1  # HTML is no book
+    assert paths[first.format(id=9007)] == 2  # 429 Too Many Requests: wait, then the same URL
+    assert agents == {prepare_data.USER_AGENT}
+    # backoff 0.01 s doubling: 9001 waits twice, 9002, 9004 and 9007 once; --pause 0 between books
+    assert sorted(s for s in sleeps if s) == [0.01, 0.01, 0.01, 0.01, 0.02]
+    got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
+    meta_got, meta_want = json.loads(got.pop("meta.json")), json.loads(want.pop("meta.json"))
+    assert got == want  # train.bin, val.bin, tokenizer: byte for byte
+    meta_got.pop("source"), meta_want.pop("source")  # the two servers have different ports
+    assert meta_got == meta_want
+    assert _pd_leftovers(tmp_path) == []
+
+
+def test_pd_second_run_uses_cache_and_is_identical(pd_clean, tmp_path, monkeypatch):
+    _, tsv, _ = pd_clean
+    sleeps = _pd_record_sleeps(monkeypatch)
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(tmp_path / "data", "--pause", "0.05", books_tsv=tsv, mirror=srv.url) == 0
+        assert sleeps == [0.05] * (len(_PD_BOOKS) - 1)  # a pause between downloads
+        first = _pd_outputs(tmp_path / "data")
+        n_requests = len(srv.log)
+        assert _pd_run(tmp_path / "data", "--pause", "0.05", books_tsv=tsv, mirror=srv.url) == 0
+        assert len(srv.log) == n_requests == len(_PD_BOOKS)  # nothing fetched twice
+        assert len(sleeps) == len(_PD_BOOKS) - 1  # and no pauses for cached books
+    assert _pd_outputs(tmp_path / "data") == first
+
+
+def test_pd_source_dir_gives_the_same_result(pd_clean, tmp_path):
+    clean_dir, tsv, _ = pd_clean
+    src = tmp_path / "src"
+    for k, name in enumerate(["{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt"]):  # every naming style
+        _pd_source(src, {i: raw for i, raw in _PD_RAW.items() if i % 3 == k}, name)
+    assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
+    got, want = _pd_outputs(tmp_path / "data"), _pd_outputs(clean_dir)
+    for name in ("train.bin", "val.bin", "tokenizer.tiktoken"):
+        assert got[name] == want[name]
+
+
+def test_pd_server_down_fails_fast_and_leaves_no_partial_file(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.time()
+    url = f"http://127.0.0.1:{port}"
+    msg = error_line(
+        capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=url, timeout=30, many_lines=True
+    )
+    # a hang check, not a speed measurement: retrying must not wait for the 30 s timeout
+    assert time.time() - t0 < 10
+    assert "could not download" in msg and "ebook 9001" in msg and "--mirror" in msg and "--source" in msg
+    assert "not tried" in msg
+    first_book = [ln for ln in msg.split("\n") if "ebook 9001" in ln][0]
+    assert first_book.count("http://") == 1  # an unreachable host: its other paths are not tried
+    assert os.listdir(tmp_path / "data" / "raw") == [] and not os.path.exists(tmp_path / "data" / "train.bin")
+    assert _pd_leftovers(tmp_path) == []
+
+
+def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    raws = {i: r for i, r in _PD_RAW.items() if i != 9003}
+    with _pd_serve(raws) as srv:
+        err = error_line(capsys, _pd_run, tmp_path / "data", books_tsv=tsv, mirror=srv.url, many_lines=True)
+        failed = [ln for ln in err.split("\n") if ln.startswith("  ebook")]
+        assert len(failed) == 1 and "ebook 9003" in failed[0] and "HTTP 404" in failed[0]
+        assert sorted(os.listdir(tmp_path / "data" / "raw")) == sorted(f"{i}.txt" for i in raws)
+        assert not os.path.exists(tmp_path / "data" / "train.bin")
+        srv.files.update({p.format(id=9003): _PD_RAW[9003] for p in prepare_data.URL_PATTERNS})
+        n_requests = len(srv.log)
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
+        assert [p for p, _ in srv.log[n_requests:]] == [prepare_data.URL_PATTERNS[0].format(id=9003)]
+
+
+def test_pd_encoded_books_round_trip_arbitrary_unicode(pd_clean):
+    enc = prepare_data.load_tokenizer(pd_clean[0])
+    rng = random.Random(0)
+    ranges = [
+        (0x20, 0x7E),
+        (0xA0, 0x24F),
+        (0x300, 0x36F),
+        (0x590, 0x6FF),
+        (0x4E00, 0x9FFF),
+        (0xAC00, 0xD7A3),
+        (0x1F300, 0x1FAFF),
+        (0x10000, 0x10FFFF),
+    ]
+    samples = [
+        "",
+        " ",
+        "\n\n\t \r\n",
+        "e\u0301\u0302 a\u0308",
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f44d\U0001f3fd",
+        "\u4f60\u597d\uff0c\u4e16\u754c\u3002",
+        "\u00a0\u3000x",
+        "<|endoftext|>",
+        "don't 123 4567 ...!!",
+    ]
+    for _ in range(200):
+        lo, hi = rng.choice(ranges)
+        chars = [
+            chr(c)
+            for c in (rng.randint(lo, hi) for _ in range(rng.randint(1, 40)))
+            if not 0xD800 <= c <= 0xDFFF
+        ]
+        samples.append("".join(chars))
+        samples.append(bytes(rng.randrange(256) for _ in range(60)).decode("utf-8", errors="replace"))
+    samples.append(_PD_BODIES[9001])
+    ids = prepare_data.encode_books(enc, samples).tolist()  # the path train.bin is written by
+    ends = [i for i, t in enumerate(ids) if t == enc.eot_token]
+    assert len(ends) == len(samples)  # one <|endoftext|> after each book; text never turns into one
+    for s, start, end in zip(samples, [-1] + ends, ends):
+        assert enc.decode(ids[start + 1 : end]) == s
+
+
+def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    src = _pd_source(tmp_path / "src")
+    data = tmp_path / "data"
+    for vocab in (_PD_VOCAB, 300):  # the same path, a new file: no cached ranks may survive
+        assert _pd_run(data, "--source", str(src), "--vocab_size", str(vocab), books_tsv=tsv) == 0
+        enc = prepare_data.load_tokenizer(data)
+        assert enc.n_vocab == vocab and enc.eot_token == vocab - 1
+        assert enc.decode(enc.encode_ordinary(_PD_BODIES[9002])) == _PD_BODIES[9002]
+    tok = data / "tokenizer.tiktoken"
+    tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
+    assert "meta.json" in error_line(capsys, prepare_data.load_tokenizer, data)
+    os.remove(data / "meta.json")
+    assert "damaged" in error_line(capsys, prepare_data.load_tokenizer, data)
+    assert "run `python prepare_data.py" in error_line(
+        capsys, prepare_data.load_tokenizer, tmp_path / "nowhere"
+    )
+
+
+def _pd_naive_bpe(word_counts, n_tokens):
+    """Reference trainer: recount every pair before every merge."""
+    vocab = [bytes([b]) for b in range(256)]
+    ids = {t: i for i, t in enumerate(vocab)}
+    words = collections.Counter({tuple(w.encode("utf-8")): c for w, c in word_counts.items()})
+    while len(vocab) < n_tokens:
+        pairs = collections.Counter()
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] += c
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merged = vocab[best[0]] + vocab[best[1]]
+        if merged not in ids:
+            ids[merged] = len(vocab)
+            vocab.append(merged)
+        new, merged_words = ids[merged], collections.Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if w[i : i + 2] == best:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged_words[tuple(out)] += c
+        words = merged_words
+    return vocab
+
+
+def test_pd_bpe_worked_example_of_the_docstring():
+    vocab = prepare_data.train_bpe(collections.Counter({"aaab": 2, "ab": 1}), 259, log_every=0)
+    assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
+
+
+def test_pd_incremental_bpe_matches_full_recount():
+    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
+        rng = random.Random(seed)
+        words = collections.Counter(
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(400)
+        )
+        vocab = prepare_data.train_bpe(words, 256 + 60, log_every=0)
+        assert vocab == _pd_naive_bpe(words, 256 + 60)
+        assert len(set(vocab)) == len(vocab) == 256 + 60
+    words = prepare_data.count_words([_PD_BODIES[9001]])
+    assert prepare_data.train_bpe(words, 256 + 80, log_every=0) == _pd_naive_bpe(words, 256 + 80)
+
+
+def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
+    rng = random.Random(1)
+    ids = rng.sample(range(1, 60000), 100)
+    texts = ["x" * rng.randint(20_000, 600_000) for _ in ids]
+    train, val = prepare_data.split_books(ids, texts, 0.05)
+    assert sorted(train + val) == list(range(100)) and not set(train) & set(val)
+    share = sum(len(texts[i]) for i in val) / sum(map(len, texts))
+    assert 0.05 <= share < 0.05 + max(map(len, texts)) / sum(map(len, texts))
+    # the split depends on the books, not on their order in the list
+    order = list(range(100))
+    rng.shuffle(order)
+    train2, val2 = prepare_data.split_books([ids[i] for i in order], [texts[i] for i in order], 0.05)
+    assert sorted(ids[order[i]] for i in val2) == sorted(ids[i] for i in val)
+
+
+def test_pd_default_book_list_is_the_100_ranked_books_in_the_repository():
+    path = prepare_data.parse_args([]).books
+    assert os.path.dirname(path) == os.path.dirname(os.path.abspath(prepare_data.__file__))
+    books = prepare_data.read_books_tsv(path)
+    ranks = [line.split("\t")[0] for line in open(path, encoding="utf-8").read().splitlines()[1:]]
+    assert len(books) == 100 and ranks == [str(r) for r in range(1, 101)]
+    assert all(title and author for _, title, author in books)
+    assert books[0] == (11, "Alice's Adventures in Wonderland", "Lewis Carroll")
+    # the six validation books the docstring names are on the list
+    assert {55, 146, 51, 2726, 2557, 1154} <= {i for i, _, _ in books}
+
+
+def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\televen\tOops\tX\n")
+    cases = [
+        (["--books", str(bad)], "line 3"),
+        (["--books", tsv, "--mirror", "http://127.0.0.1:9", "--data_dir", str(bad)], "check --data_dir"),
+        (["--books", tsv, "--vocab_size", "70000"], "uint16"),
+        (["--books", tsv, "--vocab_size", "many"], "invalid int value"),
+        (["--books", tsv, "--pause", "-1"], "--pause"),
+        (["--books", tsv, "--source", str(tmp_path / "nowhere")], "not a folder"),
+        (["--books", tsv, "--mirror", "ftp://example"], "http"),
+        (["--books", tsv, "--source", str(tmp_path)], "not found in --source"),
+    ]
+    utf16 = tmp_path / "books-utf16.tsv"  # a spreadsheet's "Unicode text": read as it is
+    utf16.write_bytes(
+        open(tsv, encoding="utf-8").read().replace("The Brass Kite", "Brass Kite \u00e9").encode("utf-16")
+    )
+    titles = [t for _, t, _ in prepare_data.read_books_tsv(tsv)]
+    titles[1] = "Brass Kite \u00e9"
+    assert [t for _, t, _ in prepare_data.read_books_tsv(str(utf16))] == titles
+    latin1 = tmp_path / "books-latin1.tsv"
+    latin1.write_bytes("rank\tid\ttitle\n1\t11\tCaf\u00e9\n2\t12\tNa\u00efve\n".encode("latin-1"))
+    cases.append((["--books", str(latin1)], "save it as UTF-8"))
+    for argv, words in cases:  # a --data_dir in argv wins over the first
+        msg = error_line(capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data"), *argv])
+        assert words in msg, (argv, msg)
+    assert not os.path.exists(tmp_path / "data" / "train.bin")
+
+
+def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
+    """On an ASCII terminal (PYTHONIOENCODING=ascii) a title such as "The N\u00fcrnberg Stove" prints
+    as "The N?rnberg Stove" instead of ending the run with UnicodeEncodeError."""
+    tsv = _pd_books_tsv(tmp_path / "books.tsv", [(9001, "The N\u00fcrnberg Stove", "the"), *_PD_BOOKS[1:]])
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
+    out.flush()
+    assert "ebook 9001" in out.buffer.getvalue().decode("ascii")
+    assert "The N?rnberg Stove" in out.buffer.getvalue().decode("ascii")
+
+
+def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    short = _pd_wrap("the", 9006, "Lark Rise", "A short error page.\n")
+    src = _pd_source(tmp_path / "src", {**_PD_RAW, 9006: short})
+    err = error_line(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
+    assert "ebook 9006" in err and "characters" in err and str(src / "9006.txt") in err
+    (src / "9006.txt").write_bytes(b"")  # an empty file: the advice names it, not raw/9006.txt
+    err = error_line(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
+    assert "only 0 characters" in err and str(src / "9006.txt") in err and "raw" not in err
+    (src / "9006.txt").write_bytes(bytes(range(256)) * 40)  # a binary file is refused, not decoded
+    before = {p: p.read_bytes() for p in src.iterdir()}
+    err = error_line(capsys, _pd_run, tmp_path / "data", "--source", str(src), books_tsv=tsv)
+    assert "not a text file" in err and str(src / "9006.txt") in err
+    assert {p: p.read_bytes() for p in src.iterdir()} == before
+    assert not os.path.exists(tmp_path / "data" / "train.bin")
+
+
+def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    argv = ["--source", str(_pd_source(tmp_path / "src")), *"--vocab_size 60000".split()]
+    err = error_line(capsys, _pd_run, tmp_path / "data", *argv, books_tsv=tsv)
+    assert "smaller --vocab_size" in err
+
+
+# ======== training (train.py): data order, resume, the run folder, logging, bad inputs, DDP ========
+
+_TR_TINY = "--n_layer 2 --n_embd 32 --n_hidden 64 --block_size 16 --batch_size 8 --n_head 4".split()
+_TR_TINY += f"--eval_batches 2 --log_interval 5 --device {DEVICE}".split()
+
+
+def _tr_make_data(path, vocab=64, n_words=5000, seed=0):
+    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json), from made-up 'words':
+    fixed random token strings, so that there is something to learn."""
+    rng = np.random.default_rng(seed)
+    words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
+    ids = np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(np.uint16)
+    os.makedirs(path, exist_ok=True)
+    cut = int(0.9 * len(ids))
+    ids[:cut].tofile(os.path.join(path, "train.bin"))
+    ids[cut:].tofile(os.path.join(path, "val.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"vocab_size": vocab}, f)
+    return str(path)
+
+
+def _tr_log(run_dir):
+    with open(os.path.join(run_dir, "log.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def tr_data(tmp_path_factory):
+    return _tr_make_data(tmp_path_factory.mktemp("trdata") / "data")
+
+
+def _tr_add_checksums(path):
+    """meta.json as prepare_data.py writes it: token counts and sha256 of the token files."""
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    for split in ("train", "val"):
+        raw = open(os.path.join(path, f"{split}.bin"), "rb").read()
+        meta[f"{split}_tokens"], meta[f"{split}_sha256"] = len(raw) // 2, hashlib.sha256(raw).hexdigest()
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
+    return str(path)
+
+
+def _tr_files(folder):
+    """Every file in a folder with its bytes, to show that a refused command changed nothing."""
+    if not os.path.isdir(folder):
+        return None
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def _tr_train_loss_column(run_dir):
+    rows = _tr_log(run_dir)
+    assert [int(r["iter"]) for r in rows] == list(range(1, len(rows) + 1))  # no gaps, no duplicates
+    return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
+
+
+def test_train_batch_order_is_a_seeded_permutation_per_epoch():
+    n, b = 50, 8
+    per_epoch = n // b
+    epoch0 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch)])
+    epoch1 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
+    assert len(set(epoch0.tolist())) == per_epoch * b  # no start repeats within an epoch
+    assert 0 <= epoch0.min() and epoch0.max() < n
+    assert not torch.equal(epoch0, epoch1)  # a new permutation for the next epoch
+    assert torch.equal(train.batch_starts(2, n, b, 3), train.batch_starts(2, n, b, 3))
+    assert not torch.equal(train.batch_starts(0, n, b, 3), train.batch_starts(0, n, b, 4))
+
+
+def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
+    seen = {}
+    real_get_batch = train.get_batch
+
+    def recording(run):
+        def get_batch(data, starts, block_size, device):
+            x, y = real_get_batch(data, starts, block_size, device)
+            seen.setdefault(run, []).append((x.clone(), y.clone()))
+            return x, y
+
+        return get_batch
+
+    runs = {
+        "sa": ["--mixer", "sa", "--seed", "1", "--dropout", "0.1"],
+        "me": ["--mixer", "me", "--seed", "2", "--dropout", "0.0"],
+        "other_data_seed": ["--mixer", "me", "--data_seed", "99"],
+    }
+    for run, flags in runs.items():
+        monkeypatch.setattr(train, "get_batch", recording(run))
+        rc = train.main(_TR_TINY + flags + f"--data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
+                        + ["--out_dir", str(tmp_path / run)])  # fmt: skip
+        assert rc == 0
+    assert len(seen["sa"]) == len(seen["me"]) > 6  # 6 training batches plus the validation batches
+    for (xa, ya), (xm, ym) in zip(seen["sa"], seen["me"]):
+        assert torch.equal(xa, xm) and torch.equal(ya, ym)
+        assert torch.equal(xa[:, 1:], ya[:, :-1])  # y is x shifted by one token
+    assert not torch.equal(seen["sa"][0][0], seen["other_data_seed"][0][0])
+    # the validation windows are the same at every evaluation (batches 4-5 and 8-9 of the calls)
+    assert torch.equal(seen["sa"][3][0], seen["sa"][8][0])
+
+
+def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
+    flags = (
+        _TR_TINY
+        + f"--mixer sa --dropout 0.1 --data_dir {tr_data} --eval_interval 4 --ckpt_interval 3".split()
+    )
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
+    assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
+    with open(os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
+        f.write("7,1.0,,0.001,1.0,1.0\n8,2.")
+    # resumed with only --out_dir and --max_iters: every other setting comes from the checkpoint
+    assert train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
+    loss_full, val_full = _tr_train_loss_column(full)
+    loss_part, val_part = _tr_train_loss_column(part)
+    assert len(loss_full) == 14 and loss_part == loss_full  # the same strings: the same floats, to the bit
+    assert val_part["4"] == val_full["4"] and val_part["12"] == val_full["12"]
+    ckpt = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
+    assert ckpt["iter"] == 14 and ckpt["config"]["mixer"] == "sa" and ckpt["args"]["data_seed"] == 1337
+
+
+def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
+    flags = (
+        _TR_TINY
+        + f"--mixer me --dropout 0.1 --data_dir {tr_data} --eval_interval 100 --ckpt_interval 100".split()
+    )
+    flags += ["--max_iters", "10"]
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    assert train.main(flags + ["--out_dir", full]) == 0
+    real_get_batch, calls = train.get_batch, []
+
+    def interrupting(data, starts, block_size, device):
+        calls.append(1)
+        if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_get_batch(data, starts, block_size, device)
+
+    monkeypatch.setattr(train, "get_batch", interrupting)
+    assert train.main(flags + ["--out_dir", cut]) == 130
+    assert torch.load(os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert train.main(flags + ["--out_dir", cut, "--resume"]) == 0
+    assert _tr_train_loss_column(cut)[0] == _tr_train_loss_column(full)[0]
+
+
+def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
+    runs = []
+    for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
+        run = str(tmp_path / f"{m} {layers}")  # a space in the path: the printed hint quotes it
+        flags = (
+            f"--mixer {m} --n_layer {layers} --data_dir {tr_data} --max_iters 12 --eval_interval 6".split()
+        )
+        assert train.main(_TR_TINY + flags + ["--out_dir", run]) == 0
+        runs.append(run)
+    out = capsys.readouterr().out
+    assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
+    hint = next(line for line in out.splitlines() if line.startswith("sample from it: "))
+    assert shlex.split(hint.split(": ", 1)[1]) == ["python", "sample.py", "--out_dir", runs[0]]
+    rows = _tr_log(runs[0])
+    assert list(rows[0]) == ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
+    assert len(rows) == 12 and [r["val_loss"] != "" for r in rows].count(True) == 2
+    assert all(float(r["lr"]) == 1e-3 and float(r["tokens_per_s"]) > 0 for r in rows)
+    ckpt = torch.load(os.path.join(runs[0], "ckpt.pt"), weights_only=True)
+    assert {"model", "optimizer", "config", "args", "iter", "rng", "scaler"} <= set(ckpt)
+    for path in [os.path.join(r, "loss.png") for r in runs]:
+        assert_png(path)
+    outs = {k: str(tmp_path / f"{k}.png") for k in ("medians", "raw", "sweep")}
+    assert plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
+    assert plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
+    assert plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
+    for path in outs.values():
+        assert_png(path)
+    table = capsys.readouterr().out
+    assert all(os.path.basename(r) in table for r in runs)
+    # the printed median is the median of the last 1000 (here all 12) logged costs
+    assert f"{np.median([float(r['train_loss']) for r in rows]):.4f}" in table
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown mixer",
+        "missing data",
+        "n_head",
+        "negative",
+        "other config",
+        "existing run",
+        "token beyond vocab",
+        "resume nothing",
+        "bad batch",
+        "eval beyond val",
+    ],
+)
+def test_train_bad_input_gives_one_clear_line(case, tr_data, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    base = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out_dir, "--max_iters", "2"]
+    if case in ("other config", "existing run"):
+        assert train.main(base) == 0
+        capsys.readouterr()
+    if case == "token beyond vocab":
+        bad = _tr_make_data(tmp_path / "bad", vocab=64)
+        with open(os.path.join(bad, "meta.json"), "w") as f:
+            json.dump({"vocab_size": 32}, f)
+        base = base + ["--data_dir", bad]
+    argv = (
+        base
+        + {
+            "unknown mixer": ["--mixer", "nope"],
+            "missing data": ["--data_dir", str(tmp_path / "none")],
+            "n_head": ["--n_embd", "30", "--n_head", "4", "--mixer", "sa"],
+            "negative": ["--n_layer", "-2"],
+            "other config": ["--resume", "--n_layer", "3"],
+            "existing run": [],
+            "token beyond vocab": [],
+            "resume nothing": ["--resume"],
+            "bad batch": ["--batch_size", "0"],
+            "eval beyond val": ["--eval_batches", "1000000000"],
+        }[case]
+    )
+    before = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    err = error_line(capsys, train.main, argv)
+    key = {
+        "unknown mixer": "nope",
+        "missing data": "prepare_data",
+        "n_head": "n_head",
+        "negative": "n_layer",
+        "other config": "n_layer",
+        "existing run": "--resume",
+        "token beyond vocab": "vocab_size",
+        "resume nothing": "no checkpoint",
+        "bad batch": "batch_size",
+        "eval beyond val": "--eval_batches",
+    }[case]
+    assert key in err
+    after = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else None
+    assert after == before  # nothing written, nothing half-written
+
+
+@pytest.mark.slow
+def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
+    argv = f"train.py --mixer sa --n_embd 30 --n_head 4 --data_dir {tmp_path / 'missing'}".split()
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_train_help_gives_every_setting_its_symbol(capsys):
+    assert train.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    import dataclasses
+
+    for f in dataclasses.fields(train.Config):
+        if f.name != "vocab_size":
+            assert f"--{f.name}" in text, f.name
+    for name, symbol in common.SYMBOLS.items():  # the flag's own help starts with its symbol
+        assert re.search(rf"--{name} \S+\s+{re.escape(symbol)}: ", text), (name, symbol)
+    assert common.SYMBOLS["n_layer"] == "m" and common.SYMBOLS["block_size"] == "l"  # Table 1's letters
+
+
+@pytest.mark.slow
+def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
+    """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
+    whole global batch, as in one process."""
+    flags = _TR_TINY + f"--mixer sa --dropout 0 --data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
+    flags += "--ckpt_interval 3 --device cpu".split()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+        + flags
+        + ["--out_dir", str(tmp_path / "ddp")],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        env=env,
+        timeout=120,
     )
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("iter 6/6") == 1 and r.stdout.count("parameters:") == 1  # rank 0 only
+    assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
+    ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
+    assert len(ddp) == len(one) == 6
+    for a, b in zip(ddp, one):
+        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-5
+        assert (a["val_loss"] == "") == (b["val_loss"] == "")
+        if a["val_loss"]:
+            assert abs(float(a["val_loss"]) - float(b["val_loss"])) < 1e-5
+    ckpt = torch.load(str(tmp_path / "ddp" / "ckpt.pt"), weights_only=True)
+    assert len(ckpt["rng"]) == 2  # each rank's dropout stream, for resuming
+
+
+def test_train_default_run_folders_differ_for_different_settings():
+    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
+    assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
+    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
+        "--mixer=sa", "--n_head=1"
+    ).endswith("sa-1")
+    quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
+    assert quick == os.path.join(
+        "out", "me-m2-l64-b32"
+    )  # max_iters does not name the run: extend with --resume
+    assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
+
+
+def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
+    assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
+    os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
+    open(os.path.join(out, "log.csv"), "w").write(
+        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
+    )
+    open(os.path.join(out, "run.json"), "w").write("{}")
+    assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
+    assert "iter 10/12" in capsys.readouterr().out  # the first console line comes at batch 10
+
+
+def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
+    assert train.main(flags) == 0
+    capsys.readouterr()
+    before = _tr_files(out)
+    held = train.lock_run_dir(out)  # as if another train.py were running there
+    for argv in (flags + ["--overwrite"], flags[:-1] + ["8", "--resume"]):
+        assert "another train.py is running" in error_line(capsys, train.main, argv)
+        assert _tr_files(out) == before
+    held.close()  # the other process ends: its lock goes with it
+    assert train.main(flags[:-1] + ["8", "--resume"]) == 0
+
+
+def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys):
+    data = _tr_add_checksums(_tr_make_data(tmp_path / "a", seed=0))
+    other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
+    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"]
+    assert saved == os.path.abspath(data)
+    capsys.readouterr()
+    before = _tr_files(out)
+    resume = f"--out_dir {out} --max_iters 8 --resume --data_dir {other}".split()
+    assert "other data (train, val differ)" in error_line(capsys, train.main, resume)
+    assert _tr_files(out) == before
+    assert train.main(resume + ["--allow_other_data"]) == 0
+    # a checkpoint without the data's checksums is not one of this train.py's
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    del ckpt["data"]
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    argv = f"--out_dir {out} --max_iters 10 --resume".split()
+    assert "not from this train.py" in error_line(capsys, train.main, argv)
+
+
+def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, capsys):
+    for case in ("odd size", "changed"):
+        data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
+        raw = open(os.path.join(data, "train.bin"), "rb").read()
+        open(os.path.join(data, "train.bin"), "wb").write(
+            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
+        )
+        out = str(tmp_path / "run")
+        argv = _TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"]
+        assert ("odd number of bytes" if case == "odd size" else "sha256") in error_line(
+            capsys, train.main, argv
+        )
+        assert not os.path.exists(out)
+
+
+def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
+    tr_data, tmp_path, capsys, monkeypatch
+):
+    out = str(tmp_path / "run")
+    assert "--lr" in error_line(capsys, train.main, _TR_TINY + ["--data_dir", tr_data, "--lr", "inf"])
+    real, calls = train.train_step, []
+
+    def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
+        calls.append(1)
+        return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
+
+    monkeypatch.setattr(train, "train_step", diverging)
+    argv = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
+    assert "became nan at batch 15; ckpt.pt keeps batch 10" in error_line(capsys, train.main, argv)
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
+
+
+def _tr_signal_run(tmp_path, data, sig):
+    """train.py in a subprocess whose output goes to a pipe (as under nohup), stopped by `sig` once its
+    first console line, at batch 10, has come through."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
+    out = str(tmp_path / f"run-{sig}")
+    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
+    p = subprocess.Popen(
+        [sys.executable, "train.py"] + argv,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while "iter 10/" not in p.stdout.readline():
+        assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
+    p.send_signal(sig)
+    rest, err = p.communicate(timeout=120)
+    return p.returncode, rest, err, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_train_kill_and_hangup_checkpoint_and_stop_like_ctrl_c(tr_data, tmp_path, sig):
+    rc, rest, err, out = _tr_signal_run(tmp_path, tr_data, sig)
+    assert rc == 128 + sig and "Traceback" not in err and "stopped at batch" in rest
+    it = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
+    assert it > 10 and [int(r["iter"]) for r in _tr_log(out)] == list(range(1, it + 1))
+
+
+class _Killed(BaseException):
+    """Stands for kill -9 in the middle of a run: nothing in train.py catches it."""
+
+
+def test_train_folder_is_locked_before_it_is_judged(tr_data, tmp_path, monkeypatch, capsys):
+    """A second train.py started while the first still loads its data (8.6 s for a 1 GB train.bin) is
+    refused at once: the first took the lock before it judged the folder, not after the data."""
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
+    loading, second_done, real_load, first = threading.Event(), threading.Event(), train.load_data, {}
+
+    def slow_load(*args):  # the first call waits until the second run has had its go
+        if not loading.is_set():
+            loading.set()
+            second_done.wait(60)
+        return real_load(*args)
+
+    monkeypatch.setattr(train, "load_data", slow_load)
+    thread = threading.Thread(target=lambda: first.setdefault("rc", train.main(flags)))
+    thread.start()
+    assert loading.wait(60)
+    err = error_line(capsys, train.main, flags)
+    second_done.set()
+    thread.join(120)
+    assert "another train.py is running" in err
+    assert first["rc"] == 0 and torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 4
+
+
+def test_train_overwrite_killed_before_its_first_checkpoint_leaves_no_old_model(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """--overwrite removes the old run's checkpoint before it writes anything of the new run: killed at the
+    worst moment (new run.json and log.csv, no checkpoint yet) the folder holds no model at all."""
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
+    assert train.main(flags + ["--mixer", "sa"]) == 0
+    real_step = train.train_step
+    monkeypatch.setattr(train, "train_step", lambda *a, **k: (_ for _ in ()).throw(_Killed()))
+    with pytest.raises(_Killed):
+        train.main(flags + ["--mixer", "me", "--overwrite"])
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # the old model went first
+    assert json.load(open(os.path.join(out, "run.json")))["config"]["mixer"] == "me"
+    assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", out])
+    assert "no checkpoint" in error_line(capsys, train.main, flags + ["--resume"])
+    monkeypatch.setattr(train, "train_step", real_step)
+    assert train.main(flags + ["--mixer", "me"]) == 0  # a plain rerun starts the new run again
+    assert [int(r["iter"]) for r in _tr_log(out)] == [1, 2, 3, 4]
+
+
+def test_train_file_errors_are_one_line_saying_what_was_kept(tr_data, tmp_path, monkeypatch, capsys):
+    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "30", "--ckpt_interval", "20"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    assert "is a file" in error_line(capsys, train.main, flags + ["--out_dir", str(a_file)])
+    # a folder it may not write in (as root, chmod would not stop it: the refusal is simulated)
+    real_open = builtins.open
+
+    def read_only(path, *a, **k):
+        if str(path).endswith("train.lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "open", read_only)
+        err = error_line(capsys, train.main, flags + ["--out_dir", str(tmp_path / "ro")])
+    assert "Permission denied" in err
+    # the disk fills up at the second checkpoint (batch 20): torch.save raises RuntimeError
+    real_save, saves = torch.save, []
+
+    def disk_full(obj, f, *a, **k):
+        saves.append(1)
+        if len(saves) == 2:
+            f.write(b"half a checkpoint")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    out = str(tmp_path / "run")
+    err = error_line(capsys, train.main, flags + ["--out_dir", out])
+    assert "it keeps batch 5" in err  # (the first log point, at 5)
+    monkeypatch.undo()
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 5
+    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
+
+
+def test_train_removes_the_temp_files_of_a_killed_write(tr_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(out)]
+    assert train.main(flags + ["--max_iters", "4"]) == 0
+    (out / ".ckpt.ptx8k2_q.tmp").write_bytes(bytes(5000))  # kill -9 during torch.save leaves this
+    (out / "notes.tmp").write_text("the user's own file")
+    capsys.readouterr()
+    assert train.main(flags + ["--max_iters", "8", "--resume"]) == 0
+    assert not (out / ".ckpt.ptx8k2_q.tmp").exists() and (out / "notes.tmp").exists()
+    assert "removed 1 temp file(s) of a killed write" in capsys.readouterr().out
+
+
+def test_train_reports_its_peak_memory_last(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    run = json.load(open(os.path.join(out, "run.json")))
+    what = "peak CUDA memory allocated" if DEVICE.type == "cuda" else "peak resident memory"
+    assert run["peak_memory_is"] == what and last.startswith(f"{what}: ") and last.endswith(" GB")
+    assert abs(float(last.split()[-2]) - run["peak_memory_mb"] / 1024) < 0.01
+    if DEVICE.type == "cpu":  # the process's own high-water mark: torch alone is over 100 MB
+        assert 100 < run["peak_memory_mb"] < 8000
+
+
+_TR_MEMORY_DRIVER = """
+import sys, train
+rss, real = {}, train.get_batch
+def resident_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) / 1024
+def get_batch(*args):
+    rss[len(rss)] = resident_mb()  # before batch k + 1, i.e. after k batches
+    return real(*args)
+train.get_batch = get_batch
+rc = train.main(sys.argv[1:])
+print("RSS", rss[20], resident_mb())
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self/status; the glibc tweak is Linux's"
+)
+def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
+    """With 8 MB of logits per batch, a tensor kept per batch until the next log point would let the
+    process grow by gigabytes over 200 batches (it did, before the loss buffer)."""
+    data = _tr_make_data(tmp_path / "data", vocab=2000, n_words=40000)
+    argv = "--mixer me --n_layer 1 --n_embd 16 --n_hidden 16 --block_size 32 --batch_size 32 --max_iters 200"
+    argv += f" --log_interval 1000 --ckpt_interval 1000 --eval_batches 0 --device cpu --data_dir {data}"
+    argv = (argv + f" --out_dir {tmp_path / 'run'}").split()
+    r = subprocess.run(
+        [sys.executable, "-c", _TR_MEMORY_DRIVER] + argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr
+    after_20, end = map(float, r.stdout.split("RSS")[1].split())
+    assert end < after_20 + 150, f"resident memory grew from {after_20:.0f} MB to {end:.0f} MB"
+
+
+# ======== sampling (sample.py), and end to end: fixture books -> prepare_data -> train -> sample ========
+
+# English words, so that the prompts of the sampling tests are made of the books' own words
+_TR_WORDS = (
+    "the a little old fox owl hen miller baker lantern river garden moon kettle meadow sang found "
+    "carried laughed whispered wandered over under beside quickly softly bright green silver "
+    "morning evening and but so then once upon time there was who"
+).split()
+
+
+@pytest.fixture(scope="module")
+def tr_prepared(tmp_path_factory):
+    """prepare_data.py's outputs for three made-up books served by a loopback mirror."""
+    root = tmp_path_factory.mktemp("trprep")
+    books = [(i, f"Made-up Tales {i}", "the") for i in (101, 102, 103)]
+    raws = {i: _pd_wrap(kind, i, title, fake_book(i, 900, _TR_WORDS)) for i, title, kind in books}
+    tsv = _pd_books_tsv(root / "books.tsv", books)
+    with _pd_serve(raws, all_paths=False) as srv:
+        argv = ["--data_dir", str(root / "data"), "--mirror", srv.url, "--books", tsv]
+        assert prepare_data.main([*argv, *"--vocab_size 300 --pause 0 --min_chars 1000".split()]) == 0
+    return str(root / "data")
+
+
+def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
+    """A byte-level token may hold part of a UTF-8 character: nothing is printed until it is whole."""
+    from prepare_data import load_tokenizer
+
+    enc = load_tokenizer(tr_prepared)
+    text = "é€ ok"
+    ids = [enc.encode_single_token(bytes([c])) for c in text.encode("utf-8")]  # one token per byte
+
+    class FakeModel:
+        def generate_stream(self, idx, max_new_tokens, **kw):
+            for i in ids[:max_new_tokens]:
+                yield torch.tensor([[i]])
+
+    args = sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
+    sample.stream(FakeModel(), None, enc, args)
+    assert capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.slow
+def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, capsys, monkeypatch):
+    data = tr_prepared
+    monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
+    for mixer in ("sa", "me"):
+        flags = f"--mixer {mixer} --data_dir {data} --n_layer 2 --n_embd 32 --n_hidden 64 --block_size 32"
+        flags += " --batch_size 16 --n_head 4 --max_iters 40 --eval_interval 20 --eval_batches 2 --lr 3e-3"
+        flags += f" --device {DEVICE} --out_dir out/{'sa-4' if mixer == 'sa' else 'me'}"
+        assert train.main(flags.split()) == 0
+        loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
+        assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
+    capsys.readouterr()
+    prompt = "Once upon a time there was"
+    assert sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
+    first = capsys.readouterr()
+    assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
+    assert (
+        sample.main(["--out_dir", "out/me", "--prompt", prompt, *"--max_new_tokens 30 --seed 7".split()]) == 0
+    )
+    assert capsys.readouterr().out == first.out  # the seed makes it reproducible
+    long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
+    argv = ["--out_dir", "out/sa-4", "--prompt", long_prompt, *"--max_new_tokens 5 --num_samples 2".split()]
+    assert sample.main(argv) == 0
+    res = capsys.readouterr()
+    assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
+    assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", "out/nothing"])
+
+
+def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", tr_prepared, "--out_dir", out, "--max_iters", "4"]) == 0
+    capsys.readouterr()
+    # --temperature 0 is greedy: the seed no longer matters
+    texts = []
+    for seed in ("1", "2"):
+        assert (
+            sample.main(["--out_dir", out, "--temperature", "0", "--seed", seed, "--max_new_tokens", "8"])
+            == 0
+        )
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    # from another directory: the checkpoint holds the data folder's absolute path
+    monkeypatch.chdir(tmp_path.parent.parent)
+    assert sample.main(["--out_dir", out, "--max_new_tokens", "3"]) == 0
+    capsys.readouterr()
+    # a terminal that cannot show a character gets '?', not a UnicodeEncodeError
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert (
+        sample.main(["--out_dir", out, "--prompt", "Once upon a time \u2019", "--max_new_tokens", "3"]) == 0
+    )
+    ascii_out.flush()
+    assert ascii_out.buffer.getvalue().startswith(b"Once upon a time ?")
+    monkeypatch.undo()
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # the peak memory of the generation, last
+    assert last.startswith("# 3 tokens in") and ("peak resident memory" in last or DEVICE.type != "cpu")
+    assert "finite" in error_line(capsys, sample.main, ["--out_dir", out, "--temperature", "inf"])
+    # another corpus's tokenizer is refused
+    other = tmp_path / "other"
+    os.makedirs(other)
+    tok = open(os.path.join(tr_prepared, "tokenizer.tiktoken"), "rb").read().splitlines()
+    open(other / "tokenizer.tiktoken", "wb").write(b"\n".join(tok[:-1]) + b"\n")
+    assert "tokenizer" in error_line(capsys, sample.main, ["--out_dir", out, "--data_dir", str(other)])
+    # Ctrl-C while sampling ends quietly
+    capsys.readouterr()
+    monkeypatch.setattr(sample, "stream", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert sample.main(["--out_dir", out]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ======== plots and results (plot.py) ========
+
+
+def test_plot_window_medians():
+    loss = np.array([5.0, 1.0, 3.0, 2.0, 9.0, 4.0, 7.0])
+    ends, med = plot.window_medians(loss, 3)
+    assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
+
+
+def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000, seed=1337, **config):
+    """A run folder as train.py writes it, with made-up costs: run.json and log.csv."""
+    os.makedirs(folder)
+    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32, **config}
+    args = {"batch_size": 64, "seed": seed}
+    run = {"config": cfg, "args": args, "params": {"mixers": params, "total": 10 * params}}
+    with open(os.path.join(folder, "run.json"), "w") as f:
+        json.dump(run, f)
+    with open(os.path.join(folder, "log.csv"), "w") as f:
+        f.write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n")
+        for i, loss in enumerate(losses, 1):
+            val = repr(loss - 0.5) if i % val_every == 0 else ""
+            f.write(f"{i},{loss!r},{val},0.001,{1000.0 + i % 3},{i * 0.1:.3f}\n")
+        f.write("7")  # a half-written last row, as in a run that is still going
+
+
+def test_plot_results_csvs_are_the_window_medians_of_the_logs(tmp_path):
+    rng = random.Random(0)
+    logs = {"sa-32": [rng.uniform(3, 6) for _ in range(23)], "she": [rng.uniform(3, 6) for _ in range(21)]}
+    dirs = {"sa-32": str(tmp_path / "a"), "she": str(tmp_path / "b")}
+    _plot_fake_run(dirs["she"], "she", 1, logs["she"], val_every=5)  # given first: the order comes from STYLE
+    _plot_fake_run(dirs["sa-32"], "sa", 32, logs["sa-32"], val_every=5)
+    out = tmp_path / "results"
+    argv = [dirs["she"], dirs["sa-32"], "--window", "4", "--results", str(out), "-o", str(out / "f.png")]
+    assert plot.main(argv) == 0
+    assert_png(out / "f.png")
+    read = lambda name: list(csv.reader(open(out / name)))
+    medians = read("medians.csv")
+    assert medians[0] == ["batches", "sa-32", "she"]
+    # every full window of 4 batches, up to the shorter run's 5 windows; the longer run's 5th too
+    assert [int(r[0]) for r in medians[1:]] == [4, 8, 12, 16, 20]
+    for row in medians[1:]:
+        end = int(row[0])
+        for col, name in ((1, "sa-32"), (2, "she")):
+            window = sorted(logs[name][end - 4 : end])
+            assert float(row[col]) == (window[1] + window[2]) / 2  # median of four, exactly
+    vals = read("val_loss.csv")
+    assert [int(r[0]) for r in vals[1:]] == [5, 10, 15, 20]
+    assert float(vals[2][2]) == logs["she"][9] - 0.5
+    summary = {r["run"]: r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert summary["she"]["batches"] == "21" and summary["sa-32"]["params_mixers"] == "1000"
+    assert float(summary["she"]["median_last_1000"]) == float(np.median(logs["she"]))
+    assert float(summary["sa-32"]["val_loss"]) == logs["sa-32"][19] - 0.5
+    # --batches compares the runs at one length: the first 16 batches of each
+    assert plot.main(argv + ["--batches", "16"]) == 0
+    assert [int(r[0]) for r in read("medians.csv")[1:]] == [4, 8, 12, 16]
+    summary = {r["run"]: r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert summary["sa-32"]["batches"] == "16" and float(summary["she"]["median_last_1000"]) == float(
+        np.median(logs["she"][:16])
+    )
+    assert plot.main(argv + ["--batches", "22"]) == 1  # she has only 21
+
+
+def test_plot_default_window_fits_a_short_run(tmp_path):
+    """Without --window a run of 90 batches (fewer than the paper's 2000) gets 30 windows of 3."""
+    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
+    argv = [str(tmp_path / "run"), "--results", str(tmp_path), "-o", str(tmp_path / "run.png")]
+    assert plot.main(argv) == 0
+    medians = list(csv.DictReader(open(tmp_path / "medians.csv")))
+    assert [int(r["batches"]) for r in medians] == list(range(3, 91, 3))
+    assert plot.auto_window(60000) == 2000 and plot.auto_window(90) == 3 and plot.auto_window(5) == 1
+
+
+def test_plot_bad_input_gives_one_line(tmp_path, capsys):
+    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0] * 10, val_every=5)
+    cases = [
+        [str(tmp_path / "nope")],
+        [str(tmp_path / "run"), "--window", "50"],
+        [str(tmp_path / "run"), "--sweep", "colour"],
+        [str(tmp_path / "run"), "--window", "0"],
+    ]
+    for argv in cases:
+        error_line(capsys, plot.main, argv + ["-o", str(tmp_path / "x.png")])
+    assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_plot_one_run_without_o_redraws_its_own_loss_png(tmp_path, capsys, monkeypatch):
+    run = str(tmp_path / "me-m2")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
+    monkeypatch.chdir(tmp_path)
+    assert plot.main([run]) == 0
+    assert os.listdir(tmp_path) == ["me-m2"]  # nothing in the working folder
+    plot.plot_run(run, str(tmp_path / "by_train.png"))  # what train.py draws at the end
+    with open(os.path.join(run, "loss.png"), "rb") as a, open(tmp_path / "by_train.png", "rb") as b:
+        assert a.read() == b.read()
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run}/loss.png"
+    other = str(tmp_path / "other")
+    _plot_fake_run(other, "he", 1, [5.0] * 90, val_every=30)
+    assert "name it with -o" in error_line(capsys, plot.main, [run, other])  # several runs: no default file
+
+
+def test_plot_unknown_image_extension_is_one_line_naming_the_formats(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    err = error_line(capsys, plot.main, [run, "-o", str(tmp_path / "x.xyz")])
+    assert "cannot write a .xyz image" in err and ".png" in err and ".svg" in err and ".pdf" in err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_plot_batches_errors_are_plain_sentences(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    argv = [run, "-o", str(tmp_path / "x.png")]
+    assert (
+        error_line(capsys, plot.main, argv + ["--batches", "0"])
+        == "error: --batches must be at least 1, got 0"
+    )
+    err = error_line(capsys, plot.main, argv + ["--batches", "11"])
+    assert err == f"error: --batches 11: {run} has only 10 batches; pass --batches 10 or less"
+
+
+def test_plot_printed_paths_paste_back_as_the_same_paths(tmp_path, capsys):
+    run = str(tmp_path / "my runs" / "me")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(40)], val_every=10)
+    out, res = str(tmp_path / "my figs" / "a b.png"), str(tmp_path / "my results")
+    assert plot.main([run, "-o", out, "--results", res]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    csvs = [os.path.join(res, f) for f in ("medians.csv", "val_loss.csv", "summary.csv")]
+    assert shlex.split(last) == ["wrote", out] + csvs
+    assert all(os.path.isfile(p) for p in [out] + csvs)
+
+
+def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path):
+    rng = random.Random(1)
+    losses = [rng.uniform(3, 6) for _ in range(2500)]
+    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses, val_every=500)
+    assert plot.main([str(tmp_path / "he"), "-o", str(tmp_path / "f.png"), "--results", str(tmp_path)]) == 0
+    (row,) = csv.DictReader(open(tmp_path / "summary.csv"))
+    assert float(row["median_last_1000"]) == float(np.median(losses[-1000:]))
+    assert float(row["median_last_2000"]) == float(np.median(losses[-2000:]))
+    assert row["batches"] == "2500" and float(row["val_loss"]) == losses[2499] - 0.5
+
+
+def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, capsys):
+    rng = random.Random(2)
+    runs = {  # folder: (mixer, heads, seed, batches); the seed-1337 runs are the longer ones
+        "sa-32": ("sa", 32, 1337, 1500),
+        "she": ("she", 1, 1337, 1400),
+        "she-s1338": ("she", 1, 1338, 1100),
+        "she-s1339": ("she", 1, 1339, 1200),
+        "sa-32-s1338": ("sa", 32, 1338, 1300),
+    }
+    losses = {}
+    for name, (mixer, heads, seed, n) in runs.items():
+        losses[name] = [rng.uniform(3, 6) for _ in range(n)]
+        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, seed=seed)
+    main_runs = [str(tmp_path / n) for n in ("she", "sa-32")]
+    seeds = [str(tmp_path / n) for n in ("she-s1338", "she-s1339", "sa-32-s1338")]
+    res = tmp_path / "results"
+    argv = (
+        main_runs + ["--seeds"] + seeds + ["--results", str(res), "-o", str(res / "f.png"), "--window", "100"]
+    )
+    assert plot.main(argv) == 0
+    rows = list(csv.DictReader(open(res / "seeds.csv")))
+    assert list(rows[0]) == ["mixer", "seed", "batches", "median_last_1000", "val_loss"]
+    labels = [("sa-32", "1337"), ("sa-32", "1338"), ("she", "1337"), ("she", "1338"), ("she", "1339")]
+    assert [(r["mixer"], r["seed"]) for r in rows] == labels
+    for r, name in zip(
+        rows, ["sa-32", "sa-32-s1338", "she", "she-s1338", "she-s1339"]
+    ):  # every run at the shortest run's 1100 batches
+        assert r["batches"] == "1100"
+        assert float(r["median_last_1000"]) == float(np.median(losses[name][100:1100]))
+        assert float(r["val_loss"]) == losses[name][1099] - 0.5
+    # the figure's tables keep one column or row per mixer, each at its full length
+    assert next(csv.reader(open(res / "medians.csv"))) == ["batches", "sa-32", "she"]
+    summary = list(csv.DictReader(open(res / "summary.csv")))
+    assert [(r["run"], r["batches"]) for r in summary] == [("sa-32", "1500"), ("she", "1400")]
+    # --batches shorter than every run: all rows there
+    assert plot.main(argv + ["--batches", "1050"]) == 0
+    assert {r["batches"] for r in csv.DictReader(open(res / "seeds.csv"))} == {"1050"}
+    assert "seeds.csv, which --results DIR writes" in error_line(
+        capsys, plot.main, main_runs + ["--seeds"] + seeds + ["-o", str(res / "f.png")]
+    )
+
+
+def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
+    rng = random.Random(3)
+    runs, losses = [], {}
+    for name, mixer, heads in (("she", "she", 1), ("sa-32", "sa", 32)):
+        for l in (64, 128):
+            run = str(tmp_path / f"{l}-{name}")  # the names sort in no useful order
+            losses[name, l] = [rng.uniform(3, 6) for _ in range(2500)]
+            _plot_fake_run(run, mixer, heads, losses[name, l], val_every=500, block_size=l)
+            runs.append(run)
+    res = tmp_path / "results"
+    argv = runs + ["--sweep", "block_size", "--results", str(res), "-o", str(res / "fig10_l_sweep.png")]
+    assert plot.main(argv) == 0
+    assert sorted(os.listdir(res)) == ["fig10_l_sweep.csv", "fig10_l_sweep.png"]  # no medians.csv etc.
+    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
+    assert list(rows[0]) == ["mixer", "l", "batches", "median_last_2000", "val_loss"]  # 2000: the default
+    expect = [("sa-32", "64"), ("sa-32", "128"), ("she", "64"), ("she", "128")]
+    assert [(r["mixer"], r["l"]) for r in rows] == expect
+    for r in rows:
+        loss = losses[r["mixer"], int(r["l"])]
+        assert r["batches"] == "2500" and float(r["median_last_2000"]) == float(np.median(loss[-2000:]))
+        assert float(r["val_loss"]) == loss[2499] - 0.5
+    assert plot.main(argv + ["--batches", "2200", "--window", "1000"]) == 0
+    rows = list(csv.DictReader(open(res / "fig10_l_sweep.csv")))
+    assert float(rows[0]["median_last_1000"]) == float(np.median(losses["sa-32", 64][1200:2200]))
+    assert float(rows[0]["val_loss"]) == losses["sa-32", 64][1999] - 0.5 and rows[0]["batches"] == "2200"
+    runs, losses = [], {}
+    for m in (4, 2):  # an m sweep of short runs: the median of the whole run
+        runs.append(str(tmp_path / f"he-m{m}"))
+        losses[m] = [rng.uniform(3, 6) for _ in range(50)]
+        _plot_fake_run(runs[-1], "he", 1, losses[m], val_every=10, n_layer=m)
+    assert (
+        plot.main(runs + ["--sweep", "n_layer", "--results", str(res), "-o", str(tmp_path / "f11.svg")]) == 0
+    )
+    rows = list(csv.DictReader(open(res / "f11.csv")))
+    assert list(rows[0]) == ["mixer", "m", "batches", "median_last_50", "val_loss"]
+    for r, m in zip(rows, (2, 4)):
+        assert (r["mixer"], r["m"], r["batches"]) == ("he", str(m), "50")
+        assert float(r["median_last_50"]) == float(np.median(losses[m]))
+
+
+def test_plot_sweep_draws_the_papers_axes_and_the_validation_loss_beside_them(tmp_path, monkeypatch):
+    rows = [  # as sweep_rows gives them; sa-32 has no validation loss at l = 64
+        {"mixer": "sa-32", "l": 32, "batches": 10, "median_last_10": 4.0, "val_loss": 3.9},
+        {"mixer": "sa-32", "l": 64, "batches": 10, "median_last_10": 3.8, "val_loss": ""},
+        {"mixer": "she", "l": 32, "batches": 10, "median_last_10": 4.1, "val_loss": 4.2},
+        {"mixer": "she", "l": 64, "batches": 10, "median_last_10": 3.7, "val_loss": 3.95},
+    ]
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
+    plot.plot_sweep(rows, "block_size", str(tmp_path / "f.png"), 10)
+    left, right = figures[0].axes
+    assert (
+        left.get_ylabel() == "median cost of the last 10 batches" and right.get_ylabel() == "validation loss"
+    )
+    lines = lambda ax: {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
+    assert lines(left) == {"sa-32": ([32, 64], [4.0, 3.8]), "she": ([32, 64], [4.1, 3.7])}
+    assert lines(right) == {"sa-32": ([32], [3.9]), "she": ([32, 64], [4.2, 3.95])}
+    plot.plt.close(figures[0])
+
+
+def test_plot_sweep_keeps_the_points_of_a_csv_it_wrote_where_no_run_replaces_them(tmp_path, capsys):
+    rng = random.Random(5)
+    losses = {}
+
+    def run(name, mixer, heads, l):  # a run folder of 2100 batches at block size l
+        losses[name] = [rng.uniform(3, 6) for _ in range(2100)]
+        _plot_fake_run(str(tmp_path / name), mixer, heads, losses[name], val_every=100, block_size=l)
+        return str(tmp_path / name)
+
+    res = tmp_path / "results"
+    fig, table = str(res / "fig10.png"), str(res / "fig10.csv")
+    sweep = ["--sweep", "block_size", "--results", str(res), "-o", fig]
+    assert plot.main([run("she-32", "she", 1, 32), run("sa-32", "sa", 32, 32)] + sweep) == 0
+    earlier = open(table).read()
+    # the first runs are gone; a new run and the CSV make the figure with all three points
+    assert plot.main([table, run("she-64", "she", 1, 64)] + sweep) == 0
+    rows = list(csv.DictReader(open(table)))
+    assert [(r["mixer"], r["l"]) for r in rows] == [("sa-32", "32"), ("she", "32"), ("she", "64")]
+    assert float(rows[2]["median_last_2000"]) == float(np.median(losses["she-64"][-2000:]))
+    assert open(table).read().splitlines()[:3] == earlier.splitlines()  # earlier rows kept to the digit
+    # a run folder at a point the CSV holds replaces that point
+    assert plot.main([table, run("she-32b", "she", 1, 32)] + sweep) == 0
+    rows = list(csv.DictReader(open(table)))
+    assert len(rows) == 3 and float(rows[1]["median_last_2000"]) == float(
+        np.median(losses["she-32b"][-2000:])
+    )
+    # the CSV alone redraws the figure and rewrites the same CSV
+    before = open(table).read()
+    assert plot.main([table] + sweep) == 0 and open(table).read() == before
+    # bad inputs: one line each
+    other = ["--sweep", "n_layer", "-o", str(tmp_path / "f.png")]
+    assert "header must be mixer,m,batches,median_last_2000,val_loss" in error_line(
+        capsys, plot.main, [table] + other
+    )
+    assert "the sa-32 point at l = 32 is at 2100 batches, not --batches 2050" in error_line(
+        capsys, plot.main, [table, "--batches", "2050"] + sweep
+    )
+    assert "adds earlier points to a --sweep figure" in error_line(capsys, plot.main, [table, "-o", fig])
+    assert "not found" in error_line(capsys, plot.main, [str(tmp_path / "nope.csv")] + sweep)
+    with open(table, "a") as f:
+        f.write("we,32,2100,low,3.9\n")
+    assert "fig10.csv, line 5: not a number" in error_line(capsys, plot.main, [table] + sweep)
+
+
+def test_plot_tap_profile_is_each_taps_norm_per_layer():
+    c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # one tap per distance back k = 1..4
+    cases = {  # mixer: (taps, their norms / |c|); d = 4
+        "me": (c, 1.0),
+        "we": (c[:, None] * torch.ones(4), 2.0),  # ||c (1, 1, 1, 1)||_2 = 2|c|
+        "he": (c[:, None] * torch.ones(4), 2.0),
+        "she": (c[:, None, None] * torch.eye(4), 2.0),  # ||c I||_F = 2|c|
+    }
+    for mixer, (taps, norm) in cases.items():
+        model = tiny_model(mixer, l=4, d=4, n_head=1, vocab=16)
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(taps * (i + 1))
+        profile = plot.tap_profile(model)
+        assert list(profile) == [1, 2], mixer
+        for layer in (1, 2):  # layer 2's taps are twice layer 1's
+            assert profile[layer].tolist() == [norm * layer * abs(v) for v in c.tolist()], (mixer, layer)
+
+
+def test_plot_recomputed_attention_weights_give_the_mixers_output():
+    mixer = tiny_model("sa", l=6, d=8, n_head=2, vocab=16).layers[0].mixer
+    torch.nn.init.normal_(mixer.W_QKV.weight)  # far from uniform attention
+    x = torch.randn(3, 6, 8)
+    a = plot.attention_weights(mixer, x)  # (3, 2, 6, 6)
+    assert torch.allclose(a.sum(-1), torch.ones(3, 2, 6)) and (a.triu(1) == 0).all()
+    assert a.max() > 0.9  # sharp rows: a wrong scale or head split would not reproduce the output
+    v = mixer.W_QKV(x)[..., 16:].view(3, 6, 2, 4).transpose(1, 2)  # (B, n, t, h)
+    r = (a @ v).transpose(1, 2).reshape(3, 6, 8)
+    assert torch.allclose(mixer.W_out_att(r), mixer(x), atol=1e-5)
+
+
+def test_plot_attention_by_distance_of_uniform_attention_by_hand():
+    model = tiny_model("sa", l=4, d=8, n_head=2, vocab=16)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
+    windows = torch.randint(0, 16, (40, 4))  # two chunks of 32 and 8
+    by_hand = [(1 + 1 / 2 + 1 / 3 + 1 / 4) / 4, (1 / 2 + 1 / 3 + 1 / 4) / 3, (1 / 3 + 1 / 4) / 2, 1 / 4]
+    profile = plot.tap_profile(model, windows)
+    assert list(profile) == [1, 2]
+    for layer in (1, 2):
+        np.testing.assert_allclose(profile[layer], by_hand, rtol=1e-6)
+    np.testing.assert_allclose(plot.uniform_by_distance(4), by_hand, rtol=1e-15)
+
+
+def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_and_windows():
+    model = tiny_model("sa", l=5, d=8, n_head=2, vocab=16)
+    for layer in model.layers:
+        torch.nn.init.normal_(layer.mixer.W_QKV.weight)
+    windows = torch.randint(0, 16, (7, 5))
+    profile = plot.tap_profile(model, windows)
+    with torch.no_grad():
+        pos = torch.arange(5)
+        h = (model.emb_tok(windows) + model.emb_pos(pos)) * math.sqrt(8)  # dropout is off in eval
+        for i, layer in enumerate(model.layers, 1):
+            a = plot.attention_weights(layer.mixer, layer.ln1(h))  # (7, 2, 5, 5)
+            for back in range(5):
+                pairs = [a[b, n, j + back, j] for b in range(7) for n in range(2) for j in range(5 - back)]
+                assert abs(profile[i][back] - float(sum(pairs)) / len(pairs)) < 1e-6, (i, back)
+            h = layer(h)
+
+
+def test_plot_val_windows_are_spread_evenly_over_val_bin(tmp_path):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    windows = plot.val_windows(str(tmp_path), 4, n=3)  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
+    assert windows.tolist() == [[0, 1, 2, 3], [48, 49, 50, 51], [95, 96, 97, 98]]
+
+
+def _plot_fake_ckpt_run(folder, model, data_dir):
+    """A run folder with run.json, log.csv and a ckpt.pt holding `model`."""
+    _plot_fake_run(folder, model.cfg.mixer, model.cfg.n_head, [5.0] * 10, val_every=5)
+    ckpt = {
+        "model": model.state_dict(),
+        "config": vars(model.cfg),
+        "args": {"data_dir": data_dir},
+        "iter": 10,
+    }
+    torch.save(ckpt, os.path.join(folder, "ckpt.pt"))
+
+
+def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (np.arange(300) % 16).astype(np.uint16).tofile(data / "val.bin")
+    models = {
+        "me": tiny_model("me", l=4, d=4, n_head=1, vocab=16),
+        "sa": tiny_model("sa", l=4, d=8, n_head=1, vocab=16),
+    }
+    runs = {}
+    for name, model in models.items():
+        runs[name] = str(tmp_path / name)
+        _plot_fake_ckpt_run(runs[name], model, str(tmp_path / "moved"))  # its data has moved since
+    figures, save = [], plot.save
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
+    argv = [runs["me"], runs["sa"], "--taps", "-o", str(tmp_path / "taps.png")]
+    assert "val.bin not found; pass --data_dir" in error_line(capsys, plot.main, argv)
+    assert plot.main(argv + ["--data_dir", str(data)]) == 0
+    assert_png(tmp_path / "taps.png")
+    panels = [ax for ax in figures[-1].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["sa-1, batch 10", "me, batch 10"]  # in paper order
+    windows = torch.from_numpy(plot.val_windows(str(data), 4))
+    for ax, profile in zip(panels, (plot.tap_profile(models["sa"], windows), plot.tap_profile(models["me"]))):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for layer in (1, 2):
+            assert lines[f"layer {layer}"].get_xdata().tolist() == [1, 2, 3, 4]
+            assert lines[f"layer {layer}"].get_ydata().tolist() == profile[layer].tolist()
+    assert plot.main([runs["me"], "--taps"]) == 0  # one run: its own folder
+    assert os.path.isfile(os.path.join(runs["me"], "taps.png"))
+    for extra in (["--results", str(tmp_path)], ["--raw"], ["--batches", "5"]):
+        error_line(capsys, plot.main, [runs["me"], "--taps", "-o", str(tmp_path / "t.png")] + extra)
+    assert "--data_dir is for --taps" in error_line(capsys, plot.main, [runs["me"], "--data_dir", str(data)])
+
+
+# ======== bench (bench.py): the quick mode runs every section, a row per mixer (no timings asserted) ========
+
+
+def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--mixers", "all", "--no_malloc_tune", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
     mixers = list(extractor.MIXERS)
-    tables = run.stdout.split("\n\n")[1:]  # the header line, then one block per section
+    tables = stdout.split("\n\n")[1:]  # the header line, then one block per section
     titles = [t.splitlines()[0][:2] for t in tables]
     assert titles[:6] == ["1.", "2.", "3.", "4.", "5.", "6."]
     for block in tables[:6]:
@@ -2509,11 +2491,7 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path):
 def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
     bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
     for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
-        with pytest.raises(SystemExit) as e:
-            bench.main(argv + ["--no_malloc_tune"])
-        assert e.value.code == 1
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: "), err
+        error_line(capsys, bench.main, argv + ["--no_malloc_tune"])
 
 
 def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
@@ -2575,7 +2553,7 @@ def test_bench_memory_accounting_of_a_known_step():
     assert (mem["params"], mem["grads"], mem["adamw"], mem["saved"]) == (256, 256, 512, 384), mem
     assert mem["peak"] is None or mem["peak"] >= 256 + 512
     # a tiny Transformer: the same identities for every parameter, through train.train_step
-    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2, mixer="he"))
+    model = tiny_model("he", l=8).train()
     opt = torch.optim.AdamW(model.parameters())
     idx = torch.randint(0, 50, (3, 9))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -2599,7 +2577,7 @@ def test_bench_generation_stamps_wait_for_the_device(monkeypatch):
     monkeypatch.setattr(bench, "sync", lambda device: events.append("sync"))
     clock = time.perf_counter
     monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("stamp") or clock())
-    model = Transformer(Config(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=1, mixer="me"))
+    model = tiny_model("me", l=8, n_layer=1)
     _, stamps = bench.generate_timed(model.eval(), torch.zeros(1, 2, dtype=torch.long), 3, True,
                                      contextlib.nullcontext(), torch.device("cuda"))  # fmt: skip
     assert len(stamps) == 3 and events == ["sync", "stamp"] * 4, events
