@@ -126,9 +126,13 @@ def read_runs(run_dirs, logs=True):
 
 
 def paper_rank(name):
-    """Sort key: the mixers in STYLE's order, then any others by name."""
+    """Sort key: self-attention by head count (sa-1, sa-2, ..., sa-128), then the other mixers in
+    STYLE's order, then any others by name."""
+    heads = name.removeprefix("sa-")
+    if name.startswith("sa-") and heads.isdigit():
+        return (0, int(heads), name)
     order = list(STYLE)
-    return (order.index(name) if name in order else len(order), name)
+    return (order.index(name) if name in order else len(order), 0, name)
 
 
 def window_medians(loss, window):
@@ -221,17 +225,17 @@ def setting_title(runs, swept=None):
     """The runs' setting from run.json and their logs, e.g. 'm = 2, l = 32, 30000 batches, seed 1337';
     where runs differ, each value ('seeds 1337, 1338'); the swept setting left out."""
 
-    def values(get):
-        return ", ".join(str(v) for v in sorted({get(r) for r in runs}, key=lambda v: (str(type(v)), v)))
+    def values(get):  # "2" or "2, 4", numbers in order
+        found = sorted({get(r) for r in runs}, key=lambda v: (isinstance(v, str), v))
+        return ", ".join(map(str, found)), len(found)
 
-    parts = [
-        f"{SYMBOLS[key]} = {values(lambda r: r['settings'].get(key, '?'))}"
-        for key in ("n_layer", "block_size")
-        if key != swept
-    ]
-    seeds = {r["settings"].get("seed", "?") for r in runs}
-    parts.append(f"{values(lambda r: int(r['log']['iter'][-1]))} batches")
-    parts.append(f"seed{'s' if len(seeds) > 1 else ''} {values(lambda r: r['settings'].get('seed', '?'))}")
+    setting = {
+        key: values(lambda r: r["settings"].get(key, "?")) for key in ("n_layer", "block_size", "seed")
+    }
+    parts = [f"{SYMBOLS[key]} = {setting[key][0]}" for key in ("n_layer", "block_size") if key != swept]
+    parts.append(f"{values(lambda r: int(r['log']['iter'][-1]))[0]} batches")
+    seeds, n_seeds = setting["seed"]
+    parts.append(f"seed{'s' if n_seeds > 1 else ''} {seeds}")
     return ", ".join(parts) + (", one run per point" if swept else "")
 
 
@@ -588,7 +592,8 @@ def plot_logs(args, runs, output, earlier=()):
             merged = merge_points(rows, read_points(path, args.sweep, window, args.batches), args.sweep)
             print(f"{len(merged) - len(rows)} points from {path} (settings no run folder gives)")
             rows = merged
-        plot_sweep(rows, args.sweep, output, window, args.title or runs and setting_title(runs, args.sweep))
+        title = args.title or (setting_title(runs, args.sweep) if runs else None)
+        plot_sweep(rows, args.sweep, output, window, title)
     elif len(runs) == 1 and not args.raw:
         plot_run(runs[0]["dir"], output, args.window, title=args.title, log=runs[0]["log"])
     else:

@@ -2782,5 +2782,8 @@ def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monk
     assert [line.get_label() for line in left.lines] == ["sa"] and left.get_xscale() == "log"
     assert list(left.lines[0].get_xdata()) == [1, 8, 32]
     assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 2000 batches, seed 1337, one run per point"
+    # Figure 7's curves: the window medians, a line per head count, in head order
+    assert plot.main(runs + ["--window", "500", "-o", str(tmp_path / "fig7.png")]) == 0
+    assert [line.get_label() for line in figures[-1].axes[0].lines] == ["sa-1", "sa-8", "sa-32"]
     _plot_fake_run(str(tmp_path / "he"), "he", 1, losses[1], val_every=700)
     assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
