@@ -33,6 +33,7 @@ import plot
 import prepare_data
 import sample
 import synthesizer
+import taps
 import train
 from extractor import MIXERS, Config, Transformer, causal_fir
 
@@ -2353,12 +2354,12 @@ def test_plot_tap_profile_is_each_taps_norm_per_layer():
         "he": (c[:, None] * torch.ones(4), 2.0),
         "she": (c[:, None, None] * torch.eye(4), 2.0),  # ||c I||_F = 2|c|
     }
-    for mixer, (taps, norm) in cases.items():
+    for mixer, (w, norm) in cases.items():
         model = tiny_model(mixer, l=4, d=4, n_head=1, vocab=16)
         with torch.no_grad():
             for i, layer in enumerate(model.layers):
-                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(taps * (i + 1))
-        profile = plot.tap_profile(model)
+                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(w * (i + 1))
+        profile = taps.tap_profile(model)
         assert list(profile) == [1, 2], mixer
         for layer in (1, 2):  # layer 2's taps are twice layer 1's
             assert profile[layer].tolist() == [norm * layer * abs(v) for v in c.tolist()], (mixer, layer)
@@ -2368,7 +2369,7 @@ def test_plot_recomputed_attention_weights_give_the_mixers_output():
     mixer = tiny_model("sa", l=6, d=8, n_head=2, vocab=16).layers[0].mixer
     torch.nn.init.normal_(mixer.W_QKV.weight)  # far from uniform attention
     x = torch.randn(3, 6, 8)
-    a = plot.attention_weights(mixer, x)  # (3, 2, 6, 6)
+    a = taps.attention_weights(mixer, x)  # (3, 2, 6, 6)
     assert torch.allclose(a.sum(-1), torch.ones(3, 2, 6)) and (a.triu(1) == 0).all()
     assert a.max() > 0.9  # sharp rows: a wrong scale or head split would not reproduce the output
     v = mixer.W_QKV(x)[..., 16:].view(3, 6, 2, 4).transpose(1, 2)  # (B, n, t, h)
@@ -2383,11 +2384,11 @@ def test_plot_attention_by_distance_of_uniform_attention_by_hand():
             layer.mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
     windows = torch.randint(0, 16, (40, 4))  # two chunks of 32 and 8
     by_hand = [(1 + 1 / 2 + 1 / 3 + 1 / 4) / 4, (1 / 2 + 1 / 3 + 1 / 4) / 3, (1 / 3 + 1 / 4) / 2, 1 / 4]
-    profile = plot.tap_profile(model, windows)
+    profile = taps.tap_profile(model, windows)
     assert list(profile) == [1, 2]
     for layer in (1, 2):
         np.testing.assert_allclose(profile[layer], by_hand, rtol=1e-6)
-    np.testing.assert_allclose(plot.uniform_by_distance(4), by_hand, rtol=1e-15)
+    np.testing.assert_allclose(taps.uniform_by_distance(4), by_hand, rtol=1e-15)
 
 
 def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_and_windows():
@@ -2395,12 +2396,12 @@ def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_a
     for layer in model.layers:
         torch.nn.init.normal_(layer.mixer.W_QKV.weight)
     windows = torch.randint(0, 16, (7, 5))
-    profile = plot.tap_profile(model, windows)
+    profile = taps.tap_profile(model, windows)
     with torch.no_grad():
         pos = torch.arange(5)
         h = (model.emb_tok(windows) + model.emb_pos(pos)) * math.sqrt(8)  # dropout is off in eval
         for i, layer in enumerate(model.layers, 1):
-            a = plot.attention_weights(layer.mixer, layer.ln1(h))  # (7, 2, 5, 5)
+            a = taps.attention_weights(layer.mixer, layer.ln1(h))  # (7, 2, 5, 5)
             for back in range(5):
                 pairs = [a[b, n, j + back, j] for b in range(7) for n in range(2) for j in range(5 - back)]
                 assert abs(profile[i][back] - float(sum(pairs)) / len(pairs)) < 1e-6, (i, back)
@@ -2409,7 +2410,7 @@ def test_plot_attention_by_distance_equals_a_literal_mean_over_heads_positions_a
 
 def test_plot_val_windows_are_spread_evenly_over_val_bin(tmp_path):
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
-    windows = plot.val_windows(str(tmp_path), 4, n=3)  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
+    windows = taps.val_windows(str(tmp_path), 4, n=3)  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
     assert windows.tolist() == [[0, 1, 2, 3], [48, 49, 50, 51], [95, 96, 97, 98]]
 
 
@@ -2437,25 +2438,27 @@ def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys,
     for name, model in models.items():
         runs[name] = str(tmp_path / name)
         _plot_fake_ckpt_run(runs[name], model, str(tmp_path / "moved"))  # its data has moved since
-    figures, save = [], plot.save
-    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
-    argv = [runs["me"], runs["sa"], "--taps", "-o", str(tmp_path / "taps.png")]
-    assert "val.bin not found; pass --data_dir" in error_line(capsys, plot.main, argv)
-    assert plot.main(argv + ["--data_dir", str(data)]) == 0
+    figures, save = [], taps.save
+    monkeypatch.setattr(taps, "save", lambda fig, path: figures.append(fig) or save(fig, path))
+    argv = [runs["me"], runs["sa"], "-o", str(tmp_path / "taps.png")]
+    assert "val.bin not found; pass --data_dir" in error_line(capsys, taps.main, argv)
+    assert taps.main(argv + ["--data_dir", str(data)]) == 0
     assert_png(tmp_path / "taps.png")
     panels = [ax for ax in figures[-1].axes if ax.get_visible()]
     assert [ax.get_title() for ax in panels] == ["sa-1, batch 10", "me, batch 10"]  # in paper order
-    windows = torch.from_numpy(plot.val_windows(str(data), 4))
-    for ax, profile in zip(panels, (plot.tap_profile(models["sa"], windows), plot.tap_profile(models["me"]))):
+    windows = torch.from_numpy(taps.val_windows(str(data), 4))
+    for ax, profile in zip(panels, (taps.tap_profile(models["sa"], windows), taps.tap_profile(models["me"]))):
         lines = {line.get_label(): line for line in ax.get_lines()}
         for layer in (1, 2):
             assert lines[f"layer {layer}"].get_xdata().tolist() == [1, 2, 3, 4]
             assert lines[f"layer {layer}"].get_ydata().tolist() == profile[layer].tolist()
-    assert plot.main([runs["me"], "--taps"]) == 0  # one run: its own folder
+    assert taps.main([runs["me"]]) == 0  # one run: its own folder
     assert os.path.isfile(os.path.join(runs["me"], "taps.png"))
     for extra in (["--results", str(tmp_path)], ["--raw"], ["--batches", "5"]):
-        error_line(capsys, plot.main, [runs["me"], "--taps", "-o", str(tmp_path / "t.png")] + extra)
-    assert "--data_dir is for --taps" in error_line(capsys, plot.main, [runs["me"], "--data_dir", str(data)])
+        error_line(capsys, taps.main, [runs["me"], "-o", str(tmp_path / "t.png")] + extra)
+    assert "unrecognized arguments: --data_dir" in error_line(
+        capsys, plot.main, [runs["me"], "--data_dir", str(data)]
+    )
 
 
 # ======== bench (bench.py): the quick mode runs every section, a row per mixer (no timings asserted) ========
@@ -2581,3 +2584,190 @@ def test_bench_generation_stamps_wait_for_the_device(monkeypatch):
     _, stamps = bench.generate_timed(model.eval(), torch.zeros(1, 2, dtype=torch.long), 3, True,
                                      contextlib.nullcontext(), torch.device("cuda"))  # fmt: skip
     assert len(stamps) == 3 and events == ["sync", "stamp"] * 4, events
+
+
+# ---- plot.py (issues 35, 34, 32)
+
+
+def test_plot_two_runs_of_one_label_and_folder_name_keep_a_column_each(tmp_path, capsys):
+    runs = [str(tmp_path / "x" / "r"), str(tmp_path / "y" / "r")]  # one run from two machines
+    for run, loss in zip(runs, (5.0, 4.0)):
+        _plot_fake_run(run, "me", 1, [loss] * 8, val_every=4)
+    res = tmp_path / "res"
+    assert plot.main(runs + ["--window", "4", "--results", str(res), "-o", str(res / "f.png")]) == 0
+    medians = list(csv.reader(open(res / "medians.csv")))
+    assert medians == [["batches", "x/r", "y/r"], ["4", "5.0", "4.0"], ["8", "5.0", "4.0"]]
+    assert next(csv.reader(open(res / "val_loss.csv"))) == ["batches", "x/r", "y/r"]
+    assert [r["run"] for r in csv.DictReader(open(res / "summary.csv"))] == ["x/r", "y/r"]
+    err = error_line(capsys, plot.main, [runs[0], runs[0] + "/", "-o", str(tmp_path / "f.png")])
+    assert err == f"error: {runs[0]} and {runs[0]}/ are one run folder; pass each run once"
+
+
+def test_taps_refuses_a_val_bin_that_is_not_the_runs(tmp_path, capsys):
+    run, data, other = str(tmp_path / "sa"), tmp_path / "data", tmp_path / "other"
+    for folder, tokens in ((data, np.arange(300) % 16), (other, np.arange(300) % 15)):
+        folder.mkdir()
+        tokens.astype(np.uint16).tofile(folder / "val.bin")
+    _plot_fake_ckpt_run(run, tiny_model("sa", l=4, d=8, n_head=1, vocab=16), str(data))
+    ckpt = torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)
+    ckpt["data"] = {"val_sha256": hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()}
+    torch.save(ckpt, os.path.join(run, "ckpt.pt"))
+    argv = [run, "-o", str(tmp_path / "t.png")]
+    err = error_line(capsys, taps.main, argv + ["--data_dir", str(other)])
+    assert err == f"error: {other}/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
+    assert not os.path.exists(tmp_path / "t.png")
+    assert taps.main(argv) == 0 and taps.main(argv + ["--data_dir", str(data)]) == 0
+
+
+def test_plot_sweep_refuses_other_corpora_other_lengths_and_two_runs_at_one_point(tmp_path, capsys):
+    def run(name, n=60, l=32, data="data"):
+        _plot_fake_run(str(tmp_path / name), "me", 1, [4.0] * n, val_every=10, block_size=l, data_dir=data)
+        return str(tmp_path / name)
+
+    sweep = ["--sweep", "block_size", "-o", str(tmp_path / "f.png")]
+    l32, l64 = run("l32"), run("l64", l=64)
+    err = error_line(capsys, plot.main, [l32, l64, run("l128", l=128, data="other")] + sweep)
+    assert err == "error: the runs were trained on other data (data, other); sweep runs of one corpus"
+    short = run("l256", n=2, l=256)
+    err = error_line(capsys, plot.main, [l32, l64, short] + sweep)
+    assert err == f"error: the runs have 2 to 60 batches ({short}: 2); pass --batches 2 to compare"
+    assert plot.main([l32, l64, short, "--batches", "2"] + sweep) == 0
+    again = run("l64-again", l=64)
+    assert error_line(capsys, plot.main, [l32, l64, again] + sweep) == (
+        f"error: {l64} and {again} are both me at l = 64; pass one per point"
+    )
+    assert not os.path.exists(tmp_path / "f.csv")
+
+
+def test_plot_raw_draws_a_resumed_logs_batches_at_their_batch_numbers(tmp_path, monkeypatch):
+    run = str(tmp_path / "resumed")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    rows = open(os.path.join(run, "log.csv")).read().splitlines()
+    log = [rows[0]] + [f"{30 + int(r.split(',', 1)[0])},{r.split(',', 1)[1]}" for r in rows[1:-1]]
+    open(os.path.join(run, "log.csv"), "w").write("\n".join(log) + "\n")  # batches 31-40 only
+    _plot_fake_run(str(tmp_path / "full"), "he", 1, [5.0] * 40, val_every=5)
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
+    assert plot.main([run, str(tmp_path / "full"), "--raw", "-o", str(tmp_path / "f.png")]) == 0
+    lines = {line.get_label(): line.get_xdata().tolist() for line in figures[0].axes[0].lines}
+    assert lines == {"he": list(range(1, 41)), "me": list(range(31, 41))}
+    plot.plt.close(figures[0])
+
+
+def test_plot_damaged_run_json_and_a_setting_that_is_no_number_are_one_line(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    out = ["-o", str(tmp_path / "f.png")]
+    assert "one of batch_size, block_size, mixer, n_head" in error_line(
+        capsys, plot.main, [run, "--sweep", "params"] + out
+    )
+    assert "has no single number for 'params'" in error_line(
+        capsys, plot.main, [run, "--sweep", "params"] + out
+    )
+    open(os.path.join(run, "run.json"), "w").write('{"config": {"mixer"')  # cut short
+    assert error_line(capsys, plot.main, [run] + out).startswith(
+        f"error: {run}/run.json is damaged (JSONDecodeError"
+    )
+    open(os.path.join(run, "run.json"), "w").write("{}")
+    assert "run.json is damaged (KeyError" in error_line(capsys, plot.main, [run] + out)
+
+
+def test_plot_o_naming_a_folder_is_one_line_naming_the_folder(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    err = error_line(capsys, plot.main, [run, "-o", str(tmp_path)])
+    assert err == f"error: -o {tmp_path} is a folder; name an image file, e.g. -o {tmp_path}/fig.png"
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no temp file left
+
+
+def test_plot_imports_without_torch():
+    code = "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0
+
+
+def test_plot_reads_each_log_and_run_json_once_per_command(tmp_path, monkeypatch):
+    runs = {n: str(tmp_path / n) for n in ("sa-32", "she", "she-s2")}
+    for name, run in runs.items():
+        _plot_fake_run(
+            run, name[:3].rstrip("-"), 32 if name == "sa-32" else 1, [5.0] * 30, 10, seed=len(name)
+        )
+    reads = collections.Counter()
+    for f in ("read_log", "read_settings"):
+        real = getattr(plot, f)
+        monkeypatch.setattr(plot, f, lambda d, *a, real=real, f=f: reads.update([(f, d)]) or real(d, *a))
+    res = str(tmp_path / "res")
+    argv = [runs["sa-32"], runs["she"], "--seeds", runs["she-s2"], "--results", res, "--batches", "20"]
+    assert plot.main(argv + ["-o", str(tmp_path / "f.png")]) == 0
+    assert reads == {(f, d): 1 for f in ("read_log", "read_settings") for d in runs.values()}
+
+
+def test_plot_gap_panel_is_each_runs_window_medians_minus_the_references(tmp_path, monkeypatch, capsys):
+    rng = random.Random(7)
+    logs = {name: [rng.uniform(3, 6) for _ in range(n)] for name, n in (("sa-32", 12), ("me", 12), ("he", 8))}
+    runs = []
+    for name, losses in logs.items():
+        runs.append(str(tmp_path / name))
+        _plot_fake_run(runs[-1], name[:2], 32, losses, val_every=4, n_layer=2, block_size=32, seed=1337)
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
+    assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
+    medians_ax, gaps_ax = figures[0].axes
+    assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337"
+    assert gaps_ax.get_title() == "gap to sa-32, window by window"
+    gaps = {
+        line.get_label(): ([*map(float, line.get_xdata())], [*map(float, line.get_ydata())])
+        for line in gaps_ax.lines
+    }
+    med = lambda losses: [float(np.median(losses[i : i + 4])) for i in range(0, len(losses) - 3, 4)]
+    for name, ends in (("me", [4, 8, 12]), ("he", [4, 8])):  # he has two windows, so two gaps
+        assert gaps[name][0] == ends
+        expect = [a - b for a, b in zip(med(logs[name]), med(logs["sa-32"]))]
+        np.testing.assert_allclose(gaps[name][1], expect, rtol=0, atol=1e-12)
+    assert gaps["sa-32"][1] == [0, 0]  # the reference's own line at 0
+    assert plot.main(runs + ["--window", "4", "--reference", "me", "-o", str(tmp_path / "f.png")]) == 0
+    gaps = {line.get_label(): [*map(float, line.get_ydata())] for line in figures[1].axes[1].lines}
+    np.testing.assert_allclose(gaps["sa-32"], [b - a for a, b in zip(med(logs["me"]), med(logs["sa-32"]))])
+    assert "--reference mixer is none of the runs" in error_line(
+        capsys, plot.main, runs + ["--reference", "mixer", "-o", str(tmp_path / "f.png")]
+    )
+    for fig in figures:
+        plot.plt.close(fig)
+
+
+def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monkeypatch):
+    rng = random.Random(8)
+    runs, losses = [], {}
+    for n in (8, 1, 32):
+        runs.append(str(tmp_path / f"sa-{n}"))
+        losses[n] = [rng.uniform(3, 6) for _ in range(2100)]
+        _plot_fake_run(runs[-1], "sa", n, losses[n], val_every=700)
+    figures, save = [], plot.save
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
+    res = tmp_path / "results"
+    argv = runs + [
+        "--sweep",
+        "n_head",
+        "--batches",
+        "2000",
+        "--results",
+        str(res),
+        "-o",
+        str(res / "fig7_heads.png"),
+    ]
+    assert plot.main(argv) == 0
+    lines = open(res / "fig7_heads.csv").read().splitlines()
+    assert lines[0] == "n_head,batches,median_last_2000,val_loss"
+    assert [line.split(",")[:2] for line in lines[1:]] == [["1", "2000"], ["8", "2000"], ["32", "2000"]]
+    for line, n in zip(lines[1:], (1, 8, 32)):
+        assert float(line.split(",")[2]) == float(np.median(losses[n][:2000]))
+        assert float(line.split(",")[3]) == losses[n][1399] - 0.5
+    left = figures[0].axes[0]
+    assert [line.get_label() for line in left.lines] == ["sa"] and left.get_xscale() == "log"
+    assert list(left.lines[0].get_xdata()) == [1, 8, 32]
+    assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 2000 batches, seed 1337, one run per point"
+    # Figure 7's curves: the window medians, a line per head count, in head order
+    assert plot.main(runs + ["--window", "500", "-o", str(tmp_path / "fig7.png")]) == 0
+    assert [line.get_label() for line in figures[-1].axes[0].lines] == ["sa-1", "sa-8", "sa-32"]
+    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses[1], val_every=700)
+    assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
