@@ -24,6 +24,12 @@ def fail(msg):
     raise SystemExit(1)
 
 
+def check_seed(name, value):
+    """A seed that torch, numpy and random all accept: 0 .. 2**63 - 1."""
+    if not 0 <= value < 2**63:
+        fail(f"--{name} must be in 0 .. 2**63 - 1, got {value}")
+
+
 def one_line_errors(parser, script):
     """argparse's errors as one fail() line instead of the usage block and a message."""
     parser.error = lambda msg: fail(f"{msg} (see python {script} --help)")
