@@ -42,6 +42,7 @@ import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 from common import (
     SYMBOLS,
     atomic_write,
+    check_seed,
     fail,
     fmt_time,
     one_line_errors,
@@ -130,6 +131,15 @@ def check_args(args):
             fail(f"--{name} must not be negative, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         fail(f"--lr must be a positive finite number, got {args.lr}")
+    for name in ("grad_clip", "weight_decay"):
+        if not math.isfinite(getattr(args, name)):
+            fail(f"--{name} must be a finite number, got {getattr(args, name)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            fail(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    check_seed("seed", args.seed)  # (numpy takes any --data_seed)
+    if args.resume and args.overwrite:
+        fail("--resume continues the run in out_dir and --overwrite replaces it; pass one of them")
     try:
         Config(**model_settings(args))
     except ValueError as e:
@@ -153,8 +163,14 @@ def default_out_dir(args):
     name, defaults = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer, build_parser().parse_args([])
     for key, symbol in SYMBOLS.items():
         if getattr(args, key) != getattr(defaults, key) and not (key == "n_head" and args.mixer == "sa"):
-            name += f"-{symbol}{getattr(args, key):g}"
+            name += f"-{symbol}{exact(getattr(args, key))}"
     return os.path.join("out", name)
+
+
+def exact(value):
+    """A setting as the folder name writes it: short (3e-4 -> 0.0003, 1.0 -> 1) but exact, so that two
+    settings never share a name (:g alone makes 12345678 and 12345679 both 1.23457e+07)."""
+    return str(value) if isinstance(value, int) or float(f"{value:g}") != value else f"{value:g}"
 
 
 def resume_settings(args, given, ckpt, path):
@@ -168,6 +184,8 @@ def resume_settings(args, given, ckpt, path):
         was = ", ".join(f"{k}={saved[k]!r}" for k in differ)
         now = ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
         fail(f"{path} was trained with {was} but the flags give {now}; drop those flags to resume")
+    if "dtype" in given and args.dtype != saved.get("dtype", args.dtype):
+        say(f"note: the run so far was trained with --dtype {saved['dtype']}; it goes on with {args.dtype}")
     for k in (set(vars(args)) - given - set(NOT_SAVED)) & set(saved):
         setattr(args, k, saved[k])
     check_args(args)
@@ -250,14 +268,53 @@ def judge_run_dir(args, given):
         if not os.path.isfile(path):
             fail(f"no checkpoint {path} to resume; drop --resume to start the run, or pass its --out_dir")
         ckpt = read_checkpoint(path)
+        check_log_reaches(args.out_dir, ckpt["iter"])
         resume_settings(args, given, ckpt, path)
         return ckpt
-    if os.path.isfile(path) and not args.overwrite:
+    if args.overwrite:
+        return None
+    if os.path.isfile(path):
         fail(
             f"{args.out_dir} already holds a run; pass --resume to continue it, --overwrite to start again, "
             "or pick another --out_dir"
         )
+    if log_holds_a_run(args.out_dir):
+        fail(
+            f"{args.out_dir} holds the log.csv of a run (its ckpt.pt is gone); pass --overwrite to replace "
+            "it, or pick another --out_dir"
+        )
     return None
+
+
+def log_rows(path):
+    """log.csv's whole data rows as (iteration, line); none if there is no log."""
+    lines = open(path, newline="").read().splitlines()[1:] if os.path.exists(path) else []
+    whole = [r for r in lines if r.count(",") == len(LOG_HEADER) - 1 and r.split(",", 1)[0].isdigit()]
+    return [(int(r.split(",", 1)[0]), r) for r in whole]
+
+
+def log_holds_a_run(out_dir):
+    """Whether log.csv records a run worth keeping: one that got past its first checkpoint (at batch 10
+    at the latest) or ended (run.json then holds its peak memory). A run killed before its first
+    checkpoint has nothing to keep: it simply starts again."""
+    rows = log_rows(os.path.join(out_dir, "log.csv"))
+    ended = False
+    with suppress(OSError, ValueError):  # no run.json, or a damaged one
+        ended = "peak_memory_mb" in json.load(open(os.path.join(out_dir, "run.json")))
+    return bool(rows) and (rows[-1][0] >= 10 or ended)
+
+
+def check_log_reaches(out_dir, last_iter):
+    """Resuming: log.csv must hold the rows up to the checkpoint's batch, or the resumed log would begin
+    with a gap (and plots would draw the later batches as the first)."""
+    rows = log_rows(os.path.join(out_dir, "log.csv"))
+    have = rows[-1][0] if rows else 0
+    if have < last_iter:
+        what = f"ends at batch {have}" if rows else "is missing or empty"
+        fail(
+            f"{out_dir}/log.csv {what} but ckpt.pt is at batch {last_iter}: the resumed log would lack "
+            f"batches {have + 1}-{last_iter}; restore log.csv, or start afresh with --overwrite"
+        )
 
 
 def clear_old_run(out_dir):
@@ -272,9 +329,7 @@ def clear_old_run(out_dir):
 def truncate_log(path, last_iter):
     """Keep the header and rows up to the checkpoint's iteration: a run stopped after its last
     checkpoint may have logged later rows, which the resumed run writes again."""
-    rows = open(path, newline="").read().splitlines()[1:] if os.path.exists(path) else []
-    whole = [r for r in rows if r.count(",") == len(LOG_HEADER) - 1 and r.split(",", 1)[0].isdigit()]
-    keep = [r for r in whole if int(r.split(",", 1)[0]) <= last_iter]
+    keep = [r for i, r in log_rows(path) if i <= last_iter]
     atomic_write(path, "\n".join([",".join(LOG_HEADER)] + keep) + "\n")
 
 
@@ -307,8 +362,12 @@ def check_data(args, ckpt, data, val):
     if args.eval_batches * args.batch_size > windows:
         fail(
             f"--eval_batches {args.eval_batches} x --batch_size {args.batch_size} windows are more than the "
-            f"{windows:,} windows of l = {args.block_size} in val.bin; use --eval_batches "
-            f"{windows // args.batch_size} or fewer"
+            f"{windows:,} windows of l = {args.block_size} in val.bin; use "
+            + (
+                f"--eval_batches {windows // args.batch_size} or fewer"
+                if windows >= args.batch_size
+                else "--eval_batches 0 (no validation) or a smaller --batch_size"
+            )
         )
     if ckpt is not None and ckpt["data"] != data and not args.allow_other_data:
         what = [k.replace("_sha256", "") for k in data if ckpt["data"].get(k) != data[k]]
@@ -388,7 +447,8 @@ def build_model(cfg, args, device, rank, world, scaler, ckpt):
         if len(ckpt["rng"]) == world:
             set_rng_state(ckpt["rng"][rank], device)
         else:  # another number of processes: the dropout streams cannot continue, so start new ones
-            say(f"note: checkpoint from {len(ckpt['rng'])} processes: dropout RNG reseeded")
+            n = len(ckpt["rng"])
+            say(f"note: the checkpoint is from {n} process{'es' * (n > 1)}: dropout RNG reseeded")
             torch.manual_seed(args.seed + rank + 1_000_003 * ckpt["iter"])
     trained = torch.compile(model) if args.compile else model
     if world > 1:
