@@ -30,6 +30,7 @@ import common
 import extractor
 import plot
 import prepare_data
+import rundir
 import sample
 import synthesizer
 import train
@@ -1435,7 +1436,7 @@ def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_d
     assert train.main(flags) == 0
     capsys.readouterr()
     before = _tr_files(out)
-    held = train.lock_run_dir(out)  # as if another train.py were running there
+    held = rundir.lock_run_dir(out)  # as if another train.py were running there
     for argv in (flags + ["--overwrite"], flags[:-1] + ["8", "--resume"]):
         rc = train.main(argv)
         _tr_one_error_line(rc, capsys.readouterr().err, "another train.py is running")
