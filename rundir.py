@@ -1,17 +1,19 @@
 """
 The run folder's guarantees, for train.py: a folder holds one run, is locked while a train.py works in
 it, is judged before anything in it is written, never mixes two runs' files, keeps log.csv in step with
-ckpt.pt, and a stop signal ends the run with a checkpoint. train.py calls these; a reader of the
-experiment can skip them.
+ckpt.pt, and a stop signal (on every DDP rank at the same batch) or a non-finite cost ends the run with a
+checkpoint kept. train.py calls these; a reader of the experiment can skip them.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
 from contextlib import contextmanager, suppress
 
 import torch
+import torch.distributed as dist
 
 from common import atomic_write, fail
 
@@ -205,3 +207,22 @@ def stop_signals():
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def check_finite(rows, saved_at):
+    """A non-finite training cost ends the run; the checkpoint keeps the last good state."""
+    bad = [(i, v) for i, _, v in rows if not math.isfinite(v)]
+    if bad:
+        kept = f"ckpt.pt keeps batch {saved_at}, the last good state; " if saved_at else ""
+        fail(
+            f"the training cost became {bad[0][1]} at batch {bad[0][0]}; {kept}start the run again"
+            f"{' (--overwrite)' if kept else ''} with a smaller --lr or with --grad_clip"
+        )
+
+
+def agree_to_stop(stop, world):
+    """Whether to stop now: a signal came (to any rank, under DDP, so that all stop at the same batch)."""
+    asked = torch.tensor([float(stop["signal"] is not None)])
+    if world > 1:
+        dist.all_reduce(asked)
+    return bool(asked.item() > 0)

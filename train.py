@@ -383,25 +383,6 @@ class RunLog:
         return self.elapsed0 + (now or time.time()) - self.t_session
 
 
-def check_finite(rows, saved_at):
-    """A non-finite training cost ends the run; the checkpoint keeps the last good state."""
-    bad = [(i, v) for i, _, v in rows if not math.isfinite(v)]
-    if bad:
-        kept = f"ckpt.pt keeps batch {saved_at}, the last good state; " if saved_at else ""
-        fail(
-            f"the training cost became {bad[0][1]} at batch {bad[0][0]}; {kept}start the run again"
-            f"{' (--overwrite)' if kept else ''} with a smaller --lr or with --grad_clip"
-        )
-
-
-def agree_to_stop(stop, world):
-    """Whether to stop now: a signal came (to any rank, under DDP, so that all stop at the same batch)."""
-    asked = torch.tensor([float(stop["signal"] is not None)])
-    if world > 1:
-        dist.all_reduce(asked)
-    return bool(asked.item() > 0)
-
-
 # -------------------------------------------------------------------------------------------- checkpoint
 
 
@@ -498,22 +479,11 @@ def train(argv):
         device = pick_device(args.device, local_rank)
         if world > 1:  # all ranks have passed the checks above before rank 0 writes anything
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cpu" and sys.platform.startswith("linux"):
-            keep_freed_memory()
-        ctx, scaler = precision(device, args.dtype)
-        raw_model, optimizer = build_model(cfg, args, device, rank)
-        run = Run(args=args, cfg=cfg, data=data, train_data=train_data, val_data=val_data,
-                  n_starts=len(train_data) - args.block_size, device=device, rank=rank, world=world,
-                  raw_model=raw_model, optimizer=optimizer, scaler=scaler, ctx=ctx)  # fmt: skip
-        if ckpt:
-            restore(run, ckpt)
-        run.model = torch.compile(raw_model) if args.compile else raw_model
-        if world > 1:
-            run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+        run = setup(args, cfg, (train_data, val_data, data), device, rank, world, ckpt)
 
         # now the folder becomes this run's: run.json and a new (resuming: a cut back) log.csv
         if master:
-            counts, config = raw_model.param_counts(), dataclasses.asdict(cfg)
+            counts, config = run.raw_model.param_counts(), dataclasses.asdict(cfg)
             info = {"config": config, "args": dict(vars(args)), "params": counts, "world_size": world}
             rundir.start_files(args.out_dir, info, start)
             describe(run, start)
@@ -525,6 +495,25 @@ def train(argv):
             if args.compile:
                 fail(f"training with --compile failed ({type(e).__name__}: {str(e)[:80]}); try without it")
             raise
+
+
+def setup(args, cfg, data, device, rank, world, ckpt):
+    """The Run: model and AdamW (resuming, with their state), precision, the model to train (compiled
+    with --compile, wrapped for DDP with several processes)."""
+    if device.type == "cpu" and sys.platform.startswith("linux"):
+        keep_freed_memory()
+    ctx, scaler = precision(device, args.dtype)
+    raw_model, optimizer = build_model(cfg, args, device, rank)
+    train_data, val_data, fingerprint = data
+    run = Run(args=args, cfg=cfg, data=fingerprint, train_data=train_data, val_data=val_data,
+              n_starts=len(train_data) - args.block_size, device=device, rank=rank, world=world,
+              raw_model=raw_model, optimizer=optimizer, scaler=scaler, ctx=ctx)  # fmt: skip
+    if ckpt:
+        restore(run, ckpt)
+    run.model = torch.compile(raw_model) if args.compile else raw_model
+    if world > 1:
+        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    return run
 
 
 def describe(run, start):
@@ -562,9 +551,9 @@ def loop(run, log, start):
                 continue
             if eval_now:
                 val = evaluate(run)
-            stopping = agree_to_stop(stop, world)
+            stopping = rundir.agree_to_stop(stop, world)
             rows = log.take(world)
-            check_finite(rows, saved_at)
+            rundir.check_finite(rows, saved_at)
             log.write(rows, val if eval_now else None)
             if ckpt_now or stopping:
                 save_checkpoint(run, it, log.elapsed(), saved_at)
