@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import extractor
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 import train
-from common import atomic_write, fail, one_line_errors, pick_device
+from common import atomic_write, fail, keep_freed_memory, one_line_errors, pick_device
 from extractor import MIXERS, Config, Transformer
 
 # name: (the paper's Table 1 shapes, the tiny ones of --quick)
@@ -687,7 +687,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     tuned = not args.no_malloc_tune and sys.platform.startswith("linux")
     if tuned:
-        train.keep_freed_memory()  # the allocator setting of a training run, so bench measures the same
+        keep_freed_memory()  # the allocator setting of a training run, so bench measures the same
     device = pick_device(args.device)  # auto: cuda, then mps, then cpu; one clear line if absent
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -15,6 +15,7 @@ W_ext[k - 1] here, and W_ext[0] multiplies the current token.
 """
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,12 @@ class Config:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}")
+            hint = (
+                "; the Synthesizers' names need `import synthesizer` first"
+                if "synthesizer" not in sys.modules
+                else ""
+            )
+            raise ValueError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}{hint}")
         if MIXERS[self.mixer].uses_heads and self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"n_head={self.n_head} must divide n_embd={self.n_embd} "
@@ -150,27 +156,52 @@ class Transformer(nn.Module):
         Eq. (2). While the sequence fits in l, a cache makes a new token cost one row per layer
         (Tables 5 and 6). Beyond l every position would shift under the absolute position
         embedding, so each new token is a forward over exactly the last l tokens: the same tokens
-        as use_cache=False, which does that from the start."""
-        l = self.cfg.block_size
-        cache = self.new_cache() if use_cache else None
-        logits = self(idx[:, -l:], cache=cache)[0][:, -1]  # (B, u)
-        for _ in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
-            idx = torch.cat([idx, nxt], dim=1)
-            yield nxt
-            if cache is not None and cache["t"] < l:
-                logits = self(nxt, cache=cache)[0][:, -1]  # one new row per layer
-            else:
-                logits = self(idx[:, -l:])[0][:, -1]  # Eq. (2): the last l tokens
+        as use_cache=False, which does that from the start. Runs in eval mode (no dropout), then
+        puts the model back in the mode it was in."""
+        check_sampling(temperature, top_k, top_p)
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(
+                f"idx must be (B, t) token ids with t >= 1 (a prompt), got shape {tuple(idx.shape)}"
+            )
+        l, was_training = self.cfg.block_size, self.training
+        self.eval()
+        try:
+            cache = self.new_cache() if use_cache else None
+            logits = self(idx[:, -l:], cache=cache)[0][:, -1]  # (B, u)
+            for _ in range(max_new_tokens):
+                nxt = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
+                idx = torch.cat([idx, nxt], dim=1)
+                yield nxt
+                if cache is not None and cache["t"] < l:
+                    logits = self(nxt, cache=cache)[0][:, -1]  # one new row per layer
+                else:
+                    logits = self(idx[:, -l:])[0][:, -1]  # Eq. (2): the last l tokens
+        finally:
+            self.train(was_training)
+
+
+def check_sampling(temperature, top_k, top_p):
+    """ValueError for settings that cannot sample: a negative or non-finite temperature, top_k < 1,
+    top_p outside (0, 1]."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1 (or None for all tokens), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None for all tokens), got {top_p}")
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     """logits (B, u) -> token (B, 1). temperature 0 is greedy; top_k keeps exactly the k most likely
     tokens; top_p keeps the smallest set of most likely tokens whose probability reaches p (nucleus
     sampling, the paper's Table 2 uses p = 0.6). Uses torch's global RNG."""
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (
+        logits - logits.amax(dim=-1, keepdim=True)
+    ) / temperature  # the top token 0: a tiny T stays finite
     if top_k is not None:
         k = min(top_k, logits.size(-1))
         keep = logits.topk(k, dim=-1).indices  # (B, k)

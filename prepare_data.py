@@ -93,9 +93,9 @@ def read_books_tsv(path):
     books, seen = [], set()
     for n, line in enumerate(lines, 1):
         fields = line.split("\t")
-        if not line.strip() or (n == 1 and not fields[0].strip().isdigit()):
+        if not line.strip() or (n == 1 and not is_number(fields[0])):
             continue  # blank line or header
-        if len(fields) < 2 or not fields[1].strip().isdigit():
+        if len(fields) < 2 or not is_number(fields[1]):
             fail(f'{path} line {n}: expected "rank<TAB>ebook id<TAB>title<TAB>author", got {line[:60]!r}')
         book_id = int(fields[1])
         if book_id in seen:
@@ -107,6 +107,11 @@ def read_books_tsv(path):
     if len(books) < 2:
         fail(f"{path} lists {len(books)} book(s); need at least 2 (one for training, one for validation)")
     return books
+
+
+def is_number(field):
+    """0-9 digits only (str.isdigit also takes '²', which int() refuses)."""
+    return field.strip().isascii() and field.strip().isdigit()
 
 
 # -----------------------------------------------------------------------------
@@ -303,22 +308,28 @@ def strip_gutenberg(text):
             break
         body = body[m.end() :]
     body = re.sub(r"^(?:[ \t]*\n)+", "", body).rstrip() + "\n"  # keep the first line's indent
-    return body, None if found else "no Project Gutenberg markers found; kept the whole file"
+    if not found:
+        return body, "no Project Gutenberg markers found; kept the whole file"
+    if end == len(text):  # a header but no END marker or footer: a download cut short?
+        return body, "no END marker or footer after the START: the file may be cut short; kept it all"
+    return body, None
 
 
-def book_body(book, path, min_chars):
+def book_body(book, path, min_chars, downloaded):
     """The text of one book's raw file without Project Gutenberg's header, licence and footer; refused
-    when what is left is too short to be the book (an error page, an empty file)."""
+    when what is left is too short to be the book (an error page, an empty file). A bad downloaded file
+    is to be deleted (a rerun fetches it again), a bad one of the user's --source replaced."""
     book_id, title, _ = book
+    fix = f"delete {path} and re-run to download it again" if downloaded else f"replace {path} with the book"
     with open(path, "rb") as f:
         body, warning = strip_gutenberg(book_text(f.read(), path))
     if warning:
-        print(f"  warning: ebook {book_id} ({title}): {warning}")
+        print(f"  warning: ebook {book_id} ({title}): {warning}; if it is damaged, {fix}")
     if len(body.strip()) < min_chars:
         fail(
             f"ebook {book_id} ({title}) has only {len(body.strip())} characters after stripping Project "
             f"Gutenberg's header and licence (need {min_chars}); it is probably not the book: "
-            f"replace or delete {path} and re-run, or fix --books"
+            f"{fix}, or fix --books"
         )
     return body
 
@@ -523,6 +534,8 @@ def stage(times, name):
 def prepare(args):
     """Book list -> download (or --source) -> strip -> split -> BPE -> encode -> write; prints each stage."""
     books, times = read_books_tsv(args.books), {}
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        fail(f"--data_dir {args.data_dir} is a file, not a folder; check --data_dir")
     source = os.path.abspath(args.source) if args.source else args.mirror
     with stage(times, "download"):
         print(f"getting {len(books)} books from {source}")
@@ -535,7 +548,7 @@ def prepare(args):
             fail("interrupted; the books downloaded so far are kept: re-run to resume")
 
     with stage(times, "strip"):
-        bodies = [book_body(book, path, args.min_chars) for book, path in zip(books, paths)]
+        bodies = [book_body(book, path, args.min_chars, not args.source) for book, path in zip(books, paths)]
         train_idx, val_idx = split_books([b for b, _, _ in books], bodies, args.val_fraction)
     split = {"train": train_idx, "val": val_idx}
     ids = {s: [books[i][0] for i in idx] for s, idx in split.items()}

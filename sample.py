@@ -21,7 +21,7 @@ import time
 import torch
 
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
-from common import fail, one_line_errors, peak_memory, pick_device, plain_output
+from common import check_seed, fail, one_line_errors, peak_memory, pick_device, plain_output
 from extractor import Config, Transformer
 from prepare_data import TOKENIZER_FILE, load_tokenizer
 
@@ -53,13 +53,17 @@ def check_args(args):
         fail(f"--top_k must be at least 1, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         fail(f"--top_p must be in (0, 1], got {args.top_p}")
+    check_seed("seed", args.seed)
 
 
 def load_model(out_dir, device):
     """The model of a run's ckpt.pt (plain dicts and tensors only: weights_only=True) and the checkpoint."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        fail(f"no checkpoint {path}; train one first (python train.py --out_dir {shlex.quote(out_dir)})")
+        fail(
+            f"no checkpoint {path}: no run has reached one in that folder (train.py writes ckpt.pt at batch "
+            f"10); train a run there first: python train.py --out_dir {shlex.quote(out_dir)} + its settings"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model = Transformer(Config(**ckpt["config"]))

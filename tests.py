@@ -31,6 +31,7 @@ import common
 import extractor
 import plot
 import prepare_data
+import rundir
 import sample
 import synthesizer
 import taps
@@ -1708,7 +1709,7 @@ def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_d
     assert train.main(flags) == 0
     capsys.readouterr()
     before = _tr_files(out)
-    held = train.lock_run_dir(out)  # as if another train.py were running there
+    held = rundir.lock_run_dir(out)  # as if another train.py were running there
     for argv in (flags + ["--overwrite"], flags[:-1] + ["8", "--resume"]):
         assert "another train.py is running" in error_line(capsys, train.main, argv)
         assert _tr_files(out) == before
@@ -2771,3 +2772,164 @@ def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monk
     assert [line.get_label() for line in figures[-1].axes[0].lines] == ["sa-1", "sa-8", "sa-32"]
     _plot_fake_run(str(tmp_path / "he"), "he", 1, losses[1], val_every=700)
     assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
+
+
+# ---- faults a new user met (issue 35)
+
+
+def _f35_argv(tmp_path, *argv, data, name="run"):
+    """train.py's arguments for the tiny settings into tmp_path/name."""
+    return _TR_TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *argv]
+
+
+def _f35_train(tmp_path, *argv, data, name="run"):
+    """train.main on the tiny settings into tmp_path/name; returns (exit status, folder)."""
+    return train.main(_f35_argv(tmp_path, *argv, data=data, name=name)), str(tmp_path / name)
+
+
+def test_f35_1_a_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_path, capsys):
+    rc, out = _f35_train(tmp_path, "--mixer", "he", "--max_iters", "12", data=tr_data)
+    assert rc == 0
+    os.remove(os.path.join(out, "ckpt.pt"))  # deleted to save disk: plots need only log.csv
+    before = _tr_files(out)
+    capsys.readouterr()
+    assert "--overwrite" in error_line(
+        capsys, train.main, _f35_argv(tmp_path, "--mixer", "me", "--max_iters", "4", data=tr_data)
+    )
+    assert _tr_files(out) == before  # the he run's 12 rows are still there
+    rc, _ = _f35_train(tmp_path, "--max_iters", "3", data=tr_data, name="short")  # ended before batch 10
+    os.remove(str(tmp_path / "short" / "ckpt.pt"))
+    capsys.readouterr()
+    assert "log.csv of a run" in error_line(
+        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "4", data=tr_data, name="short")
+    )
+    rc, _ = _f35_train(tmp_path, "--mixer", "me", "--max_iters", "4", "--overwrite", data=tr_data)
+    assert rc == 0 and len(_tr_log(out)) == 4
+
+
+def test_f35_2_default_run_folders_carry_exact_values():
+    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(["--mixer=me", *argv]))
+    for a, b in [
+        ("--seed=12345678", "--seed=12345679"),
+        ("--seed=1000001", "--seed=1000002"),
+        ("--data_seed=20240101", "--data_seed=20240102"),
+        ("--lr=0.00030000001", "--lr=0.0003"),
+    ]:
+        assert folder(a) != folder(b), (a, b)
+    assert folder("--seed=12345678", "--lr=0.00030000001") == os.path.join(
+        "out", "me-lr0.00030000001-seed12345678"
+    )
+    assert folder("--dropout=0", "--lr=3e-4") == os.path.join("out", "me-p0-lr0.0003")  # short names stay
+
+
+def test_f35_5_a_book_cut_short_is_used_with_a_warning_naming_it(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    raw = _PD_RAW[9001]
+    cut = raw[: raw.index(b"*** END")]  # a download cut short: no END marker, no licence
+    body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(cut))
+    assert warning is not None and "cut short" in warning
+    assert prepare_data.strip_gutenberg(prepare_data.decode_book(raw))[1] is None
+    src = _pd_source(tmp_path / "src", {**_PD_RAW, 9001: cut})
+    capsys.readouterr()
+    assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
+    out = capsys.readouterr().out
+    assert "ebook 9001" in out and "cut short" in out and str(src / "9001.txt") in out
+
+
+def test_f35_7_resume_refuses_a_log_that_does_not_reach_the_checkpoint(tr_data, tmp_path, capsys):
+    rc, out = _f35_train(tmp_path, "--max_iters", "12", data=tr_data)
+    assert rc == 0
+    log = os.path.join(out, "log.csv")
+    rows = open(log).read().splitlines()
+    for kept in ([], rows[:6]):  # log.csv deleted, or cut back to batch 5
+        if kept:
+            open(log, "w").write("\n".join(kept) + "\n")
+        else:
+            os.remove(log)
+        before = _tr_files(out)
+        capsys.readouterr()
+        assert "ckpt.pt is at batch 12" in error_line(
+            capsys, train.main, _f35_argv(tmp_path, "--max_iters", "16", "--resume", data=tr_data)
+        )
+        assert _tr_files(out) == before
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--beta1", "1.5"], "--beta1"),
+        (["--beta2", "-0.5"], "--beta2"),
+        (["--weight_decay", "nan"], "--weight_decay"),
+        (["--grad_clip", "inf"], "--grad_clip"),
+        (["--seed", str(2**64)], "--seed"),
+    ],
+)
+def test_f35_8_bad_optimizer_settings_and_huge_seeds_are_one_line(flags, needle, tr_data, tmp_path, capsys):
+    assert needle in error_line(
+        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "2", *flags, data=tr_data)
+    )
+    assert not os.path.exists(tmp_path / "run")  # no folder holding only train.lock
+
+
+def test_f35_9_sample_a_tiny_temperature_is_greedy_and_a_huge_seed_is_one_line(tr_prepared, tmp_path, capsys):
+    rc, out = _f35_train(tmp_path, "--max_iters", "4", data=tr_prepared)
+    assert rc == 0
+    texts = []
+    for temperature in ("0", "1e-38"):
+        capsys.readouterr()
+        assert sample.main(["--out_dir", out, "--temperature", temperature, "--max_new_tokens", "8"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    assert "--seed" in error_line(capsys, sample.main, ["--out_dir", out, "--seed", str(2**64)])
+
+
+def test_f35_11_a_books_tsv_id_of_other_digits_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "books.tsv"
+    bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\t\u00b2\tSquare\tX\n", encoding="utf-8")
+    err = error_line(capsys, prepare_data.read_books_tsv, str(bad))
+    assert "line 3" in err and len(err.strip().splitlines()) == 1
+
+
+def test_f35_12_generate_refuses_bad_settings_and_samples_in_eval_mode(monkeypatch):
+    model = scrambled_model("sa")
+    prompt = torch.tensor([[1, 2, 3]], device=DEVICE)
+    for kw in ({"top_k": 0}, {"top_p": 0}, {"temperature": -1}, {"temperature": math.nan}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            model.generate(prompt, 4, **kw)
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate(prompt[:, :0], 4)
+    greedy = model.generate(prompt, 6, temperature=0)
+    assert torch.equal(model.generate(prompt, 6, temperature=1e-38), greedy)  # a tiny T is greedy
+    model.cfg.dropout = 0.5
+    for block in model.modules():
+        if isinstance(block, torch.nn.Dropout):
+            block.p = 0.9  # in training mode this would change every logit
+    model.train()
+    assert torch.equal(model.generate(prompt, 6, temperature=0), greedy) and model.training
+    monkeypatch.delitem(sys.modules, "synthesizer")
+    with pytest.raises(ValueError, match="import synthesizer"):
+        Config(mixer="no-such-mixer")
+
+
+def test_f35_cosmetic_messages_say_what_to_do(tr_data, tr_prepared, tmp_path, capsys):
+    rc, out = _f35_train(tmp_path, "--max_iters", "4", data=tr_data)
+    assert rc == 0
+    capsys.readouterr()
+    assert "pass one of them" in error_line(
+        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "6", "--resume", "--overwrite", data=tr_data)
+    )
+    rc, _ = _f35_train(tmp_path, "--max_iters", "6", "--resume", "--dtype", "bfloat16", data=tr_data)
+    assert rc == 0 and "trained with --dtype float32" in capsys.readouterr().out
+    big = ["--eval_batches", "1", "--batch_size", "4096"]  # val.bin has fewer windows than one batch
+    assert "--eval_batches 0" in error_line(
+        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "2", *big, data=tr_data, name="big")
+    )
+    assert "its settings" in error_line(
+        capsys, sample.main, ["--out_dir", str(tmp_path / "none"), "--data_dir", tr_prepared]
+    )
+    not_a_folder = tmp_path / "README.md"
+    not_a_folder.write_text("a file\n")
+    src = _pd_source(tmp_path / "src")
+    tsv = _pd_books_tsv(tmp_path / "books.tsv")
+    err = error_line(capsys, _pd_run, not_a_folder, "--source", str(src), books_tsv=tsv)
+    assert "is a file" in err

@@ -13,37 +13,37 @@ validation losses, tokens/s), ckpt.pt (everything --resume needs to continue bit
 (the settings, the parameter counts and, at the end, the peak memory) and loss.png. Ctrl-C, kill
 (SIGTERM) and SIGHUP finish the batch, checkpoint and stop.
 
-The file reads in the order a run happens: settings, run folder, data, model, the loop, checkpoint;
-then train(), which calls them in that order, and main().
+The file reads as the experiment: settings, data and batches, model, step, evaluation, logging,
+checkpoint, then train() and its loop. What keeps a run folder safe (the lock, one run per folder,
+log.csv in step with ckpt.pt, stop signals) is rundir.py's.
 """
 
 import argparse
 import csv
-import ctypes
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
 import shlex
-import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import rundir
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 from common import (
     SYMBOLS,
-    atomic_write,
+    check_seed,
     fail,
     fmt_time,
+    keep_freed_memory,
     one_line_errors,
     peak_memory,
     pick_device,
@@ -57,9 +57,11 @@ from prepare_data import load_data
 # settings a --resume must keep: changing them would no longer continue the same run
 FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "weight_decay", "grad_clip")
 NOT_SAVED = ("out_dir", "resume", "overwrite", "allow_other_data")  # flags about this command, not the run
-LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
-RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png")  # what a run folder holds, beside train.lock
-CKPT_KEYS = ("model", "optimizer", "scaler", "config", "args", "iter", "elapsed_s", "rng", "data")
+MODEL_HELP = {  # the model's flags are extractor.Config's fields
+    "block_size": "context length", "n_embd": "dimension of the model", "n_hidden": "nodes in the FFN",
+    "n_layer": "number of layers", "n_head": "heads (mixers with heads)", "dropout": "dropout rate",
+    "mixer": "the first sublayer",
+}  # fmt: skip
 
 
 def say(*args):
@@ -74,18 +76,14 @@ def build_parser():
         description="Train a Transformer LM with a token mixer (Section 6).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    s = lambda key, text: f"{SYMBOLS[key]}: {text}"  # help text led by the setting's symbol
+    s = lambda key, text: f"{SYMBOLS[key]}: {text}" if key in SYMBOLS else text  # help led by its symbol
 
     g = p.add_argument_group("model (extractor.Config; the vocabulary size u comes from the data)")
-    g.add_argument("--mixer", default=Config.mixer, choices=sorted(MIXERS), help="the first sublayer")
-    g.add_argument("--n_layer", type=int, default=Config.n_layer, help=s("n_layer", "number of layers"))
-    g.add_argument(
-        "--block_size", type=int, default=Config.block_size, help=s("block_size", "context length")
-    )
-    g.add_argument("--n_embd", type=int, default=Config.n_embd, help=s("n_embd", "dimension of the model"))
-    g.add_argument("--n_hidden", type=int, default=Config.n_hidden, help=s("n_hidden", "nodes in the FFN"))
-    g.add_argument("--n_head", type=int, default=Config.n_head, help=s("n_head", "heads (mixers with heads)"))
-    g.add_argument("--dropout", type=float, default=Config.dropout, help=s("dropout", "dropout rate"))
+    for f in dataclasses.fields(Config):
+        if f.name != "vocab_size":
+            choices = sorted(MIXERS) if f.name == "mixer" else None
+            help = s(f.name, MODEL_HELP[f.name])
+            g.add_argument(f"--{f.name}", type=type(f.default), default=f.default, choices=choices, help=help)
 
     g = p.add_argument_group("training (Table 1)")
     g.add_argument("--batch_size", type=int, default=64, help=s("batch_size", "batch size (over all ranks)"))
@@ -130,6 +128,15 @@ def check_args(args):
             fail(f"--{name} must not be negative, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         fail(f"--lr must be a positive finite number, got {args.lr}")
+    for name in ("grad_clip", "weight_decay"):
+        if not math.isfinite(getattr(args, name)):
+            fail(f"--{name} must be a finite number, got {getattr(args, name)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            fail(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    check_seed("seed", args.seed)  # (numpy takes any --data_seed)
+    if args.resume and args.overwrite:
+        fail("--resume continues the run in out_dir and --overwrite replaces it; pass one of them")
     try:
         Config(**model_settings(args))
     except ValueError as e:
@@ -153,8 +160,14 @@ def default_out_dir(args):
     name, defaults = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer, build_parser().parse_args([])
     for key, symbol in SYMBOLS.items():
         if getattr(args, key) != getattr(defaults, key) and not (key == "n_head" and args.mixer == "sa"):
-            name += f"-{symbol}{getattr(args, key):g}"
+            name += f"-{symbol}{exact(getattr(args, key))}"
     return os.path.join("out", name)
+
+
+def exact(value):
+    """A setting as the folder name writes it: short (3e-4 -> 0.0003, 1.0 -> 1) but exact, so that two
+    settings never share a name (:g alone makes 12345678 and 12345679 both 1.23457e+07)."""
+    return str(value) if isinstance(value, int) or float(f"{value:g}") != value else f"{value:g}"
 
 
 def resume_settings(args, given, ckpt, path):
@@ -168,153 +181,28 @@ def resume_settings(args, given, ckpt, path):
         was = ", ".join(f"{k}={saved[k]!r}" for k in differ)
         now = ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
         fail(f"{path} was trained with {was} but the flags give {now}; drop those flags to resume")
+    if "dtype" in given and args.dtype != saved.get("dtype", args.dtype):
+        say(f"note: the run so far was trained with --dtype {saved['dtype']}; it goes on with {args.dtype}")
     for k in (set(vars(args)) - given - set(NOT_SAVED)) & set(saved):
         setattr(args, k, saved[k])
     check_args(args)
 
 
-# -------------------------------------------------------------------------------------------- run folder
+# -------------------------------------------------------------------------------------- data and batches
 
 
-def lock_run_dir(out_dir):
-    """An exclusive OS lock on the run folder (made if need be), held while the returned file is open
-    and released when the process ends, even by kill -9."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        fail(f"--out_dir {out_dir} is a file, not a folder; pick another --out_dir")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        f = open(os.path.join(out_dir, "train.lock"), "a")
-    except OSError as e:
-        fail(f"cannot write in {out_dir} ({e.strerror}); pick another --out_dir")
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks here
-        return f
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fail(f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir")
-    return f
-
-
-@contextmanager
-def locked_run_dir(out_dir, master):
-    """The run folder, locked before anything in it is judged or written (under DDP rank 0 holds the
-    lock for all). A refused run takes back the folder it made; stale temp files of a killed write go."""
-    if not master:
-        yield
-        return
-    made = not os.path.exists(out_dir)
-    lock = lock_run_dir(out_dir)
-    remove_stale_temp_files(out_dir)
-    try:
-        yield
-    except SystemExit:
-        if made and os.listdir(out_dir) == ["train.lock"]:
-            lock.close()
-            os.remove(os.path.join(out_dir, "train.lock"))
-            os.rmdir(out_dir)
-        raise
-    finally:
-        lock.close()
-
-
-def remove_stale_temp_files(out_dir):
-    """atomic_write's temp files (.ckpt.pt*.tmp, ...) left by a run killed while writing; with the
-    folder locked, no other process is writing them."""
-    prefixes = tuple("." + name for name in RUN_FILES)
-    stale = [n for n in os.listdir(out_dir) if n.startswith(prefixes) and n.endswith(".tmp")]
-    size = sum(os.path.getsize(os.path.join(out_dir, n)) for n in stale)
-    for n in stale:
-        os.remove(os.path.join(out_dir, n))
-    if stale:
-        say(f"removed {len(stale)} temp file(s) of a killed write ({size / 1e6:.1f} MB) from {out_dir}")
-
-
-def read_checkpoint(path):
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        missing = set(CKPT_KEYS) - set(ckpt)
-        if missing:
-            raise KeyError(", ".join(sorted(missing)))
-        return ckpt
-    except Exception as e:
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}); it is damaged or not from this train.py")
-
-
-def judge_run_dir(args, given):
-    """The checkpoint to resume, or None for a fresh start. A folder whose run never reached a
-    checkpoint simply starts again; one that holds a run needs --resume or --overwrite."""
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    if args.resume:
-        if not os.path.isfile(path):
-            fail(f"no checkpoint {path} to resume; drop --resume to start the run, or pass its --out_dir")
-        ckpt = read_checkpoint(path)
-        resume_settings(args, given, ckpt, path)
-        return ckpt
-    if os.path.isfile(path) and not args.overwrite:
-        fail(
-            f"{args.out_dir} already holds a run; pass --resume to continue it, --overwrite to start again, "
-            "or pick another --out_dir"
-        )
-    return None
-
-
-def clear_old_run(out_dir):
-    """Before a fresh run writes anything: the old run's files go, its checkpoint first, so that at every
-    moment the folder holds either the old run whole or no checkpoint at all (never the old model beside
-    the new run's log)."""
-    for name in RUN_FILES:
-        with suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, name))
-
-
-def truncate_log(path, last_iter):
-    """Keep the header and rows up to the checkpoint's iteration: a run stopped after its last
-    checkpoint may have logged later rows, which the resumed run writes again."""
-    rows = open(path, newline="").read().splitlines()[1:] if os.path.exists(path) else []
-    whole = [r for r in rows if r.count(",") == len(LOG_HEADER) - 1 and r.split(",", 1)[0].isdigit()]
-    keep = [r for r in whole if int(r.split(",", 1)[0]) <= last_iter]
-    atomic_write(path, "\n".join([",".join(LOG_HEADER)] + keep) + "\n")
-
-
-def start_log(args, cfg, counts, world, start, device, n_val, n_starts):
-    """run.json, a new (or, resuming, a truncated) log.csv, and what the run is, on the console."""
-    run = {"config": dataclasses.asdict(cfg), "args": dict(vars(args)), "params": counts, "world_size": world}
-    atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(run, indent=1) + "\n")
-    log_path = os.path.join(args.out_dir, "log.csv")
-    if start:
-        truncate_log(log_path, start)
-    else:
-        atomic_write(log_path, ",".join(LOG_HEADER) + "\n")
-    say(f"{cfg}\non {device} ({args.dtype}){f' x {world} processes' if world > 1 else ''}; {args.out_dir}")
-    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-    epochs = args.max_iters * args.batch_size / n_starts
-    say(
-        f"data: {n_starts + args.block_size:,} train tokens ({n_starts:,} windows), {n_val:,} val tokens; "
-        f"{args.max_iters:,} batches of {args.batch_size} = {epochs:.3f} epochs"
-    )
-    say(f"training from batch {start} to {args.max_iters}")
-
-
-# -------------------------------------------------------------------------------------------------- data
-
-
-def check_data(args, ckpt, data, val):
-    """What the settings ask of the data: a validation set that fits in val.bin, and, resuming, the
-    checkpoint's corpus and tokenizer (or --allow_other_data)."""
+def check_val_size(args, val):
+    """The fixed validation set must fit in val.bin."""
     windows = len(val) - args.block_size
     if args.eval_batches * args.batch_size > windows:
         fail(
             f"--eval_batches {args.eval_batches} x --batch_size {args.batch_size} windows are more than the "
-            f"{windows:,} windows of l = {args.block_size} in val.bin; use --eval_batches "
-            f"{windows // args.batch_size} or fewer"
-        )
-    if ckpt is not None and ckpt["data"] != data and not args.allow_other_data:
-        what = [k.replace("_sha256", "") for k in data if ckpt["data"].get(k) != data[k]]
-        fail(
-            f"{args.out_dir}/ckpt.pt was trained on other data ({', '.join(what)} differ); pass its "
-            "--data_dir, or --allow_other_data to continue on this one"
+            f"{windows:,} windows of l = {args.block_size} in val.bin; use "
+            + (
+                f"--eval_batches {windows // args.batch_size} or fewer"
+                if windows >= args.batch_size
+                else "--eval_batches 0 (no validation) or a smaller --batch_size"
+            )
         )
 
 
@@ -345,22 +233,6 @@ def get_batch(data, starts, block_size, device):
 # ------------------------------------------------------------------------------------------------- model
 
 
-def keep_freed_memory():
-    """CPU on Linux: let glibc keep freed memory instead of mmapping and unmapping every large tensor.
-    Each step frees and reallocates the same big buffers (the logits alone are B*l*u floats) and every
-    fresh mmapped page faults: 1.4x more tokens/s at m = 2. Memory stays flat only if no tensor
-    outlives its step (the losses go into a preallocated buffer), as tests.py checks."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        return
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # from glibc's malloc.h
-    mallopt(M_MMAP_MAX, 0)  # big blocks come from the heap too, so they can be reused
-    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and the heap is not shrunk after each step
-    mallopt(M_TOP_PAD, 2**28)
-
-
 def precision(device, dtype):
     """Autocast context and GradScaler: float32 unless --dtype asks for bf16 or fp16 (loss scaling)."""
     if device.type == "cuda":  # TF32 matmuls: float32 range, every mixer alike
@@ -369,9 +241,8 @@ def precision(device, dtype):
     return ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
 
-def build_model(cfg, args, device, rank, world, scaler, ckpt):
-    """The model (the same initialisation on every rank), AdamW, the state of a resumed run, and the
-    model to train: compiled with --compile, wrapped for DDP with several processes."""
+def build_model(cfg, args, device, rank):
+    """The model (the same initialisation on every rank, then a dropout stream per rank) and AdamW."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + rank)  # then a dropout stream per rank
@@ -380,20 +251,21 @@ def build_model(cfg, args, device, rank, world, scaler, ckpt):
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay, fused=fused
     )
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        if len(ckpt["rng"]) == world:
-            set_rng_state(ckpt["rng"][rank], device)
-        else:  # another number of processes: the dropout streams cannot continue, so start new ones
-            say(f"note: checkpoint from {len(ckpt['rng'])} processes: dropout RNG reseeded")
-            torch.manual_seed(args.seed + rank + 1_000_003 * ckpt["iter"])
-    trained = torch.compile(model) if args.compile else model
-    if world > 1:
-        trained = DDP(trained, device_ids=[device.index] if device.type == "cuda" else None)
-    return model, trained, optimizer
+    return model, optimizer
+
+
+def restore(run, ckpt):
+    """A resumed run's state: model, AdamW, loss scaler and this rank's RNG streams."""
+    run.raw_model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["scaler"]:
+        run.scaler.load_state_dict(ckpt["scaler"])
+    if len(ckpt["rng"]) == run.world:
+        set_rng_state(ckpt["rng"][run.rank], run.device)
+    else:  # another number of processes: the dropout streams cannot continue, so start new ones
+        n = len(ckpt["rng"])
+        say(f"note: the checkpoint is from {n} process{'es' * (n > 1)}: dropout RNG reseeded")
+        torch.manual_seed(run.args.seed + run.rank + 1_000_003 * ckpt["iter"])
 
 
 def set_rng_state(s, device):
@@ -414,7 +286,7 @@ def gather_rng(device, world):
     return rngs
 
 
-# ---------------------------------------------------------------------------------------------- the loop
+# -------------------------------------------------------------------------------------------------- step
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
@@ -430,6 +302,9 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+# -------------------------------------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
@@ -454,6 +329,9 @@ def evaluate(run):
         total /= run.world
     model.train()
     return total.item() / args.eval_batches
+
+
+# ----------------------------------------------------------------------------------------------- logging
 
 
 class RunLog:
@@ -505,47 +383,6 @@ class RunLog:
         return self.elapsed0 + (now or time.time()) - self.t_session
 
 
-def check_finite(rows, saved_at):
-    """A non-finite training cost ends the run; the checkpoint keeps the last good state."""
-    bad = [(i, v) for i, _, v in rows if not math.isfinite(v)]
-    if bad:
-        kept = f"ckpt.pt keeps batch {saved_at}, the last good state; " if saved_at else ""
-        fail(
-            f"the training cost became {bad[0][1]} at batch {bad[0][0]}; {kept}start the run again"
-            f"{' (--overwrite)' if kept else ''} with a smaller --lr or with --grad_clip"
-        )
-
-
-@contextmanager
-def stop_signals():
-    """Ctrl-C (SIGINT), kill (SIGTERM) and a closed terminal (SIGHUP) ask the loop to stop after
-    this batch with a checkpoint; a second Ctrl-C aborts at once. Yields {'signal': None or number}."""
-    stop, old = {"signal": None}, {}
-
-    def ask(signum, frame):
-        stop["signal"] = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # (no print here: it may interrupt one)
-
-    for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        try:
-            old[s] = signal.signal(s, ask)
-        except (ValueError, TypeError):  # not the main thread, or no such signal here
-            pass
-    try:
-        yield stop
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def agree_to_stop(stop, world):
-    """Whether to stop now: a signal came (to any rank, under DDP, so that all stop at the same batch)."""
-    asked = torch.tensor([float(stop["signal"] is not None)])
-    if world > 1:
-        dist.all_reduce(asked)
-    return bool(asked.item() > 0)
-
-
 # -------------------------------------------------------------------------------------------- checkpoint
 
 
@@ -566,14 +403,7 @@ def save_checkpoint(run, it, elapsed, saved_at):
         "rng": rngs,  # one dict per DDP rank (dropout streams differ per rank)
         "data": run.data,  # vocab size and sha256 of train.bin, val.bin and the tokenizer
     }
-    path = os.path.join(run.args.out_dir, "ckpt.pt")
-    try:
-        atomic_write(path, lambda f: torch.save(ckpt, f))
-    except (OSError, RuntimeError) as e:  # a full disk: torch.save says RuntimeError ("unexpected pos")
-        kept = f"it keeps batch {saved_at}" if saved_at else "no checkpoint was kept"
-        free = shutil.disk_usage(run.args.out_dir).free / 2**20
-        reason = getattr(e, "strerror", None) or f"{type(e).__name__} with {free:.0f} MB free on its disk"
-        fail(f"cannot write {path} ({reason}); {kept}: free space, then continue with --resume")
+    rundir.write_checkpoint(run.args.out_dir, ckpt, saved_at)
 
 
 def report_peak_memory(run):
@@ -581,13 +411,11 @@ def report_peak_memory(run):
     if run.rank:
         return
     peak, what = peak_memory(run.device)
-    path = os.path.join(run.args.out_dir, "run.json")
-    info = dict(json.load(open(path)), peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-    atomic_write(path, json.dumps(info, indent=1) + "\n")
+    rundir.add_to_run_json(run.args.out_dir, peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
     say(f"{what}: {peak / 2**30:.2f} GB")
 
 
-# ------------------------------------------------------------------------------------------------- train
+# --------------------------------------------------------------------------------------- train: the loop
 
 
 @dataclasses.dataclass
@@ -599,35 +427,42 @@ class Run:
     data: dict  # the data's fingerprint (vocab size, sha256 of the files), kept in the checkpoint
     train_data: np.ndarray  # (N,) uint16 tokens, memory-mapped
     val_data: np.ndarray
+    n_starts: int  # windows of l+1 tokens start at 0 .. N-l-1
     device: torch.device
     rank: int
     world: int
-    model: torch.nn.Module  # what is trained: the Transformer, compiled and/or wrapped for DDP
     raw_model: Transformer  # the Transformer itself, whose state_dict is saved
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     ctx: object  # autocast, or nothing for float32
+    model: torch.nn.Module = None  # what is trained: the Transformer, compiled and/or wrapped for DDP
 
 
-def train(argv):
-    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
-    rank, world, local_rank = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    world, master = max(world, 1), rank == 0
-
-    # settings: parsed and checked; a resumed run's come from its checkpoint, below
+def settings(argv, world):
+    """The parsed and checked settings, and the flags given on the command line."""
     args, given = build_parser().parse_args(argv), given_flags(argv)
     check_args(args)
     args.out_dir = args.out_dir or default_out_dir(args)
     args.data_dir = os.path.abspath(args.data_dir)  # the checkpoint works from any directory
     if args.batch_size % world:
         fail(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
+    return args, given
+
+
+def train(argv):
+    # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
+    rank, world, local_rank = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    world, master = max(world, 1), rank == 0
+    args, given = settings(argv, world)
     if args.max_iters == 0 and not args.resume:
         say("--max_iters 0: nothing to train")
         return 0
 
     # the run folder: locked first, then judged; nothing is written before every check has passed
-    with locked_run_dir(args.out_dir, master):
-        ckpt = judge_run_dir(args, given)
+    with rundir.locked(args.out_dir, master):
+        ckpt = rundir.judge(args.out_dir, args.resume, args.overwrite)
+        if ckpt:  # a resumed run's settings come from its checkpoint
+            resume_settings(args, given, ckpt, os.path.join(args.out_dir, "ckpt.pt"))
         start = ckpt["iter"] if ckpt else 0
         if start >= args.max_iters:
             say(f"{args.out_dir} is at batch {start} >= --max_iters {args.max_iters}: nothing to train")
@@ -635,30 +470,23 @@ def train(argv):
 
         # data: train.bin and val.bin, checked against meta.json, the settings and the checkpoint
         train_data, val_data, data = load_data(args.data_dir, args.block_size, args.batch_size)
-        check_data(args, ckpt, data, val_data)
+        check_val_size(args, val_data)
         cfg = Config(vocab_size=data["vocab_size"], **model_settings(args))
-        if ckpt is not None and dataclasses.asdict(cfg) != ckpt["config"]:
-            fail(f"{args.out_dir}/ckpt.pt is from another model ({ckpt['config']}); check --data_dir")
+        if ckpt:
+            rundir.check_checkpoint(ckpt, dataclasses.asdict(cfg), data, args)
 
         # the model, its optimizer and, resuming, their state
         device = pick_device(args.device, local_rank)
         if world > 1:  # all ranks have passed the checks above before rank 0 writes anything
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cpu" and sys.platform.startswith("linux"):
-            keep_freed_memory()
-        ctx, scaler = precision(device, args.dtype)
-        raw_model, model, optimizer = build_model(cfg, args, device, rank, world, scaler, ckpt)
-        # fmt: off
-        run = Run(args, cfg, data, train_data, val_data, device, rank, world, model, raw_model, optimizer,
-                  scaler, ctx)
-        # fmt: on
+        run = setup(args, cfg, (train_data, val_data, data), device, rank, world, ckpt)
 
-        # now the folder becomes this run's: the old run goes (fresh start), then run.json and log.csv
+        # now the folder becomes this run's: run.json and a new (resuming: a cut back) log.csv
         if master:
-            if not start:
-                clear_old_run(args.out_dir)
-            n_starts = len(train_data) - args.block_size
-            start_log(args, cfg, raw_model.param_counts(), world, start, device, len(val_data), n_starts)
+            counts, config = run.raw_model.param_counts(), dataclasses.asdict(cfg)
+            info = {"config": config, "args": dict(vars(args)), "params": counts, "world_size": world}
+            rundir.start_files(args.out_dir, info, start)
+            describe(run, start)
         log = RunLog(args, start, ckpt["elapsed_s"] if ckpt else 0.0, device, master)
         del ckpt
         try:
@@ -669,15 +497,50 @@ def train(argv):
             raise
 
 
+def setup(args, cfg, data, device, rank, world, ckpt):
+    """The Run: model and AdamW (resuming, with their state), precision, the model to train (compiled
+    with --compile, wrapped for DDP with several processes)."""
+    if device.type == "cpu" and sys.platform.startswith("linux"):
+        keep_freed_memory()
+    ctx, scaler = precision(device, args.dtype)
+    raw_model, optimizer = build_model(cfg, args, device, rank)
+    train_data, val_data, fingerprint = data
+    run = Run(args=args, cfg=cfg, data=fingerprint, train_data=train_data, val_data=val_data,
+              n_starts=len(train_data) - args.block_size, device=device, rank=rank, world=world,
+              raw_model=raw_model, optimizer=optimizer, scaler=scaler, ctx=ctx)  # fmt: skip
+    if ckpt:
+        restore(run, ckpt)
+    run.model = torch.compile(raw_model) if args.compile else raw_model
+    if world > 1:
+        run.model = DDP(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    return run
+
+
+def describe(run, start):
+    """What the run is, on the console."""
+    args, world = run.args, run.world
+    processes = f" x {world} processes" if world > 1 else ""
+    say(f"{run.cfg}\non {run.device} ({args.dtype}){processes}; {args.out_dir}")
+    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in run.raw_model.param_counts().items()))
+    epochs = args.max_iters * args.batch_size / run.n_starts
+    say(
+        f"data: {run.n_starts + args.block_size:,} train tokens ({run.n_starts:,} windows), "
+        f"{len(run.val_data):,} val tokens; {args.max_iters:,} batches of {args.batch_size} = "
+        f"{epochs:.3f} epochs"
+    )
+    say(f"training from batch {start} to {args.max_iters}")
+
+
 def loop(run, log, start):
     """Batch -> step -> (at their intervals) evaluate, log, checkpoint; until max_iters or a stop signal."""
     args, rank, world = run.args, run.rank, run.world
-    n_starts = len(run.train_data) - args.block_size  # windows of l+1 tokens start at 0 .. N-l-1
     b, it, val, saved_at = args.batch_size // world, start, None, start or None
     first_log = start + min(10, args.log_interval)
-    with stop_signals() as stop:
+    with rundir.stop_signals() as stop:
         while it < args.max_iters:
-            starts = batch_starts(it, n_starts, args.batch_size, args.data_seed)[rank * b : (rank + 1) * b]
+            starts = batch_starts(it, run.n_starts, args.batch_size, args.data_seed)[
+                rank * b : (rank + 1) * b
+            ]
             x, y = get_batch(run.train_data, starts, args.block_size, run.device)  # (b, l), (b, l)
             log.add(it + 1, train_step(run.model, run.optimizer, run.scaler, run.ctx, x, y, args.grad_clip))
             it += 1
@@ -688,9 +551,9 @@ def loop(run, log, start):
                 continue
             if eval_now:
                 val = evaluate(run)
-            stopping = agree_to_stop(stop, world)
+            stopping = rundir.agree_to_stop(stop, world)
             rows = log.take(world)
-            check_finite(rows, saved_at)
+            rundir.check_finite(rows, saved_at)
             log.write(rows, val if eval_now else None)
             if ckpt_now or stopping:
                 save_checkpoint(run, it, log.elapsed(), saved_at)
