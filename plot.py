@@ -12,18 +12,20 @@ the validation loss beside it). Prints a table of the runs too. Needs only matpl
     python plot.py out/sa-* --sweep n_head -o fig7_heads.png                      # last 2000 vs n
     python plot.py RUNS... --seeds MORE... --results results -o results/fig8.png  # + the CSVs
 
-One run without -o redraws its own chart (every batch, window medians, validation) as train.py
-does at the end, into RUN/loss.png; with -o, that chart goes there. Several runs, --raw and --sweep
-make one figure, titled with the runs' setting, and need -o. Run folders are those train.py writes
-(log.csv, run.json). --window defaults to the paper's 2000 batches, or to about 30 windows for
-shorter runs. Lines keep one colour and order per mixer in every figure. A sweep compares runs of
-one corpus and one length (--batches N cuts longer ones), one run per point. With --sweep, a CSV
-that --results wrote may stand among the runs: its points stay in the figure where no run folder
-gives the same mixer and setting, so a sweep can grow after its runs are gone.
+One run without -o redraws its own chart (every batch, window medians, validation) as train.py does
+at the end, into RUN/loss.png; with -o, that chart goes there. Several runs, --raw and --sweep make
+one figure, titled with the runs' setting, and need -o. Run folders are those train.py writes
+(log.csv, run.json), or those results/logs/ keeps (log.csv.gz, run.json). --window defaults to the
+paper's 2000 batches, or to about 30 windows for shorter runs. Lines keep one colour and order per
+mixer in every figure. A sweep compares runs of one corpus and one length (--batches N cuts longer
+ones), one run per point. With --sweep, a CSV that --results wrote may stand among the runs: its
+points stay in the figure where no run folder gives the same mixer and setting, so a sweep can grow
+after its runs are gone.
 """
 
 import argparse
 import csv
+import gzip
 import io
 import json
 import os
@@ -55,10 +57,12 @@ def read_log(run_dir, until=None):
     """log.csv of a run as arrays: iter, train_loss, tokens_per_s, and the iterations with a val_loss;
     with `until`, only its first `until` batches (for comparing runs at the same length)."""
     path = os.path.join(run_dir, "log.csv")
+    if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
+        path += ".gz"  # a finished run's log as results/logs/ keeps it
     if not os.path.isfile(path):
         fail(f"{path} not found; pass folders written by train.py")
     it, loss, tok_s, val_it, val = [], [], [], [], []
-    with open(path, newline="") as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
         for row in csv.DictReader(f):
             try:
                 i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
