@@ -124,11 +124,9 @@ def batches_done(run_dir):
     import torch
 
     path = os.path.join(run_dir, "ckpt.pt")
-    return (
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter"]
-        if os.path.exists(path)
-        else 0
-    )
+    if not os.path.exists(path):
+        return 0
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter"]
 
 
 def read_log(run_dir):
@@ -213,7 +211,7 @@ def wait(procs, deadline, hard_end, ckpts=None):
                 asked[i] = True
             if p.poll() is None and now >= hard_end:
                 p.kill()
-        time.sleep(0.2)
+        time.sleep(0.05)  # a tiny model trains some 20 batches in this time
     return [p.returncode for p in procs]
 
 
@@ -241,9 +239,8 @@ def train_step(args, names, target, deadline, hard_end):
         run_dir = os.path.join(args.work, name)
         ckpts.append(os.path.join(run_dir, "ckpt.pt"))
         flags = [*(TABLE1 | DTYPES)[name], *args.train, "--max_iters", str(target), "--out_dir", run_dir]
-        flags += ["--data_dir", args.data_dir, "--device", args.device] + ["--resume"] * os.path.exists(
-            ckpts[-1]
-        )
+        flags += ["--data_dir", args.data_dir, "--device", args.device]
+        flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
         procs.append(launch(cmd, os.path.join(args.results, "logs", f"{name}.txt")))
     return wait(procs, deadline, hard_end, ckpts)
@@ -307,13 +304,11 @@ def next_step(args, state, tried):
         if target is not None:
             group = [n for n in (TABLE1 if kind == "table1" else DTYPES) if n in args.steps]
             at = {n: batches_done(os.path.join(args.work, n)) for n in group}
-            left = sorted(
-                (a, i, n) for i, (n, a) in enumerate(at.items()) if a < target
-            )  # least trained first
+            # least trained first
+            left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target)
+            k = args.parallel if kind == "table1" else 1  # dtype: one at a time, so the speeds compare
             if left:
-                k = args.parallel if kind == "table1" else 1  # dtype: one at a time, so the speeds compare
-                names = [n for _, _, n in left[:k]]
-                return kind, kind, target, names
+                return kind, kind, target, [n for _, _, n in left[:k]]
     return None
 
 
@@ -326,9 +321,9 @@ def run(args):
     args.device, named = describe(args.device)
     state = {**load_state(args.work), "device": named}
     print(f"gpu.py on {named}: results in {args.results}, runs in {args.work}")
-    print(
-        f"step limit {fmt_time(args.step_limit)}, budget {fmt_time(args.budget) if args.budget else 'none'}"
-    )
+    budget = fmt_time(args.budget) if args.budget else "none"
+    print(f"step limit {fmt_time(args.step_limit)}, budget {budget}; time left from each run's own log.csv,")
+    print("else from bench.py section 3 (bench.json in the results), else unknown:")
     print(progress(args, state), flush=True)
     if args.dry_run:
         return 0
@@ -352,9 +347,8 @@ def run(args):
             print(f"   {summary}")
         else:
             codes = train_step(args, names, target, deadline, hard_end)
-            print(
-                "   " + ", ".join(f"{n} at batch {batches_done(os.path.join(args.work, n))}" for n in names)
-            )
+            at = [f"{n} at batch {batches_done(os.path.join(args.work, n))}" for n in names]
+            print("   " + ", ".join(at))
             if any(c not in FINE for c in codes):
                 print(f"   train.py failed (exit codes {codes}); see {args.results}/logs/; stopping")
                 return 1
@@ -383,9 +377,8 @@ def main(argv=None):
         return e.code
     except OSError as e:
         where = e.filename or "a result"
-        print(
-            f"error: cannot write {where} ({e.strerror}); pick another --results or --work", file=sys.stderr
-        )
+        msg = f"error: cannot write {where} ({e.strerror}); pick another --results or --work"
+        print(msg, file=sys.stderr)
         return 1
 
 
