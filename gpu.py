@@ -14,7 +14,8 @@ same batches in the same order; --parallel of them side by side, the least train
 (me for 1000 batches in float32, then in bfloat16). A training step runs train.py and sends it SIGTERM
 at the step limit (or before the budget ends): train.py finishes the batch, checkpoints and stops, and
 the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
-the start), so every step makes progress. <work>/state.json keeps what the tests and bench steps did.
+the start), so every step makes progress. <work>/state.json keeps what the tests and bench steps did
+on this device.
 """
 
 import argparse
@@ -319,7 +320,9 @@ def run(args):
     start = time.monotonic()
     end = start + args.budget if args.budget else float("inf")
     args.device, named = describe(args.device)
-    state = {**load_state(args.work), "device": named}
+    state = load_state(args.work)
+    if state.get("device") != named:  # the tests and bench of another device are not this one's
+        state = {"device": named}
     print(f"gpu.py on {named}: results in {args.results}, runs in {args.work}")
     budget = fmt_time(args.budget) if args.budget else "none"
     print(f"step limit {fmt_time(args.step_limit)}, budget {budget}; time left from each run's own log.csv,")
