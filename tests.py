@@ -2723,3 +2723,15 @@ def test_gpu_durations():
     assert [gpu.seconds(t, "--budget") for t in ("40m", "2h", "1h30m", "90s", "90", "1.5h")] == [
         2400, 7200, 5400, 90, 90, 5400,
     ]  # fmt: skip
+
+
+def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_data, tmp_path, capsys):
+    work = tmp_path / "w"
+    work.mkdir()
+    done = {"done": True, "summary": "pytest exit 0: 227 passed", "seconds": 60}
+    (work / "state.json").write_text(json.dumps({"device": "cuda:0 (Some GPU)", "tests": done}))
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--results", str(tmp_path / "r")]
+    assert gpu.main([*argv, "--work", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10 and "left: unknown" in out
+    assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
