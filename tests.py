@@ -29,6 +29,7 @@ import torch
 import bench
 import common
 import extractor
+import gpu
 import plot
 import prepare_data
 import rundir
@@ -2933,3 +2934,133 @@ def test_f35_cosmetic_messages_say_what_to_do(tr_data, tr_prepared, tmp_path, ca
     tsv = _pd_books_tsv(tmp_path / "books.tsv")
     err = error_line(capsys, _pd_run, not_a_folder, "--source", str(src), books_tsv=tsv)
     assert "is a file" in err
+
+
+# ---- gpu.py (issue 36)
+
+
+_GPU_RUNS = ["sa-1", "sa-32", "she", "he", "we", "me", "me-float32", "me-bfloat16"]
+
+
+def _gpu_call(tmp, *flags):
+    """gpu.main --smoke on the CPU, into tmp/results and tmp/work: (exit code, stdout, stderr)."""
+    folders = ["--data_dir", tmp / "data", "--results", tmp / "results", "--work", tmp / "work"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = gpu.main(["--smoke", "--device", "cpu", *map(str, folders), *flags])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _gpu_iter(tmp, run):
+    return torch.load(tmp / "work" / run / "ckpt.pt", weights_only=True)["iter"]
+
+
+@pytest.fixture(scope="module")
+def gpu_smoke(tmp_path_factory):
+    """Three calls of gpu.py --smoke: one whose budget ends it in the middle of a step of the me run
+    (cut at the step limit once it has checkpointed), one that does every step, one with nothing left."""
+    tmp = tmp_path_factory.mktemp("gpu")
+    _tr_make_data(tmp / "data")
+    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "30s", "--margin", "29.5s")
+    at_cut = _gpu_iter(tmp, "me")
+    full = _gpu_call(tmp, "--parallel", "3")
+    logs = {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS}
+    again = _gpu_call(tmp)
+    return tmp, cut, at_cut, full, again, logs
+
+
+@pytest.mark.slow
+def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, capsys):
+    tmp, (rc, out, err), at_cut, full, again, logs = gpu_smoke
+    assert rc == 0 and not err, err
+    plan, rest = out.split("-- table1: me", 1)  # the plan comes before the first step
+    assert re.search(r"\[ \] me +unknown  train.py --mixer me: batch 0 of 100", plan)
+    assert f"me at batch {at_cut}" in rest and "budget spent: stopped before table1" in rest
+    assert 10 <= at_cut < 100  # cut in the middle of the run, after its first checkpoint
+
+    rc, out, err = full
+    assert rc == 0 and "Traceback" not in err, err
+    assert f"batch {at_cut} of 100" in out.split("-- tests")[0]  # the plan: me continues where it stopped
+    steps = [line.split(",")[0] for line in out.splitlines() if line.startswith("-- ")]
+    assert steps == [  # in order; three runs side by side, the least trained first; dtype one at a time
+        "-- tests: tests", "-- bench: bench", "-- table1: sa-1 sa-32 she", "-- table1: he we me",
+        "-- dtype: me-float32", "-- dtype: me-bfloat16",
+    ]  # fmt: skip
+    assert out.count("left: ") == 7 and out.rstrip().endswith("nothing left to do")
+    assert [_gpu_iter(tmp, run) for run in _GPU_RUNS] == [100] * 6 + [30] * 2
+    calls = [
+        line for line in (tmp / "results" / "logs" / "me.txt").read_text().splitlines() if line[:2] == "$ "
+    ]
+    assert ["train.py --mixer me" in c for c in calls] == [True] * 2 and "--resume" not in calls[0]
+    assert "--resume" in calls[1]
+
+    res = tmp / "results"
+    assert re.search(r"pytest exit 0: 1 passed", (tmp / "work" / "state.json").read_text())
+    bench_tables = (res / "bench.txt").read_text()
+    assert all(f"\n{k}. " in "\n" + bench_tables for k in (1, 3, 6)) and "\n2. " not in bench_tables
+    assert set(json.loads((res / "bench.json").read_text())["sections"]) == {"sublayer", "model", "memory"}
+    for name in ("fig8.png", "fig9.png", "medians.csv", "summary.csv", "progress.txt", "tests.txt"):
+        assert (res / name).stat().st_size > 0, name
+    assert "she" in (res / "fig9.txt").read_text() and "sa-1" not in (res / "fig9.txt").read_text()
+    dtype = list(csv.DictReader(open(res / "dtype.csv")))
+    assert [r["run"] for r in dtype] == ["me-float32", "me-bfloat16"] and all(
+        r["batches"] == "30" for r in dtype
+    )
+    for run in _GPU_RUNS:
+        assert (res / "runs" / run / "log.csv").read_bytes() == logs[run]
+
+    rc, out, err = again  # a third call skips everything and trains nothing
+    assert rc == 0 and "-- " not in out and out.count("[x]") == 10 and "nothing left to do" in out
+    assert {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS} == logs
+
+    argv = ["--smoke", "--data_dir", str(tmp / "data"), "--results", str(res), "--work", str(tmp / "work")]
+    assert gpu.main([*argv, "--max_iters", "150", "--dry_run", "--device", "cpu"]) == 0
+    plan = capsys.readouterr().out  # time left from each run's own speed; the tests and bench are done
+    rows = [line for line in plan.splitlines() if line.startswith("  [")]
+    assert len(rows) == 10 and not any("unknown" in row for row in rows) and "[x] bench" in plan
+    assert re.search(r"\[ \] me +[0-9.]+s  train.py --mixer me: batch 100 of 150", plan)
+
+
+@pytest.mark.slow
+def test_gpu_step_limit_cut_resumes_bit_for_bit(gpu_smoke):
+    tmp = gpu_smoke[0]
+    uncut = str(tmp / "uncut")
+    flags = [*gpu.SMOKE["train"], "--mixer", "me", "--max_iters", "100", "--device", "cpu"]
+    assert train.main([*flags, "--data_dir", str(tmp / "data"), "--out_dir", uncut]) == 0
+    assert 10 <= gpu_smoke[2] < 100  # the me run was cut there by the step limit, and resumed
+    assert _tr_train_loss_column(tmp / "work" / "me") == _tr_train_loss_column(uncut)
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--budget", "forty minutes"], "--budget 'forty minutes' is not a duration"),
+        (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
+        (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from tests,bench,sa-1"),
+        (["--parallel", "0"], "must be positive"),
+        (["--data_dir", "no/such/folder"], "no no/such/folder/train.bin: run python prepare_data.py first"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate (see python gpu.py --help)"),
+    ],
+)
+def test_gpu_bad_input_gives_one_clear_line(flags, needle, tr_data, tmp_path, capsys):
+    argv = ["--data_dir", tr_data, "--results", str(tmp_path / "r"), "--work", str(tmp_path / "w"), *flags]
+    assert needle in error_line(capsys, gpu.main, argv)
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_gpu_durations():
+    assert [gpu.seconds(t, "--budget") for t in ("40m", "2h", "1h30m", "90s", "90", "1.5h")] == [
+        2400, 7200, 5400, 90, 90, 5400,
+    ]  # fmt: skip
+
+
+def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_data, tmp_path, capsys):
+    work = tmp_path / "w"
+    work.mkdir()
+    done = {"done": True, "summary": "pytest exit 0: 227 passed", "seconds": 60}
+    (work / "state.json").write_text(json.dumps({"device": "cuda:0 (Some GPU)", "tests": done}))
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--results", str(tmp_path / "r")]
+    assert gpu.main([*argv, "--work", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10 and "left: unknown" in out
+    assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]

@@ -1,0 +1,389 @@
+"""
+One command for a GPU with little time: the device tests, bench.py sections 1, 3 and 6, the six Table 1
+runs of Figure 8 and bfloat16 against float32, in steps of at most --step_limit that a later call
+resumes; after every step the figures, CSVs, tables and logs of what exists so far go to --results.
+
+    python gpu.py --device cuda --budget 40m     # as far as 40 minutes go, into results/gpu and out/gpu
+    python gpu.py --device cuda --budget 40m     # again: skips what is done, continues the runs
+    python gpu.py --dry_run                      # the plan and its time estimates only
+    python gpu.py --smoke --results /tmp/r --work /tmp/w --data_dir /tmp/d   # tiny settings, seconds
+
+The steps, in order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
+--sections 1,3,6), the Table 1 runs (sa-1, sa-32, she, he, we, me: train.py's Table 1 defaults, the
+same batches in the same order; --parallel of them side by side, the least trained first) and dtype
+(me for 1000 batches in float32, then in bfloat16). A training step runs train.py and sends it SIGTERM
+at the step limit (or before the budget ends): train.py finishes the batch, checkpoints and stops, and
+the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
+the start), so every step makes progress. <work>/state.json keeps what the tests and bench steps did
+on this device.
+"""
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from common import atomic_write, fail, fmt_time, one_line_errors, pick_device, plain_output
+
+ROOT = os.path.dirname(os.path.abspath(__file__))  # tests.py, bench.py, train.py run from here
+
+TABLE1 = {  # Figure 8's runs: train.py's default folder name -> flags (Table 1 otherwise)
+    "sa-1": ["--mixer", "sa", "--n_head", "1"],
+    "sa-32": ["--mixer", "sa", "--n_head", "32"],
+    **{m: ["--mixer", m] for m in ("she", "he", "we", "me")},
+}
+DTYPES = {f"me-{t}": ["--mixer", "me", "--dtype", t] for t in ("float32", "bfloat16")}
+BENCH_ROW = {"sa-32": "sa", "she": "she", "he": "he", "we": "we", "me": "me", "me-float32": "me"}
+FULL = {  # the paper's settings; --smoke: tiny ones (bench.py --quick's shapes), every step in seconds
+    "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": [], "bench": [], "step_limit": "9m",
+    "margin": "1m",
+}  # fmt: skip
+SMOKE = {
+    "train": "--n_layer 1 --block_size 32 --n_embd 32 --n_hidden 128 --batch_size 4 --eval_batches 2 "
+    "--eval_interval 50 --log_interval 50".split(),
+    "max_iters": 100, "dtype_iters": 30, "tests": ["-k", "test_forward_loss_is_eq3"],
+    "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s",
+}  # fmt: skip
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda, then mps, then cpu; default), cuda:1, mps, cpu"
+    )
+    p.add_argument("--results", default="results/gpu", help="figures, CSVs, tables, logs (results/gpu)")
+    p.add_argument("--work", default="out/gpu", help="run folders with checkpoints, state.json (out/gpu)")
+    p.add_argument("--data_dir", default="data", help="prepare_data.py's folder (data)")
+    p.add_argument("--budget", default=None, help="stop cleanly before this much time: 40m, 2h, 90s (none)")
+    p.add_argument("--step_limit", default=None, help="the longest step (default 9m; --smoke: 60s)")
+    p.add_argument("--margin", default=None, help="budget kept for the last checkpoint (1m; --smoke: 1s)")
+    p.add_argument("--max_iters", type=int, default=None, help="batches per Table 1 run (default 60000)")
+    p.add_argument(
+        "--parallel", type=int, default=1, help="Table 1 runs side by side (1; faster? not yet measured)"
+    )
+    p.add_argument("--steps", default=None, help="only these steps: a comma list of the plan's names (all)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny settings and a few tests: every step in seconds"
+    )
+    p.add_argument("--dry_run", action="store_true", help="print the plan and its estimates, do nothing")
+    return one_line_errors(p, "gpu.py")
+
+
+def seconds(text, flag):
+    """'40m', '2h', '1h30m', '90s' or '90' -> seconds; one clear line if it is none of these."""
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text.strip())
+    if not text.strip() or not parts:
+        fail(f"{flag} {text!r} is not a duration; write it like 40m, 2h, 1h30m or 90s")
+    h, m, s = (float(x or 0) for x in parts.groups())
+    return 3600 * h + 60 * m + s
+
+
+def settings(argv):
+    """The parsed flags, with the FULL or SMOKE defaults filled in and every duration in seconds."""
+    args = build_parser().parse_args(argv)
+    preset = SMOKE if args.smoke else FULL
+    args.train, args.dtype_iters = preset["train"], preset["dtype_iters"]
+    args.tests, args.bench = preset["tests"], preset["bench"]
+    args.max_iters = preset["max_iters"] if args.max_iters is None else args.max_iters
+    args.step_limit = seconds(args.step_limit or preset["step_limit"], "--step_limit")
+    args.margin = seconds(args.margin or preset["margin"], "--margin")
+    args.budget = None if args.budget is None else seconds(args.budget, "--budget")
+    asked, args.steps = args.steps and args.steps.split(","), None
+    names = [name for name, *_ in plan(args)]
+    if set(asked or ()) - set(names):
+        fail(f"--steps {','.join(set(asked) - set(names))}: no such step; pick from {','.join(names)}")
+    args.steps = asked or names
+    if args.max_iters < 1 or args.parallel < 1 or args.step_limit <= 0:
+        fail("--max_iters, --parallel and --step_limit must be positive")
+    if not args.dry_run and not os.path.isfile(os.path.join(args.data_dir, "train.bin")):
+        fail(f"no {args.data_dir}/train.bin: run python prepare_data.py first, or pass --data_dir")
+    return args
+
+
+# ------------------------------------------------------------------------------ what exists so far
+
+
+def load_state(work):
+    path = os.path.join(work, "state.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def save_state(work, state):
+    atomic_write(os.path.join(work, "state.json"), json.dumps(state, indent=1))
+
+
+def batches_done(run_dir):
+    """The batch the run's checkpoint holds (0 for none): where --resume continues."""
+    import torch
+
+    path = os.path.join(run_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        return 0
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter"]
+
+
+def read_log(run_dir):
+    path = os.path.join(run_dir, "log.csv")
+    return list(csv.DictReader(open(path, newline=""))) if os.path.exists(path) else []
+
+
+def seconds_per_batch(args, name):
+    """From the run's own log.csv, else from bench.py section 3 (its Table 1 model), else None."""
+    rows = read_log(os.path.join(args.work, name))
+    if rows:
+        return float(rows[-1]["elapsed_s"]) / int(rows[-1]["iter"])
+    bench = os.path.join(args.results, "bench.json")
+    if name in BENCH_ROW and os.path.exists(bench):
+        model = json.load(open(bench))["sections"].get("model", [])
+        times = [r["step_ms"] / 1000 for r in model if r["mixer"] == BENCH_ROW[name]]
+        return times[0] if times else None  # the first model is the deepest, Table 1's m = 18
+    return None
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def plan(args):
+    """[(name, kind, target, what)]: kind tests, bench, table1 or dtype; target the batches to train."""
+    tests = f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
+    train = lambda n: "train.py " + " ".join((TABLE1 | DTYPES)[n])
+    steps = [("tests", "tests", None, tests), ("bench", "bench", None, "bench.py --sections 1,3,6")] + [
+        *((n, "table1", args.max_iters, train(n)) for n in TABLE1),
+        *((n, "dtype", args.dtype_iters, train(n)) for n in DTYPES),
+    ]
+    return [s for s in steps if not args.steps or s[0] in args.steps]
+
+
+def progress(args, state):
+    """A line per step: done or not, how far, how long what is left should take here; then the total."""
+    lines, total, unknown = [], 0.0, False
+    for name, kind, target, what in plan(args):
+        if target is None:
+            was = state.get(name, {})  # a step that failed or was cut took at least its seconds
+            done, left, how = was.get("done", False), was.get("seconds"), was.get("summary", "not run yet")
+        else:
+            at = batches_done(os.path.join(args.work, name))
+            done, per = at >= target, seconds_per_batch(args, name)
+            left, how = None if per is None else (target - at) * per, f"batch {at} of {target}"
+        if not done:
+            total += left or 0.0
+            unknown |= left is None
+        eta = "done" if done else "unknown" if left is None else fmt_time(left)
+        lines.append(f"  [{'x' if done else ' '}] {name:<12} {eta:>8}  {what}: {how}")
+    rest = " + ".join([fmt_time(total)] * (total > 0) + ["unknown"] * unknown) or "nothing"
+    side = f", Table 1 runs {args.parallel} side by side (estimate: one after another)" * (args.parallel > 1)
+    return "\n".join(lines + [f"  left: {rest}{side}"])
+
+
+# ------------------------------------------------------------------------------ running a step
+
+
+def launch(cmd, log_path, env=None):
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+
+def mtime(path):
+    return os.stat(path).st_mtime_ns if os.path.exists(path) else None
+
+
+def wait(procs, deadline, hard_end, ckpts=None):
+    """Wait for the processes; SIGTERM each at the deadline once it has written a checkpoint since it
+    started (ckpts: its ckpt.pt, None if it has none to write); SIGKILL at hard_end. Their exit codes."""
+    start_mtimes = [mtime(c) if c else None for c in ckpts or [None] * len(procs)]
+    asked = [False] * len(procs)
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            saved = not ckpts or mtime(ckpts[i]) != start_mtimes[i]
+            if p.poll() is None and now >= deadline and not asked[i] and (saved or now >= hard_end):
+                p.send_signal(signal.SIGTERM)
+                asked[i] = True
+            if p.poll() is None and now >= hard_end:
+                p.kill()
+        time.sleep(0.05)  # a tiny model trains some 20 batches in this time
+    return [p.returncode for p in procs]
+
+
+def tests_step(args, deadline, hard_end):
+    cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests.py"), "-q", *args.tests]
+    out = os.path.join(args.results, "tests.txt")
+    open(out, "w").close()
+    (rc,) = wait([launch(cmd, out, {"TEST_DEVICE": args.device})], deadline, hard_end)
+    last = [line for line in open(out).read().splitlines() if line.strip()][-1:]
+    return rc in (0, 1), f"pytest exit {rc}: {last[0] if last else 'no output'}"  # 1: some tests failed
+
+
+def bench_step(args, deadline, hard_end):
+    out, table = os.path.join(args.results, "bench.txt"), os.path.join(args.results, "bench.json")
+    cmd = [sys.executable, os.path.join(ROOT, "bench.py"), "--device", args.device, "--sections", "1,3,6"]
+    open(out, "w").close()
+    (rc,) = wait([launch([*cmd, *args.bench, "--json", table], out)], deadline, hard_end)
+    return rc == 0, f"bench.py exit {rc}: tables in {out}"
+
+
+def train_step(args, names, target, deadline, hard_end):
+    """One step of these runs side by side: each from its checkpoint (--resume) towards target."""
+    procs, ckpts = [], []
+    for name in names:
+        run_dir = os.path.join(args.work, name)
+        ckpts.append(os.path.join(run_dir, "ckpt.pt"))
+        flags = [*(TABLE1 | DTYPES)[name], *args.train, "--max_iters", str(target), "--out_dir", run_dir]
+        flags += ["--data_dir", args.data_dir, "--device", args.device]
+        flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
+        procs.append(launch(cmd, os.path.join(args.results, "logs", f"{name}.txt")))
+    return wait(procs, deadline, hard_end, ckpts)
+
+
+# ------------------------------------------------------------------------------ results after every step
+
+
+def plot(args, name, *argv):
+    """plot.py's command line in this process; its table goes to <results>/<name>.txt."""
+    import plot as plot_py
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        rc = plot_py.main(list(argv))
+    atomic_write(os.path.join(args.results, f"{name}.txt"), text.getvalue())
+    if rc:
+        print(f"  {name}: plot.py failed, see {args.results}/{name}.txt")
+
+
+def dtype_table(args):
+    """dtype.csv: float32 against bfloat16, the mean training cost of the last 100 batches, the last
+    validation loss and the median tokens/s."""
+    lines = ["run,batches,train_loss_last100,val_loss,tokens_per_s"]
+    for name in DTYPES:
+        rows = read_log(os.path.join(args.work, name))
+        if rows:
+            loss = [float(r["train_loss"]) for r in rows[-100:]]
+            val = [r["val_loss"] for r in rows if r["val_loss"]][-1:] or [""]
+            speed = sorted(float(r["tokens_per_s"]) for r in rows)[len(rows) // 2]
+            lines.append(f"{name},{len(rows)},{sum(loss) / len(loss):.4f},{val[0]},{speed:.0f}")
+    atomic_write(os.path.join(args.results, "dtype.csv"), "\n".join(lines) + "\n")
+
+
+def write_results(args, state):
+    """The runs' log.csv and run.json, Figure 8 with its CSVs, Figure 9, dtype.csv and progress.txt."""
+    runs = [n for n in (*TABLE1, *DTYPES) if read_log(os.path.join(args.work, n))]
+    for name in runs:
+        os.makedirs(os.path.join(args.results, "runs", name), exist_ok=True)
+        for f in ("log.csv", "run.json"):
+            with contextlib.suppress(FileNotFoundError):
+                shutil.copyfile(os.path.join(args.work, name, f), os.path.join(args.results, "runs", name, f))
+    fig8 = [os.path.join(args.work, n) for n in TABLE1 if n in runs]
+    if fig8:
+        plot(args, "fig8", *fig8, "--results", args.results, "-o", os.path.join(args.results, "fig8.png"))
+    fig9 = [os.path.join(args.work, n) for n in ("sa-32", "she") if n in runs]
+    if fig9:
+        plot(args, "fig9", *fig9, "--raw", "-o", os.path.join(args.results, "fig9.png"))
+    dtype_table(args)
+    atomic_write(os.path.join(args.results, "progress.txt"), f"{state['device']}\n{progress(args, state)}\n")
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def next_step(args, state, tried):
+    """(name, kind, target, names) of the next step, or None when all is done (or tried this call)."""
+    for name, kind, target, _ in plan(args):
+        if target is None and not state.get(name, {}).get("done") and name not in tried:
+            return name, kind, None, [name]
+        if target is not None:
+            group = [n for n in (TABLE1 if kind == "table1" else DTYPES) if n in args.steps]
+            at = {n: batches_done(os.path.join(args.work, n)) for n in group}
+            # least trained first
+            left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target)
+            k = args.parallel if kind == "table1" else 1  # dtype: one at a time, so the speeds compare
+            if left:
+                return kind, kind, target, [n for _, _, n in left[:k]]
+    return None
+
+
+FINE = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or stopped by wait()
+
+
+def run(args):
+    start = time.monotonic()
+    end = start + args.budget if args.budget else float("inf")
+    args.device, named = describe(args.device)
+    state = load_state(args.work)
+    if state.get("device") != named:  # the tests and bench of another device are not this one's
+        state = {"device": named}
+    print(f"gpu.py on {named}: results in {args.results}, runs in {args.work}")
+    budget = fmt_time(args.budget) if args.budget else "none"
+    print(f"step limit {fmt_time(args.step_limit)}, budget {budget}; time left from each run's own log.csv,")
+    print("else from bench.py section 3 (bench.json in the results), else unknown:")
+    print(progress(args, state), flush=True)
+    if args.dry_run:
+        return 0
+    os.makedirs(args.results, exist_ok=True)
+    os.makedirs(args.work, exist_ok=True)
+    tried = set()
+    while step := next_step(args, state, tried):
+        name, kind, target, names = step
+        left = end - time.monotonic() - args.margin
+        if left <= 0:
+            print(f"budget spent: stopped before {name}; run the same command again to go on")
+            return 0
+        t0 = time.monotonic()
+        deadline = t0 + min(args.step_limit, left)
+        hard_end = end  # train.py gets SIGTERM only after its first checkpoint, so a step makes progress
+        print(f"-- {name}: {' '.join(names)}, until {fmt_time(deadline - start)} into this call", flush=True)
+        if target is None:
+            tried.add(name)
+            done, summary = (tests_step if kind == "tests" else bench_step)(args, deadline, hard_end)
+            state[name] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
+            print(f"   {summary}")
+        else:
+            codes = train_step(args, names, target, deadline, hard_end)
+            at = [f"{n} at batch {batches_done(os.path.join(args.work, n))}" for n in names]
+            print("   " + ", ".join(at))
+            if any(c not in FINE for c in codes):
+                print(f"   train.py failed (exit codes {codes}); see {args.results}/logs/; stopping")
+                return 1
+        save_state(args.work, state)
+        write_results(args, state)
+        print(f"   after {fmt_time(time.monotonic() - start)}:\n{progress(args, state)}", flush=True)
+    failed = [n for n in ("tests", "bench") if n in args.steps and not state[n]["done"]]
+    print(f"{', '.join(failed)} failed: see {args.results}" if failed else "nothing left to do")
+    return 1 if failed else 0
+
+
+def describe(device):
+    """The device as train.py, bench.py and TEST_DEVICE take it (cuda:0), and with the GPU's name."""
+    import torch
+
+    d = pick_device(device)
+    return str(d), f"{d} ({torch.cuda.get_device_name(d)})" if d.type == "cuda" else str(d)
+
+
+def main(argv=None):
+    plain_output()
+    try:
+        args = settings(sys.argv[1:] if argv is None else argv)
+        return run(args)
+    except SystemExit as e:
+        return e.code
+    except OSError as e:
+        where = e.filename or "a result"
+        msg = f"error: cannot write {where} ({e.strerror}); pick another --results or --work"
+        print(msg, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
