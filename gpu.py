@@ -21,11 +21,11 @@ on this device.
 import argparse
 import contextlib
 import csv
+import gzip
 import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -276,14 +276,21 @@ def dtype_table(args):
     atomic_write(os.path.join(args.results, "dtype.csv"), "\n".join(lines) + "\n")
 
 
+def gzip_bytes(data):
+    """gzip without a time stamp, so the same log packs to the same bytes."""
+    return gzip.compress(data, mtime=0)
+
+
 def write_results(args, state):
-    """The runs' log.csv and run.json, Figure 8 with its CSVs, Figure 9, dtype.csv and progress.txt."""
+    """The runs' log.csv (as log.csv.gz) and run.json, Figure 8 with its CSVs, Figure 9, dtype.csv and
+    progress.txt."""
     runs = [n for n in (*TABLE1, *DTYPES) if read_log(os.path.join(args.work, n))]
-    for name in runs:
+    for name in runs:  # the logs kept as results/logs/ keeps them: log.csv.gz (plot.py reads it) and run.json
         os.makedirs(os.path.join(args.results, "runs", name), exist_ok=True)
-        for f in ("log.csv", "run.json"):
-            with contextlib.suppress(FileNotFoundError):
-                shutil.copyfile(os.path.join(args.work, name, f), os.path.join(args.results, "runs", name, f))
+        for f, pack in (("log.csv", gzip_bytes), ("run.json", bytes)):
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(args.work, name, f), "rb") as src:
+                target = os.path.join(args.results, "runs", name, f + (".gz" if pack is gzip_bytes else ""))
+                atomic_write(target, pack(src.read()))
     fig8 = [os.path.join(args.work, n) for n in TABLE1 if n in runs]
     if fig8:
         plot(args, "fig8", *fig8, "--results", args.results, "-o", os.path.join(args.results, "fig8.png"))

@@ -5,6 +5,7 @@ import collections
 import contextlib
 import copy
 import csv
+import gzip
 import hashlib
 import http.server
 import io
@@ -3007,7 +3008,7 @@ def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, ca
         r["batches"] == "30" for r in dtype
     )
     for run in _GPU_RUNS:
-        assert (res / "runs" / run / "log.csv").read_bytes() == logs[run]
+        assert gzip.decompress((res / "runs" / run / "log.csv.gz").read_bytes()) == logs[run]
 
     rc, out, err = again  # a third call skips everything and trains nothing
     assert rc == 0 and "-- " not in out and out.count("[x]") == 10 and "nothing left to do" in out
@@ -3064,3 +3065,24 @@ def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_da
     out = capsys.readouterr().out
     assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10 and "left: unknown" in out
     assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
+
+
+# ---- results/: published numbers redrawn from the committed logs (issue 32)
+
+
+def test_results_fig7_csv_is_what_plot_makes_of_the_committed_logs(tmp_path):
+    """Every point of results/fig7_heads.csv comes from a log in results/logs/fig7/ (log.csv.gz and
+    run.json, as plot.py reads them): drawn again from the repository alone, the CSV is the same."""
+    folder = os.path.join(ROOT, "results", "logs", "fig7")
+    runs = sorted(os.path.join(folder, name) for name in os.listdir(folder))
+    assert all(os.path.isfile(os.path.join(r, "log.csv.gz")) for r in runs) and len(runs) >= 2, runs
+    out = tmp_path / "fig7_heads.png"
+    assert (
+        plot.main(
+            runs + ["--sweep", "n_head", "--batches", "10000", "--results", str(tmp_path), "-o", str(out)]
+        )
+        == 0
+    )
+    assert_png(out)
+    with open(os.path.join(ROOT, "results", "fig7_heads.csv")) as f:
+        assert (tmp_path / "fig7_heads.csv").read_text() == f.read()
