@@ -2959,10 +2959,12 @@ def _gpu_iter(tmp, run):
 @pytest.fixture(scope="module")
 def gpu_smoke(tmp_path_factory):
     """Three calls of gpu.py --smoke: one whose budget ends it in the middle of a step of the me run
-    (cut at the step limit once it has checkpointed), one that does every step, one with nothing left."""
+    (cut at the step limit once it has checkpointed; the budget's hard end, 300 s, is far enough away
+    for a loaded machine to reach that first checkpoint), one that does every step, one with nothing
+    left."""
     tmp = tmp_path_factory.mktemp("gpu")
     _tr_make_data(tmp / "data")
-    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "30s", "--margin", "29.5s")
+    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "300s", "--margin", "299.5s")
     at_cut = _gpu_iter(tmp, "me")
     full = _gpu_call(tmp, "--parallel", "3")
     logs = {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS}
