@@ -3088,3 +3088,16 @@ def test_results_fig7_csv_is_what_plot_makes_of_the_committed_logs(tmp_path):
     assert_png(out)
     with open(os.path.join(ROOT, "results", "fig7_heads.csv")) as f:
         assert (tmp_path / "fig7_heads.csv").read_text() == f.read()
+
+
+def test_results_table1_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path):
+    """results/table1/'s 2000-batch medians, validation losses and summary (issue 33) come from the
+    six logs in results/logs/table1/: drawn again from the repository alone, each CSV is the same."""
+    folder = os.path.join(ROOT, "results", "logs", "table1")
+    runs = [os.path.join(folder, name) for name in ("sa-1", "sa-32", "she", "he", "we", "me")]
+    out = tmp_path / "fig8_w2000.png"
+    assert plot.main(runs + ["--window", "2000", "--results", str(tmp_path), "-o", str(out)]) == 0
+    assert_png(out)
+    for name in ("medians.csv", "val_loss.csv", "summary.csv"):
+        with open(os.path.join(ROOT, "results", "table1", name)) as f:
+            assert (tmp_path / name).read_text() == f.read(), name
