@@ -417,23 +417,55 @@ def summary_rows(runs):
     return rows
 
 
-def seed_rows(runs, until=None):
-    """seeds.csv: one row per run (mixer, seed), every row at the same number of batches: the
-    shortest run's, or `until` if that is shorter. val_loss is the last one at or before it."""
+SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
+
+
+def seed_rows(runs, until=None, earlier=()):
+    """seeds.csv: one row per run (mixer, seed, data seed), every row at the same number of batches:
+    the shortest run's, or `until` if that is shorter. val_loss is the last one at or before it.
+    `earlier`: rows of a seeds.csv (read_seed_rows), kept where no run gives the same three keys."""
     n = min([int(r["log"]["iter"][-1]) for r in runs] + ([until] if until else []))
-    rows = [
-        run_row(
-            {"mixer": label(r["settings"]), "seed": r["settings"].get("seed", "")}, cut(r["log"], n), [1000]
-        )
-        for r in runs
-    ]
-    return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), str(r["seed"])))
+    rows = []
+    for r in runs:
+        first = {k: r["settings"].get(k, "") for k in ("seed", "data_seed")}
+        rows.append(run_row({"mixer": label(r["settings"]), **first}, cut(r["log"], n), [1000]))
+    given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
+    for e in earlier:
+        if e["batches"] != n:
+            m, b = e["mixer"], e["batches"]
+            fail(f"a seeds.csv row of {m} is at {b} batches, the runs at {n}: pass --batches {b}")
+        if (e["mixer"], e["seed"], e["data_seed"]) not in given:
+            rows.append(e)
+    return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), str(r["seed"]), str(r["data_seed"])))
 
 
-def write_results(runs, folder, window, until=None, seeds=()):
+def read_seed_rows(path):
+    """The rows of a seeds.csv that --seeds --results wrote: runs whose logs may be gone."""
+    if not os.path.isfile(path):
+        fail(f"{path} not found; pass run folders, or a seeds.csv that --seeds --results wrote")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or list(rows[0]) != SEED_COLUMNS:
+        fail(f"{path} is not a seeds.csv; its header must be {','.join(SEED_COLUMNS)}")
+    try:
+        return [
+            {
+                "mixer": r["mixer"],
+                **{k: int(r[k]) for k in ("seed", "data_seed", "batches")},
+                "median_last_1000": float(r["median_last_1000"]),
+                "val_loss": float(r["val_loss"]) if r["val_loss"] else "",
+            }
+            for r in rows
+        ]
+    except ValueError:
+        fail(f"{path}: not a number where one belongs; write it again with --seeds --results")
+
+
+def write_results(runs, folder, window, until=None, seeds=(), earlier=()):
     """The figure's numbers as CSV in `folder`: medians.csv (median of every `window` batches, a
     column per run), val_loss.csv (every validation loss, a column per run) and summary.csv; with
-    `seeds` (more runs), seeds.csv: a row for each of the runs and the seeds' runs.
+    `seeds` (more runs) or `earlier` (seeds.csv rows), seeds.csv: a row for each of the runs, the
+    seeds' runs and the earlier rows that no run gives again.
     Returns the paths written."""
     os.makedirs(folder, exist_ok=True)
     logs = {r["name"]: r["log"] for r in runs}
@@ -445,8 +477,8 @@ def write_results(runs, folder, window, until=None, seeds=()):
         rows = [[b] + [repr(float(table[n][b])) if b in table[n] else "" for n in table] for b in batches]
         written.append(write_csv(os.path.join(folder, file), rows, header=["batches"] + list(table)))
     written.append(write_csv(os.path.join(folder, "summary.csv"), summary_rows(runs)))
-    if seeds:
-        rows = seed_rows(runs + list(seeds), until)
+    if seeds or earlier:
+        rows = seed_rows(runs + list(seeds), until, earlier)
         written.append(write_csv(os.path.join(folder, "seeds.csv"), rows))
     return written
 
@@ -527,7 +559,7 @@ def build_parser():
         metavar="RUN",
         default=[],
         help="with --results: more runs (other seeds) for seeds.csv only, a row per run, all at the "
-        "shortest run's length",
+        "shortest run's length; a seeds.csv among them keeps its rows where no run gives their seeds",
     )
     p.add_argument("--batches", type=int, help="use the first N batches of each run (compare at one length)")
     p.add_argument("--title", help="figure title (default: the runs' setting from run.json)")
@@ -610,8 +642,10 @@ def plot_logs(args, runs, output, earlier=()):
         rows = [{k: v for k, v in r.items() if not (one_mixer and k == "mixer")} for r in rows]
         written.append(write_csv(os.path.join(args.results, name), rows))
     elif args.results:
-        seeds = read_runs(args.seeds) if args.seeds else ()
-        written += write_results(runs, args.results, window, args.batches, seeds)
+        seed_runs = [p for p in args.seeds if not p.endswith(".csv")]
+        earlier = [row for p in args.seeds if p.endswith(".csv") for row in read_seed_rows(p)]
+        seeds = read_runs(seed_runs) if seed_runs else ()
+        written += write_results(runs, args.results, window, args.batches, seeds, earlier)
     if runs:
         print_summary(summary_rows(runs))
     return written

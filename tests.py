@@ -2070,11 +2070,13 @@ def test_plot_window_medians():
     assert ends.tolist() == [3, 6] and med.tolist() == [3.0, 4.0]  # the partial last window is dropped
 
 
-def _plot_fake_run(folder, mixer, n_head, losses, val_every, params=1000, seed=1337, **config):
+def _plot_fake_run(
+    folder, mixer, n_head, losses, val_every, params=1000, seed=1337, data_seed=1337, **config
+):
     """A run folder as train.py writes it, with made-up costs: run.json and log.csv."""
     os.makedirs(folder)
     cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32, **config}
-    args = {"batch_size": 64, "seed": seed}
+    args = {"batch_size": 64, "seed": seed, "data_seed": data_seed}
     run = {"config": cfg, "args": args, "params": {"mixers": params, "total": 10 * params}}
     with open(os.path.join(folder, "run.json"), "w") as f:
         json.dump(run, f)
@@ -2224,9 +2226,9 @@ def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, 
     )
     assert plot.main(argv) == 0
     rows = list(csv.DictReader(open(res / "seeds.csv")))
-    assert list(rows[0]) == ["mixer", "seed", "batches", "median_last_1000", "val_loss"]
+    assert list(rows[0]) == ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
     labels = [("sa-32", "1337"), ("sa-32", "1338"), ("she", "1337"), ("she", "1338"), ("she", "1339")]
-    assert [(r["mixer"], r["seed"]) for r in rows] == labels
+    assert [(r["mixer"], r["seed"]) for r in rows] == labels and {r["data_seed"] for r in rows} == {"1337"}
     for r, name in zip(
         rows, ["sa-32", "sa-32-s1338", "she", "she-s1338", "she-s1339"]
     ):  # every run at the shortest run's 1100 batches
@@ -2242,6 +2244,51 @@ def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, 
     assert {r["batches"] for r in csv.DictReader(open(res / "seeds.csv"))} == {"1050"}
     assert "seeds.csv, which --results DIR writes" in error_line(
         capsys, plot.main, main_runs + ["--seeds"] + seeds + ["-o", str(res / "f.png")]
+    )
+
+
+def test_plot_seeds_csv_keeps_the_rows_of_runs_whose_logs_are_gone(tmp_path, capsys):
+    """A seeds.csv among --seeds (issue 32): its rows stay where no run gives the same mixer, seed and
+    data seed, a run that does replaces its row, and the data seed is a column of its own; a CSV at
+    another length or with another header is one line."""
+    rng = random.Random(4)
+    spec = {"he": (1337, 1337), "he-s1338": (1338, 1337), "he-d1338": (1337, 1338)}
+    losses = {n: [rng.uniform(3, 6) for _ in range(1200)] for n in spec}
+    for name, (seed, data_seed) in spec.items():
+        _plot_fake_run(
+            str(tmp_path / name), "he", 1, losses[name], val_every=100, seed=seed, data_seed=data_seed
+        )
+    first, res = tmp_path / "first", tmp_path / "res"
+
+    def argv(out, *seeds):
+        return [
+            str(tmp_path / "he"),
+            "--seeds",
+            *map(str, seeds),
+            "--results",
+            str(out),
+            "-o",
+            str(out / "f.png"),
+        ]
+
+    assert plot.main(argv(first, tmp_path / "he-s1338")) == 0  # then that run's folder is gone
+    os.rename(tmp_path / "he-s1338", tmp_path / "gone")
+    assert plot.main(argv(res, first / "seeds.csv", tmp_path / "he-d1338")) == 0
+    rows = list(csv.DictReader(open(res / "seeds.csv")))
+    assert [(r["seed"], r["data_seed"]) for r in rows] == [
+        ("1337", "1337"),
+        ("1337", "1338"),
+        ("1338", "1337"),
+    ]
+    kept = next(csv.DictReader(open(first / "seeds.csv")))  # the he run's row, given again by its run
+    assert rows[0] == kept and rows[2]["median_last_1000"] == repr(float(np.median(losses["he-s1338"][200:])))
+    assert rows[1]["median_last_1000"] == repr(float(np.median(losses["he-d1338"][200:])))
+    assert "pass --batches 1200" in error_line(
+        capsys, plot.main, argv(res, first / "seeds.csv") + ["--batches", "900"]
+    )
+    (tmp_path / "bad.csv").write_text("mixer,seed,batches,median_last_1000,val_loss\nhe,1,1200,4.0,3.9\n")
+    assert "its header must be mixer,seed,data_seed," in error_line(
+        capsys, plot.main, argv(res, tmp_path / "bad.csv")
     )
 
 

@@ -522,11 +522,12 @@ def describe(run, start):
     processes = f" x {world} processes" if world > 1 else ""
     say(f"{run.cfg}\non {run.device} ({args.dtype}){processes}; {args.out_dir}")
     say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in run.raw_model.param_counts().items()))
-    epochs = args.max_iters * args.batch_size / run.n_starts
+    epochs = args.max_iters * args.batch_size / run.n_starts  # passes over the windows
+    targets = epochs * args.block_size  # each window predicts l tokens: passes over the tokens
     say(
         f"data: {run.n_starts + args.block_size:,} train tokens ({run.n_starts:,} windows), "
         f"{len(run.val_data):,} val tokens; {args.max_iters:,} batches of {args.batch_size} = "
-        f"{epochs:.3f} epochs"
+        f"{epochs:.3f} epochs of windows, each token a target {targets:.1f} times"
     )
     say(f"training from batch {start} to {args.max_iters}")
 
