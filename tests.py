@@ -2708,7 +2708,7 @@ def test_plot_damaged_run_json_and_a_setting_that_is_no_number_are_one_line(tmp_
     run = str(tmp_path / "run")
     _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
     out = ["-o", str(tmp_path / "f.png")]
-    assert "one of batch_size, block_size, mixer, n_head" in error_line(
+    assert "one of batch_size, block_size, data_seed, mixer, n_head" in error_line(
         capsys, plot.main, [run, "--sweep", "params"] + out
     )
     assert "has no single number for 'params'" in error_line(
