@@ -227,7 +227,8 @@ def plot_gaps(ax, gaps, ref_name):
 
 def setting_title(runs, swept=None):
     """The runs' setting from run.json and their logs, e.g. 'm = 2, l = 32, 30000 batches, seed 1337';
-    where runs differ, each value ('seeds 1337, 1338'); the swept setting left out."""
+    where runs differ, each value ('seeds 1337, 1338'); the data seed where it is not 1337 alone; the
+    swept setting left out."""
 
     def values(get):  # "2" or "2, 4", numbers in order
         found = sorted({get(r) for r in runs}, key=lambda v: (isinstance(v, str), v))
@@ -240,6 +241,9 @@ def setting_title(runs, swept=None):
     parts.append(f"{values(lambda r: int(r['log']['iter'][-1]))[0]} batches")
     seeds, n_seeds = setting["seed"]
     parts.append(f"seed{'s' if n_seeds > 1 else ''} {seeds}")
+    data, n_data = values(lambda r: r["settings"].get("data_seed", 1337))
+    if data != "1337":  # another batch order than train.py's default: say so
+        parts.append(f"data seed{'s' if n_data > 1 else ''} {data}")
     return ", ".join(parts) + (", one run per point" if swept else "")
 
 

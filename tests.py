@@ -2781,6 +2781,9 @@ def test_plot_gap_panel_is_each_runs_window_medians_minus_the_references(tmp_pat
     assert "--reference mixer is none of the runs" in error_line(
         capsys, plot.main, runs + ["--reference", "mixer", "-o", str(tmp_path / "f.png")]
     )
+    _plot_fake_run(str(tmp_path / "he-d2"), "he", 32, logs["he"], val_every=4, data_seed=2)  # the title
+    assert plot.main(runs + [str(tmp_path / "he-d2"), "--window", "4", "-o", str(tmp_path / "f.png")]) == 0
+    assert figures[-1]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337, data seeds 2, 1337"
     for fig in figures:
         plot.plt.close(fig)
 
