@@ -5,6 +5,7 @@ import collections
 import contextlib
 import copy
 import csv
+import glob
 import gzip
 import hashlib
 import http.server
@@ -3150,4 +3151,17 @@ def test_results_table1_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path)
     assert_png(out)
     for name in ("medians.csv", "val_loss.csv", "summary.csv"):
         with open(os.path.join(ROOT, "results", "table1", name)) as f:
+            assert (tmp_path / name).read_text() == f.read(), name
+
+
+def test_results_data_order_seeds_csv_is_what_plot_makes_of_the_committed_files(tmp_path):
+    """results/data-order/seeds.csv (issue 32) comes from the data-order logs, SA-32's Figure 7 log and
+    the rows of results/30000/seeds.csv whose logs are gone: drawn again, it is the same."""
+    logs = os.path.join(ROOT, "results", "logs")
+    runs = sorted(glob.glob(os.path.join(logs, "data-order", "*")))
+    seeds = [os.path.join(ROOT, "results", "30000", "seeds.csv"), os.path.join(logs, "fig7", "sa-32")]
+    argv = runs + ["--seeds", *seeds, "--batches", "10000", "--window", "500", "--results", str(tmp_path)]
+    assert plot.main(argv + ["-o", str(tmp_path / "f.png")]) == 0
+    for name in ("seeds.csv", "medians.csv", "summary.csv"):
+        with open(os.path.join(ROOT, "results", "data-order", name)) as f:
             assert (tmp_path / name).read_text() == f.read(), name
