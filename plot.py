@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import sys
+import zlib
 
 import matplotlib
 import numpy as np
@@ -61,17 +62,26 @@ def read_log(run_dir, until=None):
         path += ".gz"  # a finished run's log as results/logs/ keeps it
     if not os.path.isfile(path):
         fail(f"{path} not found; pass folders written by train.py")
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+            reader = csv.DictReader(f)
+            rows, header = list(reader), reader.fieldnames or []
+    except (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Error) as e:  # cut, or not a log
+        fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
+    except OSError as e:  # unreadable: the input's fault, not the output's
+        fail(f"cannot read {path}: {e.strerror}")
+    if header and not {"iter", "train_loss", "val_loss", "tokens_per_s"} <= set(header):
+        fail(f"{path} is damaged (its first line is not train.py's header); restore it or leave this run out")
     it, loss, tok_s, val_it, val = [], [], [], [], []
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
-        for row in csv.DictReader(f):
-            try:
-                i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
-                v = float(row["val_loss"]) if row["val_loss"] else None
-            except (KeyError, TypeError, ValueError):
-                continue  # a half-written last row of a run that is still going
-            it.append(i), loss.append(l), tok_s.append(t)
-            if v is not None:
-                val_it.append(i), val.append(v)
+    for row in rows:
+        try:
+            i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
+            v = float(row["val_loss"]) if row["val_loss"] else None
+        except (KeyError, TypeError, ValueError):
+            continue  # a half-written last row of a run that is still going
+        it.append(i), loss.append(l), tok_s.append(t)
+        if v is not None:
+            val_it.append(i), val.append(v)
     if not it:
         fail(f"{path} has no rows yet; wait for the run's first log line")
     log = {"iter": it, "train_loss": loss, "tokens_per_s": tok_s, "val_iter": val_it, "val_loss": val}

@@ -2827,6 +2827,27 @@ def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monk
     assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
 
 
+def test_plot_a_cut_or_garbage_log_is_one_line_naming_the_log(tmp_path, capsys):
+    run = tmp_path / "run"
+    _plot_fake_run(str(run), "me", 1, [random.Random(0).uniform(3, 6) for _ in range(400)], val_every=50)
+    log = gzip.compress((run / "log.csv").read_bytes())
+    (run / "log.csv").unlink()
+    assert len(log) > 1000
+    garbage = (
+        log[:300],
+        bytes(range(256)) * 4,
+        gzip.compress(bytes(range(128, 256)) * 8),
+        gzip.compress(b"a\nb\n"),
+    )
+    for content in garbage:  # cut, not gzip, gzip of bytes, gzip of text
+        (run / "log.csv.gz").write_bytes(content)
+        err = error_line(
+            capsys, plot.main, [str(run), "--results", str(tmp_path / "r"), "-o", str(tmp_path / "f.png")]
+        )
+        assert err.startswith(f"error: {run}/log.csv.gz is damaged (") and "write" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
 # ---- faults a new user met (issue 35)
 
 
