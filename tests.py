@@ -2848,6 +2848,28 @@ def test_plot_a_cut_or_garbage_log_is_one_line_naming_the_log(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
+def test_plot_refuses_runs_of_other_corpora_or_vocabularies_side_by_side(tmp_path, capsys):
+    def run(name, mixer, data, vocab):
+        _plot_fake_run(
+            str(tmp_path / name), mixer, 1, [4.0] * 8, val_every=4, data_dir=data, vocab_size=vocab
+        )
+        return str(tmp_path / name)
+
+    me, he = run("me", "me", "data", 50), run("he", "he", "data", 50)
+    other, vocab = run("other", "he", "other", 50), run("vocab", "he", "data", 60)
+    res, out = str(tmp_path / "res"), ["-o", str(tmp_path / "res" / "f.png")]
+    corpora = "error: the runs were trained on other data (data, other); compare runs of one corpus"
+    assert error_line(capsys, plot.main, [me, other, "--window", "4", "--results", res] + out) == corpora
+    assert error_line(capsys, plot.main, [me, he, "--results", res, "--seeds", other] + out) == corpora
+    assert error_line(capsys, plot.main, [me, other, "--raw"] + out) == corpora
+    assert error_line(capsys, plot.main, [me, vocab, "--results", res] + out) == (
+        "error: the runs were trained on other data (data, vocabulary 50; data, vocabulary 60); "
+        "compare runs of one corpus"
+    )
+    assert not os.path.exists(res)
+    assert plot.main([me, he, "--window", "4", "--results", res] + out) == 0
+
+
 # ---- faults a new user met (issue 35)
 
 
