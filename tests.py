@@ -2870,6 +2870,25 @@ def test_plot_refuses_runs_of_other_corpora_or_vocabularies_side_by_side(tmp_pat
     assert plot.main([me, he, "--window", "4", "--results", res] + out) == 0
 
 
+def test_sample_a_checkpoint_of_only_model_and_config_is_one_line_or_samples_with_data_dir(
+    tr_prepared, tmp_path, capsys
+):
+    from prepare_data import load_tokenizer
+
+    model = tiny_model("me", l=8, d=8, n_head=1, vocab=load_tokenizer(tr_prepared).n_vocab)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": model.state_dict(), "config": vars(model.cfg)}, run / "ckpt.pt")  # saved by hand
+    argv = ["--out_dir", str(run), "--max_new_tokens", "3", "--device", "cpu", "--prompt", "Once"]
+    assert error_line(capsys, sample.main, argv) == (
+        f"error: {run}/ckpt.pt does not name the run's data folder; "
+        "pass --data_dir, the folder with its tokenizer"
+    )
+    assert sample.main(argv + ["--data_dir", tr_prepared]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Once") and err.startswith(f"# {run}, seed 1337\n"), (out, err)
+
+
 # ---- faults a new user met (issue 35)
 
 
