@@ -2889,6 +2889,31 @@ def test_sample_a_checkpoint_of_only_model_and_config_is_one_line_or_samples_wit
     assert out.startswith("Once") and err.startswith(f"# {run}, seed 1337\n"), (out, err)
 
 
+def test_bench_json_it_cannot_write_is_one_line_before_the_benchmark_and_after_it(
+    tmp_path, monkeypatch, capsys
+):
+    argv = ["--quick", "--mixers", "me", "--sections", "5", "--no_malloc_tune", "--json"]
+    err = error_line(capsys, bench.main, argv + [str(tmp_path)])  # one line: no section has started
+    folder = f"error: --json {str(tmp_path)!r} is a folder; name a file, e.g. --json {tmp_path}/bench.json"
+    assert err == folder
+    long = str(tmp_path / ("b" * 300 + ".json"))  # a name no file system takes, even for root
+    err = error_line(capsys, bench.main, argv + [long])
+    assert err == f"error: cannot write --json {long!r} (File name too long); pick another path"
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(bench, "atomic_write", disk_full)  # the disk fills up while it runs
+    path = str(tmp_path / "b.json")
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + [path])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and "done in" in out and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"error: cannot write --json {path!r} (No space left on device); the tables above hold the results"
+    )
+
+
 # ---- faults a new user met (issue 35)
 
 
