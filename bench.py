@@ -728,7 +728,8 @@ def main(argv=None):
     if load is not None and load > 0.5:  # other processes: 2-thread timings suffer most
         print(
             f"warning: load average {load:.2f} before starting; other processes share the CPU, so times "
-            f"are inflated and noisy (ratios less so); rerun on a quiet machine, or try --threads 1"
+            "are inflated and noisy (ratios less so); rerun on a quiet machine"
+            + (", or try --threads 1" if threads > 1 else "")
         )
     t0 = time.perf_counter()
     for k in args.sections:

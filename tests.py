@@ -2914,6 +2914,19 @@ def test_bench_json_it_cannot_write_is_one_line_before_the_benchmark_and_after_i
     )
 
 
+def test_bench_load_warning_suggests_one_thread_only_to_more_threads(monkeypatch, capsys):
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            argv = ["--quick", "--mixers", "me", "--sections", "5", "--no_malloc_tune", "--threads", str(n)]
+            assert bench.main(argv) == 0
+            warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+            assert len(warning) == 1 and warning[0].endswith("machine" if n == 1 else "or try --threads 1")
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---- faults a new user met (issue 35)
 
 
