@@ -2927,6 +2927,26 @@ def test_bench_load_warning_suggests_one_thread_only_to_more_threads(monkeypatch
         torch.set_num_threads(threads)
 
 
+def test_atomic_write_errors_name_the_target_not_the_temp_file(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [4.0] * 8, val_every=4)
+    res = tmp_path / "res"
+    (res / "medians.csv").mkdir(parents=True)  # a folder where the CSV goes
+    err = error_line(
+        capsys, plot.main, [run, "--window", "4", "--results", str(res), "-o", str(res / "f.png")]
+    )
+    assert err == f"error: cannot write {res}/medians.csv: Is a directory; pick another -o or --results"
+
+    def disk_full(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        common.atomic_write(str(tmp_path / "t.png"), disk_full)
+    assert e.value.filename == str(tmp_path / "t.png") and e.value.errno == 28
+    assert sorted(os.listdir(tmp_path)) == ["res", "run"]  # no temp file left
+
+
 # ---- faults a new user met (issue 35)
 
 
