@@ -25,6 +25,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 
@@ -655,9 +656,23 @@ def parse_args(argv):
         fail("--threads must be >= 0 and --max_call_s > 0")
     if not 0 <= args.margin_gib < args.gpu_gib:
         fail(f"need 0 <= --margin_gib < --gpu_gib, got {args.margin_gib} and {args.gpu_gib}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        fail(f"the folder of --json {args.json!r} does not exist; create it or pick another path")
+    if args.json:
+        check_writable(args.json)
     return args
+
+
+def check_writable(path):
+    """--json is written at the end: a path it cannot be written to is one line before any timing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        fail(f"the folder of --json {path!r} does not exist; create it or pick another path")
+    if os.path.isdir(path):
+        fail(f"--json {path!r} is a folder; name a file, e.g. --json {os.path.join(path, 'bench.json')}")
+    try:  # atomic_write's temp file, made and removed
+        with tempfile.NamedTemporaryFile(dir=folder, prefix="." + os.path.basename(path), suffix=".tmp"):
+            pass
+    except OSError as e:
+        fail(f"cannot write --json {path!r} ({e.strerror}); pick another path")
 
 
 def pick_mixers(text, flag):
@@ -713,7 +728,8 @@ def main(argv=None):
     if load is not None and load > 0.5:  # other processes: 2-thread timings suffer most
         print(
             f"warning: load average {load:.2f} before starting; other processes share the CPU, so times "
-            f"are inflated and noisy (ratios less so); rerun on a quiet machine, or try --threads 1"
+            "are inflated and noisy (ratios less so); rerun on a quiet machine"
+            + (", or try --threads 1" if threads > 1 else "")
         )
     t0 = time.perf_counter()
     for k in args.sections:
@@ -736,7 +752,10 @@ def main(argv=None):
     results["settings"]["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"\ndone in {results['elapsed_s']:.0f} s")
     if args.json:
-        atomic_write(args.json, json.dumps(results, indent=1, default=str))
+        try:
+            atomic_write(args.json, json.dumps(results, indent=1, default=str))
+        except OSError as e:  # a disk that filled up while it ran
+            fail(f"cannot write --json {args.json!r} ({e.strerror}); the tables above hold the results")
     return 0
 
 

@@ -62,11 +62,13 @@ os.umask(UMASK)  # (reading the umask means setting it)
 def atomic_write(path, data):
     """Write data (bytes, str, or a function that writes to a binary file object, such as
     `lambda f: torch.save(obj, f)`) to path through a temp file `.<name>*.tmp` of this process in the
-    same folder, then rename: path is never half-written, and two processes never share a temp file."""
-    fd, tmp = tempfile.mkstemp(
-        dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
-    )
+    same folder, then rename: path is never half-written, and two processes never share a temp file.
+    An OSError names path, the file the user asked for, not the temp file."""
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(
+            dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
+        )
         with os.fdopen(fd, "wb") as f:
             if callable(data):
                 data(f)
@@ -76,8 +78,11 @@ def atomic_write(path, data):
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
+    except BaseException as e:
+        if tmp is not None:
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:  # PermissionError(13, ..., path) and the like
+            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 

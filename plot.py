@@ -17,10 +17,10 @@ at the end, into RUN/loss.png; with -o, that chart goes there. Several runs, --r
 one figure, titled with the runs' setting, and need -o. Run folders are those train.py writes
 (log.csv, run.json), or those results/logs/ keeps (log.csv.gz, run.json). --window defaults to the
 paper's 2000 batches, or to about 30 windows for shorter runs. Lines keep one colour and order per
-mixer in every figure. A sweep compares runs of one corpus and one length (--batches N cuts longer
-ones), one run per point. With --sweep, a CSV that --results wrote may stand among the runs: its
-points stay in the figure where no run folder gives the same mixer and setting, so a sweep can grow
-after its runs are gone.
+mixer in every figure. Runs side by side share one corpus and vocabulary (their costs are otherwise
+other quantities); a sweep also one length (--batches N cuts longer ones), one run per point. With
+--sweep, a CSV that --results wrote may stand among the runs: its points stay in the figure where no
+run folder gives the same mixer and setting, so a sweep can grow after its runs are gone.
 """
 
 import argparse
@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import sys
+import zlib
 
 import matplotlib
 import numpy as np
@@ -61,17 +62,26 @@ def read_log(run_dir, until=None):
         path += ".gz"  # a finished run's log as results/logs/ keeps it
     if not os.path.isfile(path):
         fail(f"{path} not found; pass folders written by train.py")
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+            reader = csv.DictReader(f)
+            rows, header = list(reader), reader.fieldnames or []
+    except (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Error) as e:  # cut, or not a log
+        fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
+    except OSError as e:  # unreadable: the input's fault, not the output's
+        fail(f"cannot read {path}: {e.strerror}")
+    if header and not {"iter", "train_loss", "val_loss", "tokens_per_s"} <= set(header):
+        fail(f"{path} is damaged (its first line is not train.py's header); restore it or leave this run out")
     it, loss, tok_s, val_it, val = [], [], [], [], []
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
-        for row in csv.DictReader(f):
-            try:
-                i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
-                v = float(row["val_loss"]) if row["val_loss"] else None
-            except (KeyError, TypeError, ValueError):
-                continue  # a half-written last row of a run that is still going
-            it.append(i), loss.append(l), tok_s.append(t)
-            if v is not None:
-                val_it.append(i), val.append(v)
+    for row in rows:
+        try:
+            i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
+            v = float(row["val_loss"]) if row["val_loss"] else None
+        except (KeyError, TypeError, ValueError):
+            continue  # a half-written last row of a run that is still going
+        it.append(i), loss.append(l), tok_s.append(t)
+        if v is not None:
+            val_it.append(i), val.append(v)
     if not it:
         fail(f"{path} has no rows yet; wait for the run's first log line")
     log = {"iter": it, "train_loss": loss, "tokens_per_s": tok_s, "val_iter": val_it, "val_loss": val}
@@ -273,11 +283,9 @@ def sweep_rows(runs, key, window):
 
 
 def check_sweep(runs, rows, key):
-    """A sweep's runs: one corpus, one length, one run per point (a point is a median of equal
-    windows only then); else one line naming the runs, since a figure cannot show which is which."""
-    corpora = {os.path.normpath(r["settings"].get("data_dir", "data")) for r in runs}
-    if len(corpora) > 1:
-        fail(f"the runs were trained on other data ({', '.join(sorted(corpora))}); sweep runs of one corpus")
+    """A sweep's runs (of one corpus: check_one_corpus): one length, one run per point (a point is a
+    median of equal windows only then); else one line naming the runs, since a figure cannot show
+    which is which."""
     batches = {row["batches"]: r["dir"] for r, row in zip(runs, rows)}
     if len(batches) > 1:
         n = min(batches)
@@ -292,6 +300,21 @@ def check_sweep(runs, rows, key):
         seen[point] = r["dir"]
     if key == "n_head" and len({row["mixer"] for row in rows}) > 1:
         fail("--sweep n_head compares the head counts of one mixer; pass runs of one mixer")
+
+
+def check_one_corpus(runs, verb):
+    """Runs in one figure or table: one corpus and one vocabulary (a cost in nats over other text or
+    other tokens is another quantity); else one line naming the corpora."""
+    corpora = {
+        (os.path.normpath(r["settings"].get("data_dir", "data")), r["settings"].get("vocab_size"))
+        for r in runs
+    }
+    if len(corpora) > 1:
+        if len({v for _, v in corpora}) > 1:
+            names = "; ".join(sorted(f"{d}, vocabulary {v}" for d, v in corpora))
+        else:
+            names = ", ".join(sorted(d for d, _ in corpora))
+        fail(f"the runs were trained on other data ({names}); {verb} runs of one corpus")
 
 
 def read_points(path, key, window, batches=None):
@@ -617,6 +640,8 @@ def check_batches(runs, batches):
 def plot_logs(args, runs, output, earlier=()):
     """The training curves from the runs' log.csv (and with --sweep the `earlier` CSVs' points):
     the figure, the CSVs and the printed table. Returns the paths written."""
+    seeds = read_runs([p for p in args.seeds if not p.endswith(".csv")])
+    check_one_corpus(runs + seeds, "sweep" if args.sweep else "compare")
     check_batches(runs, args.batches)
     for r in runs:
         r["log"] = cut(r["log"], args.batches)
@@ -646,9 +671,7 @@ def plot_logs(args, runs, output, earlier=()):
         rows = [{k: v for k, v in r.items() if not (one_mixer and k == "mixer")} for r in rows]
         written.append(write_csv(os.path.join(args.results, name), rows))
     elif args.results:
-        seed_runs = [p for p in args.seeds if not p.endswith(".csv")]
         earlier = [row for p in args.seeds if p.endswith(".csv") for row in read_seed_rows(p)]
-        seeds = read_runs(seed_runs) if seed_runs else ()
         written += write_results(runs, args.results, window, args.batches, seeds, earlier)
     if runs:
         print_summary(summary_rows(runs))

@@ -73,6 +73,15 @@ def load_model(out_dir, device):
     return model.to(device).eval(), ckpt
 
 
+def run_data_dir(out_dir, ckpt):
+    """The data folder train.py keeps in its checkpoint; one line if the checkpoint has none."""
+    data_dir = ckpt.get("args", {}).get("data_dir")
+    if data_dir is None:
+        path = os.path.join(out_dir, "ckpt.pt")
+        fail(f"{path} does not name the run's data folder; pass --data_dir, the folder with its tokenizer")
+    return data_dir
+
+
 def load_run_tokenizer(data_dir, ckpt):
     """The tokenizer, refused unless it is the one the run was trained with."""
     path = os.path.join(data_dir, TOKENIZER_FILE)
@@ -80,7 +89,7 @@ def load_run_tokenizer(data_dir, ckpt):
         fail(f"no tokenizer {path}; pass the run's --data_dir")
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
-    want = ckpt["data"].get("tokenizer_sha256")  # (None for data made without prepare_data.py)
+    want = ckpt.get("data", {}).get("tokenizer_sha256")  # (None for data made without prepare_data.py)
     if want and digest != want:
         fail(f"{path} is not the tokenizer the run was trained with (sha256 differs); pass its --data_dir")
     enc = load_tokenizer(data_dir)
@@ -109,7 +118,7 @@ def main(argv=None):
         check_args(args)
         device = pick_device(args.device)  # auto: cuda, then mps, then cpu
         model, ckpt = load_model(args.out_dir, device)
-        enc = load_run_tokenizer(args.data_dir or ckpt["args"]["data_dir"], ckpt)
+        enc = load_run_tokenizer(args.data_dir or run_data_dir(args.out_dir, ckpt), ckpt)
     except SystemExit as e:  # the message is already printed
         return e.code
     except OSError as e:  # an unreadable file
@@ -126,7 +135,8 @@ def main(argv=None):
             file=sys.stderr,
         )
         ids = ids[-l:]
-    print(f"# {args.out_dir} after {ckpt['iter']} batches, seed {args.seed}", file=sys.stderr)
+    after = f" after {ckpt['iter']} batches" if "iter" in ckpt else ""  # (a checkpoint saved by hand)
+    print(f"# {args.out_dir}{after}, seed {args.seed}", file=sys.stderr)
     torch.manual_seed(args.seed)
     t0 = time.time()
     try:

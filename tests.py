@@ -2827,6 +2827,126 @@ def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monk
     assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
 
 
+def test_plot_a_cut_or_garbage_log_is_one_line_naming_the_log(tmp_path, capsys):
+    run = tmp_path / "run"
+    _plot_fake_run(str(run), "me", 1, [random.Random(0).uniform(3, 6) for _ in range(400)], val_every=50)
+    log = gzip.compress((run / "log.csv").read_bytes())
+    (run / "log.csv").unlink()
+    assert len(log) > 1000
+    garbage = (
+        log[:300],
+        bytes(range(256)) * 4,
+        gzip.compress(bytes(range(128, 256)) * 8),
+        gzip.compress(b"a\nb\n"),
+    )
+    for content in garbage:  # cut, not gzip, gzip of bytes, gzip of text
+        (run / "log.csv.gz").write_bytes(content)
+        err = error_line(
+            capsys, plot.main, [str(run), "--results", str(tmp_path / "r"), "-o", str(tmp_path / "f.png")]
+        )
+        assert err.startswith(f"error: {run}/log.csv.gz is damaged (") and "write" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_plot_refuses_runs_of_other_corpora_or_vocabularies_side_by_side(tmp_path, capsys):
+    def run(name, mixer, data, vocab):
+        _plot_fake_run(
+            str(tmp_path / name), mixer, 1, [4.0] * 8, val_every=4, data_dir=data, vocab_size=vocab
+        )
+        return str(tmp_path / name)
+
+    me, he = run("me", "me", "data", 50), run("he", "he", "data", 50)
+    other, vocab = run("other", "he", "other", 50), run("vocab", "he", "data", 60)
+    res, out = str(tmp_path / "res"), ["-o", str(tmp_path / "res" / "f.png")]
+    corpora = "error: the runs were trained on other data (data, other); compare runs of one corpus"
+    assert error_line(capsys, plot.main, [me, other, "--window", "4", "--results", res] + out) == corpora
+    assert error_line(capsys, plot.main, [me, he, "--results", res, "--seeds", other] + out) == corpora
+    assert error_line(capsys, plot.main, [me, other, "--raw"] + out) == corpora
+    assert error_line(capsys, plot.main, [me, vocab, "--results", res] + out) == (
+        "error: the runs were trained on other data (data, vocabulary 50; data, vocabulary 60); "
+        "compare runs of one corpus"
+    )
+    assert not os.path.exists(res)
+    assert plot.main([me, he, "--window", "4", "--results", res] + out) == 0
+
+
+def test_sample_a_checkpoint_of_only_model_and_config_is_one_line_or_samples_with_data_dir(
+    tr_prepared, tmp_path, capsys
+):
+    from prepare_data import load_tokenizer
+
+    model = tiny_model("me", l=8, d=8, n_head=1, vocab=load_tokenizer(tr_prepared).n_vocab)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": model.state_dict(), "config": vars(model.cfg)}, run / "ckpt.pt")  # saved by hand
+    argv = ["--out_dir", str(run), "--max_new_tokens", "3", "--device", "cpu", "--prompt", "Once"]
+    assert error_line(capsys, sample.main, argv) == (
+        f"error: {run}/ckpt.pt does not name the run's data folder; "
+        "pass --data_dir, the folder with its tokenizer"
+    )
+    assert sample.main(argv + ["--data_dir", tr_prepared]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Once") and err.startswith(f"# {run}, seed 1337\n"), (out, err)
+
+
+def test_bench_json_it_cannot_write_is_one_line_before_the_benchmark_and_after_it(
+    tmp_path, monkeypatch, capsys
+):
+    argv = ["--quick", "--mixers", "me", "--sections", "5", "--no_malloc_tune", "--json"]
+    err = error_line(capsys, bench.main, argv + [str(tmp_path)])  # one line: no section has started
+    folder = f"error: --json {str(tmp_path)!r} is a folder; name a file, e.g. --json {tmp_path}/bench.json"
+    assert err == folder
+    long = str(tmp_path / ("b" * 300 + ".json"))  # a name no file system takes, even for root
+    err = error_line(capsys, bench.main, argv + [long])
+    assert err == f"error: cannot write --json {long!r} (File name too long); pick another path"
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(bench, "atomic_write", disk_full)  # the disk fills up while it runs
+    path = str(tmp_path / "b.json")
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + [path])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and "done in" in out and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"error: cannot write --json {path!r} (No space left on device); the tables above hold the results"
+    )
+
+
+def test_bench_load_warning_suggests_one_thread_only_to_more_threads(monkeypatch, capsys):
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            argv = ["--quick", "--mixers", "me", "--sections", "5", "--no_malloc_tune", "--threads", str(n)]
+            assert bench.main(argv) == 0
+            warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+            assert len(warning) == 1 and warning[0].endswith("machine" if n == 1 else "or try --threads 1")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_atomic_write_errors_name_the_target_not_the_temp_file(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [4.0] * 8, val_every=4)
+    res = tmp_path / "res"
+    (res / "medians.csv").mkdir(parents=True)  # a folder where the CSV goes
+    err = error_line(
+        capsys, plot.main, [run, "--window", "4", "--results", str(res), "-o", str(res / "f.png")]
+    )
+    assert err == f"error: cannot write {res}/medians.csv: Is a directory; pick another -o or --results"
+
+    def disk_full(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        common.atomic_write(str(tmp_path / "t.png"), disk_full)
+    assert e.value.filename == str(tmp_path / "t.png") and e.value.errno == 28
+    assert sorted(os.listdir(tmp_path)) == ["res", "run"]  # no temp file left
+
+
 # ---- faults a new user met (issue 35)
 
 
