@@ -291,7 +291,11 @@ def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype(shap
     with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
         y = causal_fir(x.bfloat16().to(DEVICE), w.to(DEVICE))
     assert y.dtype == torch.bfloat16  # cast back, as the Toeplitz path's matmul returns bf16
-    assert torch.allclose(y.cpu().double(), ref, atol=0.05, rtol=0.01)  # one bf16 rounding of the output
+    # float32 taps and sums: the one rounding is the output's to bf16, at most 2^-8 of it (8 significant
+    # bits), plus float32's FFT round-off (measured <= 3e-6 here, |ref| <= 31). Measured: the error
+    # reaches 0.95 of this bound; taps rounded to bf16 exceed it 30-390x at a quarter of the outputs.
+    err, bound = (y.cpu().double() - ref).abs(), 2**-8 * ref.abs() + 1e-5
+    assert (err <= bound).all(), f"error up to {(err / bound).max().item():.3g} times the bound"
 
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
