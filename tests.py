@@ -1473,15 +1473,18 @@ def _tr_train_loss_column(run_dir):
 
 
 def test_train_batch_order_is_a_seeded_permutation_per_epoch():
+    starts = train.batch_starts  # (i, n_starts, batch_size, data_seed) -> the starts of batch i
     n, b = 50, 8
-    per_epoch = n // b
-    epoch0 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch)])
-    epoch1 = torch.cat([train.batch_starts(i, n, b, data_seed=3) for i in range(per_epoch, 2 * per_epoch)])
-    assert len(set(epoch0.tolist())) == per_epoch * b  # no start repeats within an epoch
-    assert 0 <= epoch0.min() and epoch0.max() < n
-    assert not torch.equal(epoch0, epoch1)  # a new permutation for the next epoch
-    assert torch.equal(train.batch_starts(2, n, b, 3), train.batch_starts(2, n, b, 3))
-    assert not torch.equal(train.batch_starts(0, n, b, 3), train.batch_starts(0, n, b, 4))
+    per_epoch = n // b  # 6 full batches; the 2 leftover starts of each epoch are skipped
+    batches = [starts(i, n, b, 3) for i in range(3 * per_epoch)]
+    assert [len(x) for x in batches] == [b] * (3 * per_epoch)  # every batch full, in every epoch
+    epochs = [torch.cat(batches[e * per_epoch : (e + 1) * per_epoch]) for e in range(3)]
+    for epoch in epochs:
+        assert len(set(epoch.tolist())) == per_epoch * b  # no start repeats within an epoch
+        assert 0 <= epoch.min() and epoch.max() < n
+    assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
+    assert torch.equal(starts(2, n, b, 3), starts(2, n, b, 3))
+    assert not torch.equal(starts(0, n, b, 3), starts(0, n, b, 4))
 
 
 def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
