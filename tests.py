@@ -1338,6 +1338,20 @@ def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
     assert sorted(ids[order[i]] for i in val2) == sorted(ids[i] for i in val)
 
 
+def test_pd_split_holds_out_books_in_the_order_of_sha256_of_their_ids():
+    ids = [i for i, _, _ in prepare_data.read_books_tsv(prepare_data.parse_args([]).books)]
+    # the default list's ids by sha256(str(id)), worked out by hand with hashlib: 2726 (00f3ca2e...),
+    # 55 (02d20bbd...), 51 (031b4af5...), 1154 (06ec44cc...), 2557 (0844b610...), 146 (0a5b046d...),
+    # 520 (0b35b06a...); the real books' lengths stop after six (meta.json's val_books of the default
+    # list, prepared: 55, 146, 51, 2726, 2557, 1154, as prepare_data.py's docstring says)
+    first = [2726, 55, 51, 1154, 2557, 146, 520]
+    for k in range(1, len(first) + 1):  # books of equal length: k - 0.5 of 100 books' text takes k
+        _, val = prepare_data.split_books(ids, ["x" * 1000] * len(ids), (k - 0.5) / len(ids))
+        assert sorted(ids[i] for i in val) == sorted(first[:k]), k
+    texts = ["x" * (20_000 if i == 2726 else 1000) for i in ids]  # the first book alone holds 17%
+    assert [ids[i] for i in prepare_data.split_books(ids, texts, 0.05)[1]] == [2726]
+
+
 def test_pd_default_book_list_is_the_100_ranked_books_in_the_repository():
     path = prepare_data.parse_args([]).books
     assert os.path.dirname(path) == os.path.dirname(os.path.abspath(prepare_data.__file__))
