@@ -2586,6 +2586,21 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
     for r in res["sections"]["generation"]:
         assert r["cached_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0
 
+    # vs_sa from the rows' own times: sections 1-2 a mixer's time over sa's (above 1: slower), section 3
+    # its training speed over sa's (above 1: faster). The same medians, scaled by 1e3: equal to 1e-12
+    def ratio(got, want, *where):
+        assert math.isclose(got, want, rel_tol=1e-12), (*where, f"vs_sa {got}, its times give {want}")
+
+    sublayer, sweep = ({r["mixer"]: r for r in res["sections"][k]} for k in ("sublayer", "sweep"))
+    for m, r in sublayer.items():
+        ratio(r["vs_sa"], r["ms"] / sublayer["sa"]["ms"], "sublayer", m)
+    for m, r in sweep.items():
+        for key in (k for k in r if k.startswith("ms_t") and r[k] is not None):
+            ratio(r[f"vs_sa_t{key[4:]}"], r[key] / sweep["sa"][key], "sweep", m, key)
+    sa_step = {r["model"]: r["step_ms"] for r in res["sections"]["model"] if r["mixer"] == "sa"}
+    for r in res["sections"]["model"]:
+        ratio(r["vs_sa"], sa_step[r["model"]] / r["step_ms"], "model", r["model"], r["mixer"])
+
 
 def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
     bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
