@@ -2065,6 +2065,29 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", "out/nothing"])
 
 
+def test_sample_continues_a_prompt_longer_than_l_from_its_last_l_tokens(tr_prepared, tmp_path, capsys):
+    out, l = str(tmp_path / "run"), 16  # _TR_TINY's block_size
+    assert train.main(_TR_TINY + ["--data_dir", tr_prepared, "--out_dir", out, "--max_iters", "4"]) == 0
+    enc = prepare_data.load_tokenizer(tr_prepared)
+    prompt = "the old miller sang softly beside the river and the little fox wandered over the green meadow"
+    ids = enc.encode(prompt)
+    head, tail = enc.decode(ids[:l]), enc.decode(ids[-l:])  # its first and its last l tokens, as text
+    assert len(ids) > l and enc.encode(head) == ids[:l] and enc.encode(tail) == ids[-l:]
+
+    def greedy(text):  # the new text of a greedy sample, and what sample.py said on stderr
+        capsys.readouterr()
+        argv = ["--out_dir", out, "--prompt", text, *"--temperature 0 --max_new_tokens 12".split()]
+        assert sample.main(argv) == 0
+        said = capsys.readouterr()
+        assert said.out.startswith(text)
+        return said.out[len(text) :], said.err
+
+    (new, err), (from_tail, _), (from_head, _) = greedy(prompt), greedy(tail), greedy(head)
+    assert f"keeping its last {l}" in err
+    assert from_head != from_tail  # the model tells the two windows apart: the check below can fail
+    assert new == from_tail, (new, from_tail, from_head)
+
+
 def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, capsys, monkeypatch):
     out = str(tmp_path / "run")
     assert train.main(_TR_TINY + ["--data_dir", tr_prepared, "--out_dir", out, "--max_iters", "4"]) == 0
