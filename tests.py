@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import bench
+import common
 import extractor
 import gpu
 import plot
