@@ -31,6 +31,7 @@ import torch
 import bench
 import common
 import extractor
+import fir
 import gpu
 import plot
 import prepare_data
@@ -39,7 +40,7 @@ import sample
 import synthesizer
 import taps
 import train
-from extractor import MIXERS, Config, Transformer, causal_fir
+from extractor import MIXERS, Config, Transformer
 
 
 def _test_device():
@@ -214,12 +215,13 @@ def test_mixer_equals_literal_equations(name):
     ids=["scalar-toeplitz", "scalar-fft", "vector-fft", "matrix-fft"],
 )
 def test_fir_forward_and_backward_equal_literal_sum(shape, path, monkeypatch):
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1 if path == "fft" else 10**9)
+    """Each path of fir.fir_full against extractor.causal_fir_reference, the double sum as written."""
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1 if path == "fft" else 10**9)
     torch.manual_seed(1)
     for t in (1, 7, 12):
         x, w, g = torch.randn(3, t, 5).double(), torch.randn(*shape).double(), torch.randn(3, t, 5).double()
-        y, dx, dw = fir_and_grads(causal_fir, dev(x), dev(w), dev(g))
-        y_ref, dx_ref, dw_ref = fir_and_grads(literal_fir, x, w, g)
+        y, dx, dw = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
+        y_ref, dx_ref, dw_ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
         assert torch.allclose(y, y_ref, atol=TOL, rtol=0)
         assert torch.allclose(dx, dx_ref, atol=TOL, rtol=0)
         assert torch.allclose(dw, dw_ref, atol=TOL, rtol=0)
@@ -256,10 +258,10 @@ def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
 def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch):
     smooth = lambda n: all(p in (2, 3, 5) for p in _prime_factors(n))
     for t in range(1, 300):
-        n = extractor.fft_size(t)
+        n = fir.fft_size(t)
         assert n >= 2 * t - 1 and smooth(n) and not any(smooth(m) for m in range(2 * t - 1, n)), t
-    assert extractor.fft_size(127) == 256 and extractor.fft_size(129) == 270 and extractor.fft_size(32) == 64
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1)  # every tap shape through the FFT
+    assert fir.fft_size(127) == 256 and fir.fft_size(129) == 270 and fir.fft_size(32) == 64
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)  # every tap shape through the FFT
     torch.manual_seed(6)
     for t in (5, 13, 27):  # n = 9, 25, 54: padding short of 2t, still no wrap-around
         for shape in ((t,), (t, 3), (t, 3, 3)):
@@ -268,7 +270,8 @@ def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch
                 torch.randn(*shape).double(),
                 torch.randn(2, t, 3).double(),
             )
-            got, ref = fir_and_grads(causal_fir, dev(x), dev(w), dev(g)), fir_and_grads(literal_fir, x, w, g)
+            got = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
+            ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
             assert all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(got, ref)), (t, shape)
 
 
@@ -284,12 +287,13 @@ def _prime_factors(n):
 
 @pytest.mark.parametrize("shape", [(16,), (16, 8), (16, 8, 8)], ids=["scalar", "vector", "matrix"])
 def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype(shape, monkeypatch):
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1)
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)
     torch.manual_seed(2)
     x, w = torch.randn(2, 16, 8), torch.randn(*shape)
-    ref = literal_fir(x.bfloat16().double(), w.double())  # the input rounded to bf16, the rest exact
+    x16 = x.bfloat16().double()  # the input rounded to bf16, the rest exact
+    ref = extractor.causal_fir_reference(x16, w.double())
     with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
-        y = causal_fir(x.bfloat16().to(DEVICE), w.to(DEVICE))
+        y = fir.fir_full(x.bfloat16().to(DEVICE), w.to(DEVICE))
     assert y.dtype == torch.bfloat16  # cast back, as the Toeplitz path's matmul returns bf16
     assert torch.allclose(y.cpu().double(), ref, atol=0.05, rtol=0.01)  # one bf16 rounding of the output
 
@@ -323,9 +327,9 @@ def param_formula(name, d, l):
 @pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)])
 def test_parameter_counts_equal_formulas(d, l, n):
     for name in PAPER_MIXERS:
-        assert extractor.mixer_param_count(name, d, l, n) == param_formula(name, d, l)
+        assert bench.mixer_param_count(name, d, l, n) == param_formula(name, d, l)
         if name != "he-ext":
-            assert extractor.complexity_training(d, l, n)[name]["params"] == param_formula(name, d, l)
+            assert bench.complexity_training(d, l, n)[name]["params"] == param_formula(name, d, l)
 
 
 # The paper's Table 7 (d = l = 128), as printed in the paper.
@@ -340,11 +344,11 @@ TABLE7 = {
 
 
 def test_complexity_reproduces_table7():
-    got = extractor.table7(128, 128)
+    got = bench.table7(128, 128)
     for label, numbers in TABLE7.items():
         mixer, n, c = got[label]
         assert tuple(c[k] for k in ("mult", "add", "div", "exp", "params", "total")) == numbers
-        assert extractor.mixer_param_count(mixer, 128, 128, n) == numbers[4]
+        assert bench.mixer_param_count(mixer, 128, 128, n) == numbers[4]
 
 
 def literal_training_counts(d, l, n):
@@ -410,12 +414,12 @@ def literal_inference_counts(d, t, n):
 
 @pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (12, 9, 3)])
 def test_complexity_closed_forms_equal_table_sums(d, l, n):
-    got = extractor.complexity_training(d, l, n)
+    got = bench.complexity_training(d, l, n)
     for name, counts in literal_training_counts(d, l, n).items():
         for k, v in counts.items():
             assert got[name][k] == v, (name, k)
     for t in (1, l // 2, l):
-        got = extractor.complexity_inference(d, t, n)
+        got = bench.complexity_inference(d, t, n)
         for name, counts in literal_inference_counts(d, t, n).items():
             assert got[name] == counts, (name, t)
 
@@ -425,12 +429,12 @@ def test_table5_per_token_counts_add_up_to_table3(d, l, n):
     """One token at a time for t = 1..l costs what Table 3 counts for the whole sequence. This fails
     for the misprinted closed form of SA's additions, 2td - tn + t + 4d^2 - 5d - 1, whenever n > 1."""
     for name in ("sa", "she", "he", "we", "me"):
-        total = extractor.complexity_training(d, l, n)[name]
+        total = bench.complexity_training(d, l, n)[name]
         for k in ("mult", "add", "div", "exp"):
-            per_token = sum(extractor.complexity_inference(d, t, n)[name][k] for t in range(1, l + 1))
+            per_token = sum(bench.complexity_inference(d, t, n)[name][k] for t in range(1, l + 1))
             assert per_token == total[k], (name, k)
     misprint = sum(2 * t * d - t * n + t + 4 * d * d - 5 * d - 1 for t in range(1, l + 1))
-    assert misprint == extractor.complexity_training(d, l, n)["sa"]["add"] - (n - 1) * (l - 1) * l // 2
+    assert misprint == bench.complexity_training(d, l, n)["sa"]["add"] - (n - 1) * (l - 1) * l // 2
 
 
 def test_whole_model_parameter_count_closed_form():
@@ -703,7 +707,7 @@ def synth_param_formula(name, d, l, n, k=synthesizer.SYN_RANK):
 )
 def test_synth_parameter_counts_equal_formulas(d, l, n):
     for name in SYNTHS:
-        assert extractor.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
+        assert bench.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
     fixed = MIXERS["random-fixed"](Config(n_embd=d, block_size=l, n_head=n, mixer="random-fixed"))
     assert fixed.state_dict()["R"].shape == (n, l, l)  # stored, but not a parameter
 
@@ -2551,10 +2555,10 @@ def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
 def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
     """fir_path reads the taps' shape and FFT_MIN_T_SCALAR; check it against the code that actually runs."""
     taken = []
-    toeplitz, fft_apply = extractor.toeplitz, extractor.FIRFFT.apply
-    monkeypatch.setattr(extractor, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
-    monkeypatch.setattr(extractor.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 8)
+    toeplitz, fft_apply = fir.toeplitz, fir.FIRFFT.apply
+    monkeypatch.setattr(fir, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
+    monkeypatch.setattr(fir.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 8)
     for name in extractor.MIXERS:
         cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
         module = extractor.MIXERS[name](cfg)
