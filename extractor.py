@@ -113,6 +113,8 @@ class Transformer(nn.Module):
         (B, t, u) and the loss of Eq. (3) (None without targets). With `cache` (from new_cache),
         idx holds only new tokens, placed after those already cached."""
         B, t = idx.shape
+        if t == 0:
+            raise ValueError(f"idx {tuple(idx.shape)} holds no tokens; give each sequence at least one")
         past = 0 if cache is None else cache["t"]
         if past + t > self.cfg.block_size:
             raise ValueError(

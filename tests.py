@@ -556,6 +556,23 @@ def test_sequence_longer_than_block_size_is_refused():
         model(torch.zeros(1, 9, dtype=torch.long, device=DEVICE))
 
 
+def test_empty_sequence_is_refused_with_a_value_error():
+    """t = 0 is one clear ValueError for every mixer, with or without a cache, and the FFT's length
+    refuses it too (fft_size(0) used to loop forever). sa is checked first: it ran t = 0 quietly."""
+    empty = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    for name in MIXERS:
+        model = tiny_model(name).to(DEVICE)
+        for cache in (None, model.new_cache()):
+            with pytest.raises(ValueError, match=r"idx \(2, 0\) holds no tokens"):
+                model(empty, cache=cache)
+    for t in (0, -3):
+        with pytest.raises(ValueError, match="at least one"):
+            fir.fft_size(t)
+    for w in (torch.randn(8, 4), torch.randn(8, 4, 4)):  # the tap shapes that take the FFT
+        with pytest.raises(ValueError, match="at least one"):
+            fir.fir_full(torch.zeros(2, 0, 4), w)
+
+
 # ======== Synthesizers (synthesizer.py) against their equations as literal loops ========
 
 SYNTHS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
