@@ -351,6 +351,16 @@ def test_complexity_reproduces_table7():
         assert bench.mixer_param_count(mixer, 128, 128, n) == numbers[4]
 
 
+def test_bench_table7_prints_the_papers_table_and_the_modules_counts(capsys):
+    assert bench.main(["--table7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == "1-head SA 32-head SA SHE HE WE ME".split()
+    rows = {line.split()[0]: [int(v.replace(",", "")) for v in line.split()[1:]] for line in lines[2:]}
+    for i, row in enumerate(("mult", "add", "div", "exp", "params", "total")):
+        assert rows[row] == [numbers[i] for numbers in TABLE7.values()], row
+    assert rows["modules"] == [numbers[4] for numbers in TABLE7.values()]
+
+
 def literal_training_counts(d, l, n):
     """The left-hand sums of Tables 3 and 4, term by term (with ERRATA's SHE summand)."""
     h = d // n
