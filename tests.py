@@ -1282,52 +1282,36 @@ def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, ca
     )
 
 
-def _pd_naive_bpe(word_counts, n_tokens):
-    """Reference trainer: recount every pair before every merge."""
-    vocab = [bytes([b]) for b in range(256)]
-    ids = {t: i for i, t in enumerate(vocab)}
-    words = collections.Counter({tuple(w.encode("utf-8")): c for w, c in word_counts.items()})
-    while len(vocab) < n_tokens:
-        pairs = collections.Counter()
-        for w, c in words.items():
-            for p in zip(w, w[1:]):
-                pairs[p] += c
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merged = vocab[best[0]] + vocab[best[1]]
-        if merged not in ids:
-            ids[merged] = len(vocab)
-            vocab.append(merged)
-        new, merged_words = ids[merged], collections.Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if w[i : i + 2] == best:
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged_words[tuple(out)] += c
-        words = merged_words
-    return vocab
+def _pd_both_bpes(words, n_tokens):
+    """The tokens of the reference trainer and of the fast one."""
+    return prepare_data.train_bpe_reference(words, n_tokens), prepare_data.train_bpe(
+        words, n_tokens, log_every=0
+    )
 
 
 def test_pd_bpe_worked_example_of_the_docstring():
-    vocab = prepare_data.train_bpe(collections.Counter({"aaab": 2, "ab": 1}), 259, log_every=0)
-    assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
+    for vocab in _pd_both_bpes(collections.Counter({"aaab": 2, "ab": 1}), 259):
+        assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
+
+
+def test_pd_bpe_ties_go_to_the_smallest_pair_of_ids():
+    """Pairs ba and zy both occur twice: ba (98, 97) first. Then ab and ac once each: ab (97, 98)
+    before ac (97, 99), the left ids equal."""
+    for vocab in _pd_both_bpes(collections.Counter({"ba": 2, "zy": 2, "ab": 1, "ac": 1}), 260):
+        assert vocab[256:] == [b"ba", b"zy", b"ab", b"ac"]
 
 
 def test_pd_incremental_bpe_matches_full_recount():
-    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
+    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):  # few letters: many ties
         rng = random.Random(seed)
         words = collections.Counter(
             "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(400)
         )
-        vocab = prepare_data.train_bpe(words, 256 + 60, log_every=0)
-        assert vocab == _pd_naive_bpe(words, 256 + 60)
-        assert len(set(vocab)) == len(vocab) == 256 + 60
-    words = prepare_data.count_words([_PD_BODIES[9001]])
-    assert prepare_data.train_bpe(words, 256 + 80, log_every=0) == _pd_naive_bpe(words, 256 + 80)
+        reference, fast = _pd_both_bpes(words, 256 + 60)
+        assert fast == reference
+        assert len(set(fast)) == len(fast) == 256 + 60
+    reference, fast = _pd_both_bpes(prepare_data.count_words([_PD_BODIES[9001]]), 256 + 80)
+    assert fast == reference
 
 
 def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
