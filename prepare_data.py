@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -553,11 +554,23 @@ def stage(times, name):
     times[name] = time.time() - t
 
 
+def check_data_dir(data_dir):
+    """Fail now, not after the downloads and the BPE, if the outputs cannot be written to data_dir."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        fail(f"--data_dir {data_dir} is a file, not a folder; check --data_dir")
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=data_dir, prefix=".write-check", suffix=".tmp")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to --data_dir {data_dir} ({e.strerror}); pick a folder you can write to")
+
+
 def prepare(args):
     """Book list -> download (or --source) -> strip -> split -> BPE -> encode -> write; prints each stage."""
     books, times = read_books_tsv(args.books), {}
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        fail(f"--data_dir {args.data_dir} is a file, not a folder; check --data_dir")
+    check_data_dir(args.data_dir)
     source = os.path.abspath(args.source) if args.source else args.mirror
     with stage(times, "download"):
         print(f"getting {len(books)} books from {source}")

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -1369,6 +1370,26 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
         msg = error_line(capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data"), *argv])
         assert words in msg, (argv, msg)
     assert not os.path.exists(tmp_path / "data" / "train.bin")
+
+
+def test_pd_read_only_data_dir_is_refused_before_any_work(pd_clean, tmp_path, monkeypatch, capsys):
+    """A --data_dir it may not write to is one line before the books are read and the BPE trained,
+    not after (as root, chmod would not stop it: the refusal is simulated)."""
+    _, tsv, _ = pd_clean
+    data, src = tmp_path / "data", _pd_source(tmp_path / "src")
+    data.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):
+        if os.path.abspath(dir or ".") == str(data):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real_mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(prepare_data, "count_words", lambda texts: pytest.fail("the BPE started"))
+    err = error_line(capsys, _pd_run, data, "--source", str(src), books_tsv=tsv)
+    assert f"cannot write to --data_dir {data} (Permission denied)" in err
+    assert os.listdir(data) == []
 
 
 def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
