@@ -6,6 +6,7 @@ Every token mixer of extractor.py measured against attention on this device: the
     python bench.py --quick                           # tiny shapes, few repeats: seconds
     python bench.py --sections 1,2 --mixers me,we --json bench.json
     python bench.py --device cuda --dtype bf16 --compile
+    python bench.py --table7                          # the paper's Table 7, from the formulas
 
 Sections: 1 sublayer forward+backward at Table 1 shapes, 2 context sweep at fixed tokens per batch,
 3 whole model training (m = 18 and m = 2), 4 generation with and without the cache, 5 the paper's
@@ -34,6 +35,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import extractor
+import fir
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 import train
 from common import atomic_write, fail, keep_freed_memory, one_line_errors, pick_device
@@ -136,11 +138,11 @@ def loglog_slope(ms_by_t, tokens):
 
 def fir_path(module, t):
     """Which computation a mixer takes at sequence length t, read from its taps' shape and
-    extractor.FFT_MIN_T_SCALAR: toeplitz (scalar taps, short t), fft, sdpa (attention), matmul."""
+    fir.FFT_MIN_T_SCALAR: toeplitz (scalar taps, short t), fft, sdpa (attention), matmul."""
     taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in ("W_ext", "w_ext")]
     if not taps:
         return "sdpa" if isinstance(module, extractor.SelfAttention) else "matmul"
-    return "toeplitz" if taps[0].dim() == 1 and t < extractor.FFT_MIN_T_SCALAR else "fft"
+    return "toeplitz" if taps[0].dim() == 1 and t < fir.FFT_MIN_T_SCALAR else "fft"
 
 
 def make_config(s, args, mixer, l, n_layer=1):
@@ -441,12 +443,79 @@ def section_generation(s, args, mixers, device, ctx):
     return rows
 
 
+# -------------------------------------------------------- the paper's operation counts, Tables 3-7
+# In closed form; tests.py checks them against the tables' sums. Section 5 sets them beside the FLOPs
+# measured, --table7 prints Table 7. `complexity_training` is for one sequence of length l;
+# `complexity_inference` is the increment for one new token at sequence length t.
+
+
+def complexity_training(d, l, n=1):
+    """Tables 3 and 4: multiplications, additions, divisions, exponentiations, parameters. SHE's
+    multiplications use the summand d*d*t + d*d + d + d*d (Notes on the paper, 5)."""
+    counts = {  # (mult, add, div, exp, params)
+        "sa": (l * l * d + 4 * l * d * d + l * d, l * l * d + 4 * l * d * d - 4 * l * d - l * n,
+               n * l * l + n * l, (n * l * l + n * l) // 2, 4 * d * d),
+        "she": ((l * l * d * d + 5 * l * d * d) // 2 + l * d,
+                (l * l * d * d + 5 * l * d * d) // 2 - 3 * l * d, 0, 0, l * d * d + 2 * d * d),
+        "he": ((l * l * d + 3 * l * d) // 2 + 3 * l * d * d, 3 * l * d * d + (l * l * d - 7 * l * d) // 2,
+               0, 0, l * d + 3 * d * d),
+        "we": ((l * l * d + 3 * l * d) // 2 + 2 * l * d * d, 2 * l * d * d + (l * l * d - 5 * l * d) // 2,
+               0, 0, l * d + 2 * d * d),
+        "me": ((l * l * d + l * d) // 2, (l * l * d - l * d) // 2, 0, 0, l),
+    }  # fmt: skip
+    return {k: dict(zip(("mult", "add", "div", "exp", "params"), v)) for k, v in counts.items()}
+
+
+def complexity_inference(d, t, n=1):
+    """Tables 5 and 6: the increment for one new token at sequence length t. SA's additions are
+    the paper's own per-token sum, 2td + 4d^2 - 5d - n, whose sum over t = 1..l is Table 3's count;
+    the printed closed form 2td - tn + t + 4d^2 - 5d - 1 undercounts it by (n-1)(t-1) (Notes, 6)."""
+    return {
+        "sa": dict(
+            mult=2 * t * d + 4 * d * d, add=2 * t * d + 4 * d * d - 5 * d - n, div=2 * t * n, exp=t * n
+        ),
+        "she": dict(mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d, div=0, exp=0),
+        "he": dict(mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d, div=0, exp=0),
+        "we": dict(mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d, div=0, exp=0),
+        "me": dict(mult=t * d, add=t * d - d, div=0, exp=0),
+    }
+
+
+def table7(d=128, l=128):
+    """Table 7's columns: (label, mixer, n) -> counts with 'total' arithmetic operations."""
+    cols = [("1-head SA", "sa", 1), ("32-head SA", "sa", 32), ("SHE", "she", 1)]
+    cols += [("HE", "he", 1), ("WE", "we", 1), ("ME", "me", 1)]
+    out = {}
+    for label, mixer, n in cols:
+        c = dict(complexity_training(d, l, n)[mixer])
+        c["total"] = c["mult"] + c["add"] + c["div"] + c["exp"]
+        out[label] = (mixer, n, c)
+    return out
+
+
+def mixer_param_count(mixer, d, l, n=1):
+    """Parameters of one sublayer built from the module itself (no mixer has biases)."""
+    module = MIXERS[mixer](Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
+    return sum(p.numel() for p in module.parameters())
+
+
+def print_table7():
+    """Table 7 (d = l = 128) from the formulas, and below it the parameters counted from the modules."""
+    cols = table7()
+    print("Table 7 (d = l = 128): the paper's formulas, and the parameters counted from the modules")
+    print(f"{'':>8}" + "".join(f"{label:>14}" for label in cols))
+    for r in ["mult", "add", "div", "exp", "params", "total"]:
+        print(f"{r:>8}" + "".join(f"{c[r]:>14,}" for _, _, c in cols.values()))
+    counts = [mixer_param_count(m, 128, 128, n) for m, n, _ in cols.values()]
+    print(f"{'modules':>8}" + "".join(f"{c:>14,}" for c in counts))
+
+
 def section_flops(s, args, mixers, device):
     d, l, rows = s["d"], s["l"], []
     x = torch.randn(1, l, d)  # one sequence, (1, t, d)
     for m in mixers:
         module = MIXERS[m](make_config(s, args, m, l))
-        paper = extractor.complexity_training(d, l, args.n_head if m == "sa" else 1).get(m)
+        paper = complexity_training(d, l, args.n_head if m == "sa" else 1).get(m)
         with torch.no_grad(), FlopCounterMode(display=False) as stock:
             module(x)
         with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=complete_mapping()) as full:
@@ -537,7 +606,7 @@ flops: 5. One sublayer forward, one sequence, d = l = {d}: the paper's Tables 3/
 torch.utils.flop_counter
 mixer path paper_ops:si paper_mult_add:si stock_flops:si fft_flops_est:si completed_flops:si \
 completed_vs_paper:.2f
-- paper_ops: mult+add+div+exp of extractor.complexity_training (sa with n = --n_head)
+- paper_ops: mult+add+div+exp of complexity_training (sa with n = --n_head)
 - stock_flops: FlopCounterMode as shipped: matmuls only, 2 flops per multiply-add, complex ones \
 as real; no FFT, no elementwise op, not SDPA's cpu kernel (sa: projections only)
 - completed_flops: adds SDPA's cpu kernel (full t x t, causal half not subtracted), complex bmm \
@@ -640,6 +709,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     p.add_argument("--no_malloc_tune", action="store_true", help="leave glibc's allocator at its defaults")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--table7", action="store_true", help="print the paper's Table 7 (no timing) and exit")
     args = p.parse_args(argv)
     try:
         args.sections = sorted({int(x) for x in args.sections.split(",") if x.strip()})
@@ -700,6 +770,9 @@ def run_section(k, s, args, device, ctx, dtype):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.table7:
+        print_table7()
+        return 0
     tuned = not args.no_malloc_tune and sys.platform.startswith("linux")
     if tuned:
         keep_freed_memory()  # the allocator setting of a training run, so bench measures the same
@@ -710,7 +783,7 @@ def main(argv=None):
     s.update({k: getattr(args, k) for k in ("gen_layers", "gen_block") if getattr(args, k) is not None})
     if s["d"] % args.n_head:
         fail(f"--n_head {args.n_head} must divide d = {s['d']}")
-    s.update(n_head=args.n_head, fft_min_t=extractor.FFT_MIN_T_SCALAR, half_batch=max(1, s["batch"] // 2))
+    s.update(n_head=args.n_head, fft_min_t=fir.FFT_MIN_T_SCALAR, half_batch=max(1, s["batch"] // 2))
     s.update(
         gpu_gib=args.gpu_gib, margin_gib=args.margin_gib, budget_mib=1024 * (args.gpu_gib - args.margin_gib)
     )

@@ -2,16 +2,15 @@
 The pre-LN Transformer of "Attention Is Not All You Need Anymore" (Zhe Chen, 2023, arXiv:2308.07661),
 its baseline token mixer (causal multi-head self-attention) and the four Extractors (SHE, WE, HE, ME)
 that replace it, plus the extraction-only HE named at the end of Section 5. The file follows the paper:
-Config (Table 1); the Transformer (Section 4, Eq. 3-22) and its generation (Eq. 2); self-attention
-(Eq. 10-17); the Extractors (Section 5, Eq. 23-29); the causal FIR filter they share, first as the
-literal sum, then its fast paths; the operation counts of Tables 3-7. Every weight starts N(0, 0.01²),
-i.e. with standard deviation 0.01 (Section 6).
+Config (Table 1); the Transformer (Section 4, Eq. 3-22); self-attention (Eq. 10-17); the Extractors
+(Section 5, Eq. 23-29) and the causal FIR filter they share, as the literal sum and as causal_fir
+(how it is computed fast is fir.py); last, choosing each new token in generation (Eq. 2). Every weight
+starts N(0, 0.01²), i.e. with standard deviation 0.01 (Section 6). The operation counts of Tables 3-7
+are in bench.py (`python bench.py --table7`).
 
 Equation numbers, e.g. `# Eq. (23)`, refer to the paper. Indices: the paper counts positions and taps
 from 1; the code counts from 0, so the paper's tap W_k (k = i - j + 1, the distance back plus one) is
 W_ext[k - 1] here, and W_ext[0] multiplies the current token.
-
-    python extractor.py      # prints Table 7 beside the parameter counts measured from the modules
 """
 
 import math
@@ -21,6 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fir import fir_full, fir_last_row
+
+MIXERS = {}  # each --mixer name -> its class, the first sublayer; filled below, after the classes
 
 
 @dataclass
@@ -110,6 +113,8 @@ class Transformer(nn.Module):
         (B, t, u) and the loss of Eq. (3) (None without targets). With `cache` (from new_cache),
         idx holds only new tokens, placed after those already cached."""
         B, t = idx.shape
+        if t == 0:
+            raise ValueError(f"idx {tuple(idx.shape)} holds no tokens; give each sequence at least one")
         past = 0 if cache is None else cache["t"]
         if past + t > self.cfg.block_size:
             raise ValueError(
@@ -178,41 +183,6 @@ class Transformer(nn.Module):
                     logits = self(idx[:, -l:])[0][:, -1]  # Eq. (2): the last l tokens
         finally:
             self.train(was_training)
-
-
-def check_sampling(temperature, top_k, top_p):
-    """ValueError for settings that cannot sample: a negative or non-finite temperature, top_k < 1,
-    top_p outside (0, 1]."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1 (or None for all tokens), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or None for all tokens), got {top_p}")
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
-    """logits (B, u) -> token (B, 1). temperature 0 is greedy; top_k keeps exactly the k most likely
-    tokens; top_p keeps the smallest set of most likely tokens whose probability reaches p (nucleus
-    sampling, the paper's Table 2 uses p = 0.6). Uses torch's global RNG."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float()
-    logits = (
-        logits - logits.amax(dim=-1, keepdim=True)
-    ) / temperature  # the top token 0: a tiny T stays finite
-    if top_k is not None:
-        k = min(top_k, logits.size(-1))
-        keep = logits.topk(k, dim=-1).indices  # (B, k)
-        logits = torch.full_like(logits, -math.inf).scatter(-1, keep, logits.gather(-1, keep))
-    if top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, u)
-        p = sorted_logits.softmax(dim=-1)
-        drop = p.cumsum(dim=-1) - p >= top_p  # the mass before it already reaches p
-        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(dim=-1), num_samples=1)  # (B, 1)
 
 
 def init_weights(module):
@@ -357,7 +327,7 @@ class HEExtraction(nn.Module):
         return causal_fir(self.W_in_ext(x), self.w_ext, cache)  # Eq. (27), (28)
 
 
-MIXERS = {"sa": SelfAttention, "she": SHE, "he": HE, "we": WE, "me": ME, "he-ext": HEExtraction}
+MIXERS.update({"sa": SelfAttention, "she": SHE, "he": HE, "we": WE, "me": ME, "he-ext": HEExtraction})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,7 +339,8 @@ def causal_fir_reference(x, w):
     """Eq. (23)/(26)/(28)/(29) as written: y_i = sum_{j<=i} x_j (*) w_{i-j+1}, a direct double sum.
 
     x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w (WE, HE) or (l,) scalars
-    x_j w (ME). The reading copy: causal_fir computes the same faster, tests.py checks they agree."""
+    x_j w (ME). The reading copy: causal_fir computes the same faster (fir.py says how), and
+    tests.py checks that they agree."""
     tap = (lambda x_j, w_k: x_j @ w_k) if w.dim() == 3 else (lambda x_j, w_k: x_j * w_k)
     rows = [sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])]
     return torch.stack(rows, dim=1)  # (B, t, d)
@@ -391,172 +362,39 @@ def causal_fir(x, w, cache=None):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Fast paths of causal_fir. They compute the same sum (tests.py proves it, forward and backward):
-#   scalar taps, t < FFT_MIN_T_SCALAR: one lower-triangular (t x t) Toeplitz matrix times X;
-#   otherwise: products in frequency space, zero-padded to n >= 2t - 1 so that the circular
-#   convolution equals the linear one, with a hand-written backward (autograd's own backward of
-#   rfft builds full complex spectra: 1.4-1.6x slower). The FFTs run in float32 also under
-#   autocast (float64 stays float64); the result comes back in the input's dtype.
-
-FFT_MIN_T_SCALAR = 1024  # scalar taps (ME): one Toeplitz GEMM below this t, the FFT from here on
+# Generation, Eq. (2): Transformer.generate_stream turns the last position's logits into the next token
 
 
-def fir_full(x, w):
-    t = x.shape[1]
-    if t > w.shape[0]:
-        raise ValueError(f"sequence length {t} exceeds the {w.shape[0]} taps (block_size l)")
-    w = w[:t]
-    if w.dim() == 1 and t < FFT_MIN_T_SCALAR:
-        return toeplitz(w).to(x.dtype) @ x  # (t, t) @ (B, t, d) -> (B, t, d)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        return FIRFFT.apply(x.to(dtype), w.to(dtype)).to(x.dtype)
+def check_sampling(temperature, top_k, top_p):
+    """ValueError for settings that cannot sample: a negative or non-finite temperature, top_k < 1,
+    top_p outside (0, 1]."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1 (or None for all tokens), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None for all tokens), got {top_p}")
 
 
-def fir_last_row(x, w):
-    """Row t-1 of the sum for x (B, t, d): the newest token's output, (B, d)."""
-    x_back = x.flip(1)  # x_back[:, k] is the token k steps back, which meets tap k
-    w = w[: x.shape[1]]
-    if w.dim() == 3:
-        return torch.einsum("btd,tde->be", x_back, w.to(x.dtype))  # Eq. (23), one row
-    if w.dim() == 2:
-        return (x_back * w.to(x.dtype)).sum(1)  # Eq. (26), (28), one row
-    return torch.einsum("btd,t->bd", x_back, w.to(x.dtype))  # Eq. (29), one row
-
-
-def toeplitz(w):
-    """(t,) taps -> (t, t) lower-triangular Toeplitz matrix T[i, j] = w[i - j] for j <= i."""
-    t = w.shape[0]
-    k = torch.arange(t, device=w.device)
-    lag = k[:, None] - k[None, :]  # (t, t), i - j
-    return torch.where(lag >= 0, w[lag.clamp(min=0)], w.new_zeros(()))  # (t, t)
-
-
-def fft_size(t):
-    """The smallest n >= 2t - 1 with no prime factor above 5: FFTs of such lengths are fast,
-    while n = 2t can be slow: t = 127 gives 254 = 2 * 127, and 2.1x the time of t = 128 (measured)."""
-    n = 2 * t - 1
-    while True:
-        m = n
-        for p in (2, 3, 5):
-            while m % p == 0:
-                m //= p
-        if m == 1:
-            return n
-        n += 1
-
-
-class FIRFFT(torch.autograd.Function):
-    """fir_full through rfft/irfft along the last (time) axis. The backward reuses the saved
-    spectra: dx = irfft(G W^H), dw = irfft(sum over the batch of X^H G), correlations, exact since
-    n >= 2t - 1. SHE's matrix taps are a (d x d) complex product per frequency, in (F, B, d) layout:
-    MKL's batched complex GEMM is 2.5-3.5x slower on rfft's own layout or a lazily conjugated operand."""
-
-    @staticmethod
-    def forward(ctx, x, w):  # x (B, t, d), w (t, ...)
-        t = x.shape[1]
-        n = fft_size(t)
-        X = torch.fft.rfft(x.transpose(1, 2), n=n, dim=-1)  # (B, d, F), F = n // 2 + 1
-        if w.dim() == 3:  # matrices
-            X = X.permute(2, 0, 1).contiguous()  # (F, B, d)
-            W = torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1).permute(2, 0, 1).contiguous()  # (F, d, d)
-            Y = torch.bmm(X, W).permute(1, 2, 0)  # (B, d, F)
-        else:  # vectors (d, F) or scalars (F,)
-            W = torch.fft.rfft(w.t(), n=n, dim=-1)
-            Y = X * W  # (B, d, F)
-        ctx.save_for_backward(X, W)
-        return torch.fft.irfft(Y, n=n, dim=-1)[..., :t].transpose(1, 2)  # (B, t, d)
-
-    @staticmethod
-    def backward(ctx, g):  # g (B, t, d)
-        X, W = ctx.saved_tensors
-        t = g.shape[1]
-        n = fft_size(t)
-        G = torch.fft.rfft(g.transpose(1, 2), n=n, dim=-1)  # (B, d, F)
-        dx = dw = None
-        if W.dim() == 3:
-            G = G.permute(2, 0, 1).contiguous()  # (F, B, d)
-            if ctx.needs_input_grad[0]:
-                W_H = W.transpose(1, 2).conj().resolve_conj()  # conj resolved: MKL's fast path
-                dX = torch.bmm(G, W_H).permute(1, 2, 0)  # (B, d, F)
-                dx = torch.fft.irfft(dX, n=n, dim=-1)[..., :t].transpose(1, 2)
-            if ctx.needs_input_grad[1]:
-                X_H = X.conj().resolve_conj().transpose(1, 2)  # (F, d, B)
-                dW = torch.bmm(X_H, G).permute(1, 2, 0)  # (d, d, F), summed over the batch
-                dw = torch.fft.irfft(dW, n=n, dim=-1)[..., :t].permute(2, 0, 1)  # (t, d, d)
-            return dx, dw
-        if ctx.needs_input_grad[0]:
-            dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t].transpose(1, 2)  # (B, t, d)
-        if ctx.needs_input_grad[1]:
-            dW = (X.conj() * G).sum(0)  # (d, F), summed over the batch
-            if W.dim() == 1:
-                dW = dW.sum(0)  # (F,), and over the features
-            dw = torch.fft.irfft(dW, n=n, dim=-1)[..., :t]
-            dw = dw.t() if dw.dim() == 2 else dw  # (t, d) or (t,)
-        return dx, dw
-
-
-# ----------------------------------------------------------------------------------------------------
-# The paper's operation counts, Tables 3-6, in closed form (tests.py checks them against the tables'
-# sums). `complexity_training` is for one sequence of length l; `complexity_inference` is the
-# increment for one new token at sequence length t.
-
-
-def complexity_training(d, l, n=1):
-    """Tables 3 and 4: multiplications, additions, divisions, exponentiations, parameters. SHE's
-    multiplications use the summand d*d*t + d*d + d + d*d (Notes on the paper, 5)."""
-    counts = {  # (mult, add, div, exp, params)
-        "sa": (l * l * d + 4 * l * d * d + l * d, l * l * d + 4 * l * d * d - 4 * l * d - l * n,
-               n * l * l + n * l, (n * l * l + n * l) // 2, 4 * d * d),
-        "she": ((l * l * d * d + 5 * l * d * d) // 2 + l * d,
-                (l * l * d * d + 5 * l * d * d) // 2 - 3 * l * d, 0, 0, l * d * d + 2 * d * d),
-        "he": ((l * l * d + 3 * l * d) // 2 + 3 * l * d * d, 3 * l * d * d + (l * l * d - 7 * l * d) // 2,
-               0, 0, l * d + 3 * d * d),
-        "we": ((l * l * d + 3 * l * d) // 2 + 2 * l * d * d, 2 * l * d * d + (l * l * d - 5 * l * d) // 2,
-               0, 0, l * d + 2 * d * d),
-        "me": ((l * l * d + l * d) // 2, (l * l * d - l * d) // 2, 0, 0, l),
-    }  # fmt: skip
-    return {k: dict(zip(("mult", "add", "div", "exp", "params"), v)) for k, v in counts.items()}
-
-
-def complexity_inference(d, t, n=1):
-    """Tables 5 and 6: the increment for one new token at sequence length t. SA's additions are
-    the paper's own per-token sum, 2td + 4d^2 - 5d - n, whose sum over t = 1..l is Table 3's count;
-    the printed closed form 2td - tn + t + 4d^2 - 5d - 1 undercounts it by (n-1)(t-1) (Notes, 6)."""
-    return {
-        "sa": dict(
-            mult=2 * t * d + 4 * d * d, add=2 * t * d + 4 * d * d - 5 * d - n, div=2 * t * n, exp=t * n
-        ),
-        "she": dict(mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d, div=0, exp=0),
-        "he": dict(mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d, div=0, exp=0),
-        "we": dict(mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d, div=0, exp=0),
-        "me": dict(mult=t * d, add=t * d - d, div=0, exp=0),
-    }
-
-
-def table7(d=128, l=128):
-    """Table 7's columns: (label, mixer, n) -> counts with 'total' arithmetic operations."""
-    cols = [("1-head SA", "sa", 1), ("32-head SA", "sa", 32), ("SHE", "she", 1)]
-    cols += [("HE", "he", 1), ("WE", "we", 1), ("ME", "me", 1)]
-    out = {}
-    for label, mixer, n in cols:
-        c = dict(complexity_training(d, l, n)[mixer])
-        c["total"] = c["mult"] + c["add"] + c["div"] + c["exp"]
-        out[label] = (mixer, n, c)
-    return out
-
-
-def mixer_param_count(mixer, d, l, n=1):
-    """Parameters of one sublayer built from the module itself (no mixer has biases)."""
-    module = MIXERS[mixer](Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
-    return sum(p.numel() for p in module.parameters())
-
-
-if __name__ == "__main__":
-    cols = table7()
-    print("Table 7 (d = l = 128): the paper's formulas, and the parameters counted from the modules")
-    print(f"{'':>8}" + "".join(f"{label:>14}" for label in cols))
-    for r in ["mult", "add", "div", "exp", "params", "total"]:
-        print(f"{r:>8}" + "".join(f"{c[r]:>14,}" for _, _, c in cols.values()))
-    counts = [mixer_param_count(m, 128, 128, n) for m, n, _ in cols.values()]
-    print(f"{'modules':>8}" + "".join(f"{c:>14,}" for c in counts))
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
+    """logits (B, u) -> token (B, 1). temperature 0 is greedy; top_k keeps exactly the k most likely
+    tokens; top_p keeps the smallest set of most likely tokens whose probability reaches p (nucleus
+    sampling, the paper's Table 2 uses p = 0.6). Uses torch's global RNG."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float()
+    logits = (
+        logits - logits.amax(dim=-1, keepdim=True)
+    ) / temperature  # the top token 0: a tiny T stays finite
+    if top_k is not None:
+        k = min(top_k, logits.size(-1))
+        keep = logits.topk(k, dim=-1).indices  # (B, k)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, keep, logits.gather(-1, keep))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, u)
+        p = sorted_logits.softmax(dim=-1)
+        drop = p.cumsum(dim=-1) - p >= top_p  # the mass before it already reaches p
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1)  # (B, 1)

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -377,20 +378,42 @@ def merge(word, pair, new):
     return out
 
 
-def train_bpe(word_counts, n_tokens, log_every=500):
-    """Byte-pair encoding: start from the 256 bytes, then again and again merge the most frequent
-    pair of adjacent tokens into a new token, until there are n_tokens tokens. Returns the tokens'
-    bytes; index = rank = id.
+def train_bpe_reference(word_counts, n_tokens):
+    """Byte-pair encoding as its definition reads: start from the 256 bytes, then again and again
+    merge the most frequent pair of adjacent tokens into a new token, until there are n_tokens
+    tokens. word_counts: {pre-tokenized piece: how often it occurs}. Returns the tokens' bytes;
+    index = rank = id. Ties go to the smallest (left id, right id), so training is deterministic. A
+    merge that rebuilds bytes we already have (x+yz after xy+z) reuses that token.
 
     A worked example, words {"aaab": 2, "ab": 1} as bytes:
       pairs (a,a) 2*2 = 4, (a,b) 2 + 1 = 3        -> merge (a,a) into 256 = "aa": "aaab" is [256,a,b]
       pairs (256,a) 2, (a,b) 2 + 1 = 3            -> merge (a,b) into 257 = "ab": "aaab" is [256,257]
       pairs (256,257) 2                            -> merge it into 258 = "aaab"
-    Counting is incremental: pair counts are kept over the unique words (each weighted by its count)
-    and updated only for the words that hold the merged pair, so 4743 merges take seconds, not the
-    hours of a recount per merge (tests.py checks both give the same tokens). Ties go to the smallest
-    (left id, right id), so training is deterministic. A merge that rebuilds bytes we already have
-    (x+yz after xy+z) reuses that token."""
+    The reading copy: it counts every pair again before every merge. train_bpe gives the same tokens
+    faster, and tests.py checks that they agree."""
+    vocab = [bytes([b]) for b in range(256)]
+    ids = {t: i for i, t in enumerate(vocab)}
+    words = {tuple(w.encode("utf-8")): c for w, c in word_counts.items()}  # token ids: count
+    while len(vocab) < n_tokens:
+        pairs = collections.Counter()
+        for w, c in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += c
+        pair = min(pairs, key=lambda p: (-pairs[p], p))  # the most frequent; of ties, the smallest ids
+        merged = vocab[pair[0]] + vocab[pair[1]]
+        if merged not in ids:
+            ids[merged] = len(vocab)
+            vocab.append(merged)
+        words = {tuple(merge(list(w), pair, ids[merged])): c for w, c in words.items()}
+    return vocab
+
+
+def train_bpe(word_counts, n_tokens, log_every=500):
+    """train_bpe_reference, fast: the same tokens in the same order. Counting is incremental: pair
+    counts are kept over the unique words (each weighted by its count) and updated only for the
+    words that hold the merged pair, and a heap with lazy updates finds the most frequent pair. On
+    the 94 training books the 4743 merges took 4 s, where a recount takes 0.3 s per merge, about
+    25 minutes in all (measured once). Fails with one line when the text runs out of pairs."""
     vocab = [bytes([b]) for b in range(256)]
     ids = {t: i for i, t in enumerate(vocab)}
     words = [list(w.encode("utf-8")) for w in word_counts]
@@ -531,11 +554,23 @@ def stage(times, name):
     times[name] = time.time() - t
 
 
+def check_data_dir(data_dir):
+    """Fail now, not after the downloads and the BPE, if the outputs cannot be written to data_dir."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        fail(f"--data_dir {data_dir} is a file, not a folder; check --data_dir")
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=data_dir, prefix=".write-check", suffix=".tmp")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to --data_dir {data_dir} ({e.strerror}); pick a folder you can write to")
+
+
 def prepare(args):
     """Book list -> download (or --source) -> strip -> split -> BPE -> encode -> write; prints each stage."""
     books, times = read_books_tsv(args.books), {}
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        fail(f"--data_dir {args.data_dir} is a file, not a folder; check --data_dir")
+    check_data_dir(args.data_dir)
     source = os.path.abspath(args.source) if args.source else args.mirror
     with stage(times, "download"):
         print(f"getting {len(books)} books from {source}")

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,6 +32,7 @@ import torch
 import bench
 import common
 import extractor
+import fir
 import gpu
 import plot
 import prepare_data
@@ -39,7 +41,7 @@ import sample
 import synthesizer
 import taps
 import train
-from extractor import MIXERS, Config, Transformer, causal_fir
+from extractor import MIXERS, Config, Transformer
 
 
 def _test_device():
@@ -214,12 +216,13 @@ def test_mixer_equals_literal_equations(name):
     ids=["scalar-toeplitz", "scalar-fft", "vector-fft", "matrix-fft"],
 )
 def test_fir_forward_and_backward_equal_literal_sum(shape, path, monkeypatch):
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1 if path == "fft" else 10**9)
+    """Each path of fir.fir_full against extractor.causal_fir_reference, the double sum as written."""
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1 if path == "fft" else 10**9)
     torch.manual_seed(1)
     for t in (1, 7, 12):
         x, w, g = torch.randn(3, t, 5).double(), torch.randn(*shape).double(), torch.randn(3, t, 5).double()
-        y, dx, dw = fir_and_grads(causal_fir, dev(x), dev(w), dev(g))
-        y_ref, dx_ref, dw_ref = fir_and_grads(literal_fir, x, w, g)
+        y, dx, dw = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
+        y_ref, dx_ref, dw_ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
         assert torch.allclose(y, y_ref, atol=TOL, rtol=0)
         assert torch.allclose(dx, dx_ref, atol=TOL, rtol=0)
         assert torch.allclose(dw, dw_ref, atol=TOL, rtol=0)
@@ -256,10 +259,10 @@ def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
 def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch):
     smooth = lambda n: all(p in (2, 3, 5) for p in _prime_factors(n))
     for t in range(1, 300):
-        n = extractor.fft_size(t)
+        n = fir.fft_size(t)
         assert n >= 2 * t - 1 and smooth(n) and not any(smooth(m) for m in range(2 * t - 1, n)), t
-    assert extractor.fft_size(127) == 256 and extractor.fft_size(129) == 270 and extractor.fft_size(32) == 64
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1)  # every tap shape through the FFT
+    assert fir.fft_size(127) == 256 and fir.fft_size(129) == 270 and fir.fft_size(32) == 64
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)  # every tap shape through the FFT
     torch.manual_seed(6)
     for t in (5, 13, 27):  # n = 9, 25, 54: padding short of 2t, still no wrap-around
         for shape in ((t,), (t, 3), (t, 3, 3)):
@@ -268,7 +271,8 @@ def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch
                 torch.randn(*shape).double(),
                 torch.randn(2, t, 3).double(),
             )
-            got, ref = fir_and_grads(causal_fir, dev(x), dev(w), dev(g)), fir_and_grads(literal_fir, x, w, g)
+            got = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
+            ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
             assert all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(got, ref)), (t, shape)
 
 
@@ -284,12 +288,13 @@ def _prime_factors(n):
 
 @pytest.mark.parametrize("shape", [(16,), (16, 8), (16, 8, 8)], ids=["scalar", "vector", "matrix"])
 def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype(shape, monkeypatch):
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 1)
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)
     torch.manual_seed(2)
     x, w = torch.randn(2, 16, 8), torch.randn(*shape)
-    ref = literal_fir(x.bfloat16().double(), w.double())  # the input rounded to bf16, the rest exact
+    x16 = x.bfloat16().double()  # the input rounded to bf16, the rest exact
+    ref = extractor.causal_fir_reference(x16, w.double())
     with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
-        y = causal_fir(x.bfloat16().to(DEVICE), w.to(DEVICE))
+        y = fir.fir_full(x.bfloat16().to(DEVICE), w.to(DEVICE))
     assert y.dtype == torch.bfloat16  # cast back, as the Toeplitz path's matmul returns bf16
     # float32 taps and sums: the one rounding is the output's to bf16, at most 2^-8 of it (8 significant
     # bits), plus float32's FFT round-off (measured <= 3e-6 here, |ref| <= 31). Measured: the error
@@ -327,9 +332,9 @@ def param_formula(name, d, l):
 @pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)])
 def test_parameter_counts_equal_formulas(d, l, n):
     for name in PAPER_MIXERS:
-        assert extractor.mixer_param_count(name, d, l, n) == param_formula(name, d, l)
+        assert bench.mixer_param_count(name, d, l, n) == param_formula(name, d, l)
         if name != "he-ext":
-            assert extractor.complexity_training(d, l, n)[name]["params"] == param_formula(name, d, l)
+            assert bench.complexity_training(d, l, n)[name]["params"] == param_formula(name, d, l)
 
 
 # The paper's Table 7 (d = l = 128), as printed in the paper.
@@ -344,11 +349,21 @@ TABLE7 = {
 
 
 def test_complexity_reproduces_table7():
-    got = extractor.table7(128, 128)
+    got = bench.table7(128, 128)
     for label, numbers in TABLE7.items():
         mixer, n, c = got[label]
         assert tuple(c[k] for k in ("mult", "add", "div", "exp", "params", "total")) == numbers
-        assert extractor.mixer_param_count(mixer, 128, 128, n) == numbers[4]
+        assert bench.mixer_param_count(mixer, 128, 128, n) == numbers[4]
+
+
+def test_bench_table7_prints_the_papers_table_and_the_modules_counts(capsys):
+    assert bench.main(["--table7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == "1-head SA 32-head SA SHE HE WE ME".split()
+    rows = {line.split()[0]: [int(v.replace(",", "")) for v in line.split()[1:]] for line in lines[2:]}
+    for i, row in enumerate(("mult", "add", "div", "exp", "params", "total")):
+        assert rows[row] == [numbers[i] for numbers in TABLE7.values()], row
+    assert rows["modules"] == [numbers[4] for numbers in TABLE7.values()]
 
 
 def literal_training_counts(d, l, n):
@@ -414,12 +429,12 @@ def literal_inference_counts(d, t, n):
 
 @pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (12, 9, 3)])
 def test_complexity_closed_forms_equal_table_sums(d, l, n):
-    got = extractor.complexity_training(d, l, n)
+    got = bench.complexity_training(d, l, n)
     for name, counts in literal_training_counts(d, l, n).items():
         for k, v in counts.items():
             assert got[name][k] == v, (name, k)
     for t in (1, l // 2, l):
-        got = extractor.complexity_inference(d, t, n)
+        got = bench.complexity_inference(d, t, n)
         for name, counts in literal_inference_counts(d, t, n).items():
             assert got[name] == counts, (name, t)
 
@@ -429,12 +444,12 @@ def test_table5_per_token_counts_add_up_to_table3(d, l, n):
     """One token at a time for t = 1..l costs what Table 3 counts for the whole sequence. This fails
     for the misprinted closed form of SA's additions, 2td - tn + t + 4d^2 - 5d - 1, whenever n > 1."""
     for name in ("sa", "she", "he", "we", "me"):
-        total = extractor.complexity_training(d, l, n)[name]
+        total = bench.complexity_training(d, l, n)[name]
         for k in ("mult", "add", "div", "exp"):
-            per_token = sum(extractor.complexity_inference(d, t, n)[name][k] for t in range(1, l + 1))
+            per_token = sum(bench.complexity_inference(d, t, n)[name][k] for t in range(1, l + 1))
             assert per_token == total[k], (name, k)
     misprint = sum(2 * t * d - t * n + t + 4 * d * d - 5 * d - 1 for t in range(1, l + 1))
-    assert misprint == extractor.complexity_training(d, l, n)["sa"]["add"] - (n - 1) * (l - 1) * l // 2
+    assert misprint == bench.complexity_training(d, l, n)["sa"]["add"] - (n - 1) * (l - 1) * l // 2
 
 
 def test_whole_model_parameter_count_closed_form():
@@ -575,6 +590,23 @@ def test_sequence_longer_than_block_size_is_refused():
     model = scrambled_model("me", l=8)
     with pytest.raises(ValueError, match="exceeds block_size l=8"):
         model(torch.zeros(1, 9, dtype=torch.long, device=DEVICE))
+
+
+def test_empty_sequence_is_refused_with_a_value_error():
+    """t = 0 is one clear ValueError for every mixer, with or without a cache, and the FFT's length
+    refuses it too (fft_size(0) used to loop forever). sa is checked first: it ran t = 0 quietly."""
+    empty = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    for name in MIXERS:
+        model = tiny_model(name).to(DEVICE)
+        for cache in (None, model.new_cache()):
+            with pytest.raises(ValueError, match=r"idx \(2, 0\) holds no tokens"):
+                model(empty, cache=cache)
+    for t in (0, -3):
+        with pytest.raises(ValueError, match="at least one"):
+            fir.fft_size(t)
+    for w in (torch.randn(8, 4), torch.randn(8, 4, 4)):  # the tap shapes that take the FFT
+        with pytest.raises(ValueError, match="at least one"):
+            fir.fir_full(torch.zeros(2, 0, 4), w)
 
 
 # ======== Synthesizers (synthesizer.py) against their equations as literal loops ========
@@ -728,7 +760,7 @@ def synth_param_formula(name, d, l, n, k=synthesizer.SYN_RANK):
 )
 def test_synth_parameter_counts_equal_formulas(d, l, n):
     for name in SYNTHS:
-        assert extractor.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
+        assert bench.mixer_param_count(name, d, l, n) == synth_param_formula(name, d, l, n), name
     fixed = MIXERS["random-fixed"](Config(n_embd=d, block_size=l, n_head=n, mixer="random-fixed"))
     assert fixed.state_dict()["R"].shape == (n, l, l)  # stored, but not a parameter
 
@@ -1276,52 +1308,36 @@ def test_pd_load_tokenizer_is_never_stale_and_checks_meta(pd_clean, tmp_path, ca
     )
 
 
-def _pd_naive_bpe(word_counts, n_tokens):
-    """Reference trainer: recount every pair before every merge."""
-    vocab = [bytes([b]) for b in range(256)]
-    ids = {t: i for i, t in enumerate(vocab)}
-    words = collections.Counter({tuple(w.encode("utf-8")): c for w, c in word_counts.items()})
-    while len(vocab) < n_tokens:
-        pairs = collections.Counter()
-        for w, c in words.items():
-            for p in zip(w, w[1:]):
-                pairs[p] += c
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merged = vocab[best[0]] + vocab[best[1]]
-        if merged not in ids:
-            ids[merged] = len(vocab)
-            vocab.append(merged)
-        new, merged_words = ids[merged], collections.Counter()
-        for w, c in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if w[i : i + 2] == best:
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged_words[tuple(out)] += c
-        words = merged_words
-    return vocab
+def _pd_both_bpes(words, n_tokens):
+    """The tokens of the reference trainer and of the fast one."""
+    return prepare_data.train_bpe_reference(words, n_tokens), prepare_data.train_bpe(
+        words, n_tokens, log_every=0
+    )
 
 
 def test_pd_bpe_worked_example_of_the_docstring():
-    vocab = prepare_data.train_bpe(collections.Counter({"aaab": 2, "ab": 1}), 259, log_every=0)
-    assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
+    for vocab in _pd_both_bpes(collections.Counter({"aaab": 2, "ab": 1}), 259):
+        assert vocab[:256] == [bytes([b]) for b in range(256)] and vocab[256:] == [b"aa", b"ab", b"aaab"]
+
+
+def test_pd_bpe_ties_go_to_the_smallest_pair_of_ids():
+    """Pairs ba and zy both occur twice: ba (98, 97) first. Then ab and ac once each: ab (97, 98)
+    before ac (97, 99), the left ids equal."""
+    for vocab in _pd_both_bpes(collections.Counter({"ba": 2, "zy": 2, "ab": 1, "ac": 1}), 260):
+        assert vocab[256:] == [b"ba", b"zy", b"ab", b"ac"]
 
 
 def test_pd_incremental_bpe_matches_full_recount():
-    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
+    for seed, alphabet in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):  # few letters: many ties
         rng = random.Random(seed)
         words = collections.Counter(
             "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(400)
         )
-        vocab = prepare_data.train_bpe(words, 256 + 60, log_every=0)
-        assert vocab == _pd_naive_bpe(words, 256 + 60)
-        assert len(set(vocab)) == len(vocab) == 256 + 60
-    words = prepare_data.count_words([_PD_BODIES[9001]])
-    assert prepare_data.train_bpe(words, 256 + 80, log_every=0) == _pd_naive_bpe(words, 256 + 80)
+        reference, fast = _pd_both_bpes(words, 256 + 60)
+        assert fast == reference
+        assert len(set(fast)) == len(fast) == 256 + 60
+    reference, fast = _pd_both_bpes(prepare_data.count_words([_PD_BODIES[9001]]), 256 + 80)
+    assert fast == reference
 
 
 def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
@@ -1393,6 +1409,26 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
         msg = error_line(capsys, prepare_data.main, ["--data_dir", str(tmp_path / "data"), *argv])
         assert words in msg, (argv, msg)
     assert not os.path.exists(tmp_path / "data" / "train.bin")
+
+
+def test_pd_read_only_data_dir_is_refused_before_any_work(pd_clean, tmp_path, monkeypatch, capsys):
+    """A --data_dir it may not write to is one line before the books are read and the BPE trained,
+    not after (as root, chmod would not stop it: the refusal is simulated)."""
+    _, tsv, _ = pd_clean
+    data, src = tmp_path / "data", _pd_source(tmp_path / "src")
+    data.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):
+        if os.path.abspath(dir or ".") == str(data):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real_mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(prepare_data, "count_words", lambda texts: pytest.fail("the BPE started"))
+    err = error_line(capsys, _pd_run, data, "--source", str(src), books_tsv=tsv)
+    assert f"cannot write to --data_dir {data} (Permission denied)" in err
+    assert os.listdir(data) == []
 
 
 def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
@@ -2635,10 +2671,10 @@ def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
 def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
     """fir_path reads the taps' shape and FFT_MIN_T_SCALAR; check it against the code that actually runs."""
     taken = []
-    toeplitz, fft_apply = extractor.toeplitz, extractor.FIRFFT.apply
-    monkeypatch.setattr(extractor, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
-    monkeypatch.setattr(extractor.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
-    monkeypatch.setattr(extractor, "FFT_MIN_T_SCALAR", 8)
+    toeplitz, fft_apply = fir.toeplitz, fir.FIRFFT.apply
+    monkeypatch.setattr(fir, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
+    monkeypatch.setattr(fir.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 8)
     for name in extractor.MIXERS:
         cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
         module = extractor.MIXERS[name](cfg)
