@@ -1680,7 +1680,8 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
 
 
 def test_train_default_run_folders_differ_for_different_settings():
-    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
+    p = train.build_parser()
+    folder = lambda *argv: rundir.default_out_dir(p.parse_args(list(argv)), p.parse_args([]))
     assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
     assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
         "--mixer=sa", "--n_head=1"
@@ -2861,7 +2862,8 @@ def test_f35_1_a_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_p
 
 
 def test_f35_2_default_run_folders_carry_exact_values():
-    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(["--mixer=me", *argv]))
+    p = train.build_parser()
+    folder = lambda *argv: rundir.default_out_dir(p.parse_args(["--mixer=me", *argv]), p.parse_args([]))
     for a, b in [
         ("--seed=12345678", "--seed=12345679"),
         ("--seed=1000001", "--seed=1000002"),
