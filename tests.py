@@ -1,5 +1,6 @@
 """Tests: python -m pytest tests.py  (CPU, no network; loopback servers only)."""
 
+import argparse
 import builtins
 import collections
 import contextlib
@@ -1691,6 +1692,35 @@ def test_train_default_run_folders_differ_for_different_settings():
         "out", "me-m2-l64-b32"
     )  # max_iters does not name the run: extend with --resume
     assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
+
+
+def test_train_default_run_folders_never_name_two_settings_alike():
+    """Every mixer, with no, one or two settings changed from Table 1 to typical values of their type:
+    no two of these get the same default folder (compared without case, as macOS and Windows do)."""
+    p = train.build_parser()
+    table1 = p.parse_args([])
+    values = {
+        int: [0, 1, 2, 3, 10, 20, 64, 100, 128, 12345678],
+        float: [0.0, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0, 2.0, 10.0, 20.0, 1e-05, 3e-4, 0.00030000001],
+    }
+    changes = [
+        (key, v)
+        for key in common.SYMBOLS
+        for v in values[type(getattr(table1, key))]
+        if v != getattr(table1, key)
+    ]
+    settings = (
+        [()]
+        + [(c,) for c in changes]
+        + [(a, b) for a, b in itertools.combinations(changes, 2) if a[0] != b[0]]
+    )
+    named = {}
+    for mixer in sorted(MIXERS):
+        for setting in settings:
+            args = argparse.Namespace(**{**vars(table1), "mixer": mixer, **dict(setting)})
+            name = rundir.default_out_dir(args, table1).lower()
+            assert named.setdefault(name, (mixer, setting)) == (mixer, setting), name
+    assert len(named) == len(MIXERS) * len(settings) > 50000
 
 
 def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
