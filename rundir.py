@@ -200,14 +200,18 @@ def log_rows(path):
 
 
 def log_holds_a_run(out_dir):
-    """Whether log.csv records a run worth keeping: one that got past its first checkpoint (at batch 10
-    at the latest) or ended (run.json then holds its peak memory). A run killed before its first
-    checkpoint has nothing to keep: it simply starts again."""
-    rows = log_rows(os.path.join(out_dir, "log.csv"))
-    ended = False
-    with suppress(OSError, ValueError):  # no run.json, or a damaged one
-        ended = "peak_memory_mb" in json.load(open(os.path.join(out_dir, "run.json")))
-    return bool(rows) and (rows[-1][0] >= 10 or ended)
+    """Whether log.csv belongs to a run that wrote a checkpoint (run.json's last_checkpoint, recorded
+    right after each ckpt.pt is written whole): its ckpt.pt was deleted, the log is worth keeping. A run
+    killed before its first checkpoint was whole, even while writing it, simply starts again. (A run.json
+    of an older train.py has no last_checkpoint, but peak_memory_mb if its run ended; an unreadable one
+    keeps the log.)"""
+    if not log_rows(os.path.join(out_dir, "log.csv")):
+        return False
+    try:
+        info = json.load(open(os.path.join(out_dir, "run.json")))
+        return info.get("last_checkpoint") is not None or "peak_memory_mb" in info
+    except (OSError, ValueError, AttributeError):  # no run.json, or a damaged one
+        return True
 
 
 def check_log_reaches(out_dir, last_iter):
@@ -232,6 +236,7 @@ def start_files(out_dir, run_info, start):
         for name in RUN_FILES:
             with suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
+    run_info = dict(run_info, last_checkpoint=start or None)  # resuming, ckpt.pt is at batch `start`
     atomic_write(os.path.join(out_dir, "run.json"), json.dumps(run_info, indent=1) + "\n")
     keep = [r for i, r in log_rows(log_path) if i <= start]
     atomic_write(log_path, "\n".join([",".join(LOG_HEADER)] + keep) + "\n")
@@ -321,7 +326,8 @@ def save_checkpoint(run, it, elapsed, saved_at, rank, world):
 
 
 def write_checkpoint(out_dir, ckpt, saved_at):
-    """ckpt.pt written whole or not at all; a full disk is one line saying which checkpoint was kept."""
+    """ckpt.pt written whole or not at all, then recorded in run.json; a full disk is one line saying which
+    checkpoint was kept."""
     path = os.path.join(out_dir, "ckpt.pt")
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
@@ -330,6 +336,7 @@ def write_checkpoint(out_dir, ckpt, saved_at):
         free = shutil.disk_usage(out_dir).free / 2**20
         reason = getattr(e, "strerror", None) or f"{type(e).__name__} with {free:.0f} MB free on its disk"
         fail(f"cannot write {path} ({reason}); {kept}: free space, then continue with --resume")
+    add_to_run_json(out_dir, last_checkpoint=ckpt["iter"])  # after ckpt.pt is whole: see log_holds_a_run
 
 
 def gather_rng(device, world):

@@ -1723,6 +1723,48 @@ def test_train_default_run_folders_never_name_two_settings_alike():
     assert len(named) == len(MIXERS) * len(settings) > 50000
 
 
+def test_train_killed_while_writing_its_first_checkpoint_starts_again_with_the_plain_command(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """kill -9 while the first ckpt.pt is written (log.csv already at batch 10): no checkpoint was ever
+    written, so the same command starts the run again (gpu.py never passes --overwrite). A run that had
+    written one, even if killed later, keeps its log.csv when its ckpt.pt is deleted."""
+    real_save, saves = torch.save, []
+
+    def killed_at_save(n):
+        def save(obj, f, *a, **k):
+            saves.append(1)
+            if len(saves) == n:
+                f.write(b"half a checkpoint")
+                raise _Killed()
+            return real_save(obj, f, *a, **k)
+
+        return save
+
+    def killed_run(name, n_save, *argv):
+        flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(tmp_path / name), "--log_interval", "10"]
+        flags += ["--max_iters", "30", *argv]
+        saves.clear()
+        monkeypatch.setattr(torch, "save", killed_at_save(n_save))
+        with pytest.raises(_Killed):
+            train.main(flags)
+        monkeypatch.setattr(torch, "save", real_save)
+        (tmp_path / name / ".ckpt.ptq7x2k.tmp").write_bytes(b"half a checkpoint")  # what kill -9 leaves
+        return flags, str(tmp_path / name)
+
+    flags, out = killed_run("first", 1)
+    assert _tr_log(out)[-1]["iter"] == "10" and not os.path.exists(os.path.join(out, "ckpt.pt"))
+    assert "no checkpoint" in error_line(capsys, train.main, flags + ["--resume"])
+    assert train.main(flags) == 0  # the plain command starts the run again
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 31))
+
+    flags, out = killed_run("second", 2, "--ckpt_interval", "20")  # killed at batch 20's checkpoint
+    os.remove(os.path.join(out, "ckpt.pt"))  # batch 10's, deleted to save disk
+    capsys.readouterr()
+    assert "log.csv of a run" in error_line(capsys, train.main, flags)
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 21))  # kept
+
+
 def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
     out = str(tmp_path / "run")
     flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]

@@ -10,8 +10,8 @@ Every run sees the same batches in the same order (Section 6): batch i is slice 
 all start positions of train.bin, seeded by --data_seed alone. The run folder (default out/<mixer>,
 plus a suffix for each setting that differs from Table 1) gets log.csv (every batch's training cost,
 validation losses, tokens/s), ckpt.pt (everything --resume needs to continue bit for bit), run.json
-(the settings, the parameter counts and, at the end, the peak memory) and loss.png. Ctrl-C, kill
-(SIGTERM) and SIGHUP finish the batch, checkpoint and stop.
+(the settings, the parameter counts, the last checkpoint's batch and, at the end, the peak memory) and
+loss.png. Ctrl-C, kill (SIGTERM) and SIGHUP finish the batch, checkpoint and stop.
 
 The file reads as the experiment: settings, data and batches, model, step, then train() (the run
 folder, data, model, the loop); evaluation after the loop. The run folder's guarantees (its name, the
