@@ -1765,6 +1765,14 @@ def test_train_killed_while_writing_its_first_checkpoint_starts_again_with_the_p
     assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 21))  # kept
 
 
+def test_train_notes_that_half_precision_on_the_cpu_may_be_slower(tr_data, tmp_path, capsys):
+    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "2", "--device", "cpu"]
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert train.main(flags + ["--dtype", dtype, "--out_dir", str(tmp_path / dtype)]) == 0
+        notes = [line for line in capsys.readouterr().out.splitlines() if "on the CPU may run" in line]
+        assert len(notes) == (dtype != "float32") and all(f"--dtype {dtype} " in n for n in notes), notes
+
+
 def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
     out = str(tmp_path / "run")
     flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]

@@ -182,6 +182,11 @@ def precision(device, dtype):
     """Autocast context and GradScaler: float32 unless --dtype asks for bf16 or fp16 (loss scaling)."""
     if device.type == "cuda":  # TF32 matmuls: float32 range, every mixer alike
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cpu" and dtype != "float32":
+        say(
+            f"note: --dtype {dtype} on the CPU may run several times slower than float32, or a little "
+            "faster, by CPU and mixer; time a few batches of each before a long run"
+        )
     ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
     return ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
