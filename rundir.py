@@ -2,8 +2,9 @@
 The run folder's guarantees, for train.py: a folder holds one run, is locked while a train.py works in
 it, is judged before anything in it is written, never mixes two runs' files, keeps log.csv in step with
 ckpt.pt, and a stop signal (on every DDP rank at the same batch) or a non-finite cost ends the run with a
-checkpoint kept. Also a folder's default name, and the settings a resumed run takes from its checkpoint.
-train.py calls these, first of all run_folder(); a reader of the experiment can skip them.
+checkpoint kept. With them: the folder's default name, the settings a resumed run takes from its
+checkpoint, log.csv and the console line, and what ckpt.pt holds to continue bit for bit. train.py calls
+these, first of all run_folder(); a reader of the experiment can skip them.
 """
 
 import argparse
@@ -28,6 +29,9 @@ CKPT_KEYS = ("model", "optimizer", "scaler", "config", "args", "iter", "elapsed_
 # settings a --resume must keep: changing them would no longer continue the same run
 FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "weight_decay", "grad_clip")
 NOT_SAVED = ("out_dir", "resume", "overwrite", "allow_other_data")  # flags about this command, not the run
+
+
+# -------------------------------------------------------------------- the one call: name, lock, judge, resume
 
 
 @contextmanager
@@ -87,6 +91,9 @@ def resume_settings(args, given, ckpt, master):
         )
     for k in (set(vars(args)) - given - set(NOT_SAVED)) & set(saved):
         setattr(args, k, saved[k])
+
+
+# --------------------------------------------------------------------------- the lock, and judging the folder
 
 
 def lock_run_dir(out_dir):
@@ -227,6 +234,9 @@ def check_log_reaches(out_dir, last_iter):
         )
 
 
+# ------------------------------------------------------------------------- the run's files: run.json, log.csv
+
+
 def start_files(out_dir, run_info, start):
     """run.json, and log.csv: new for a fresh start, after the old run's files have gone (its checkpoint
     first, so that the folder never holds the old model beside the new run's log); resuming, cut back to
@@ -255,7 +265,8 @@ class RunLog:
     def __init__(self, args, start, elapsed0, device, master, world):
         self.args, self.start, self.elapsed0, self.master, self.world = args, start, elapsed0, master, world
         self.losses = torch.zeros(max(1, min(args.log_interval, args.max_iters - start)), device=device)
-        self.times, self.t_session, self.t_chunk = [], time.time(), time.time()  # times: of each batch
+        self.times = []  # when each batch since the last log point ended
+        self.t_session = self.t_chunk = time.time()
         self.file = open(os.path.join(args.out_dir, "log.csv"), "a", newline="") if master else None
 
     def add(self, loss):
@@ -302,7 +313,7 @@ def report_peak_memory(out_dir, device, master):
         print(f"{what}: {peak / 2**30:.2f} GB", flush=True)
 
 
-# -------------------------------------------------------------------- ckpt.pt: save, and restore
+# ---------------------------------------------------------------------------------- ckpt.pt: save and restore
 
 
 def save_checkpoint(run, it, elapsed, saved_at, rank, world):
@@ -371,7 +382,7 @@ def restore(ckpt, model, optimizer, scaler, device, rank, world):
         torch.manual_seed(ckpt["args"]["seed"] + rank + 1_000_003 * ckpt["iter"])
 
 
-# ------------------------------------------------------------------------ stopping
+# --------------------------------------------------------------------------------------------------- stopping
 
 
 @contextmanager
