@@ -10,14 +10,32 @@ import os
 import sys
 import tempfile
 
-# The paper's symbol of each setting (Table 1), or a short name where it gives none. train.py's --help
-# shows it and names the default run folder by the settings that differ from Table 1 (out/me-m2-l64-b32;
-# max_iters has none, so a longer run continues in the same folder); plot.py labels sweeps with it.
-SYMBOLS = {
-    "n_layer": "m", "block_size": "l", "n_embd": "d", "n_hidden": "c", "n_head": "n", "dropout": "p",
-    "batch_size": "b", "lr": "lr", "weight_decay": "wd", "grad_clip": "clip", "seed": "seed",
-    "data_seed": "dseed", "beta1": "b1", "beta2": "b2",
-}  # fmt: skip
+# The settings that name a run, each written once: symbol and help here, the default here for training
+# and in extractor.Config (Table 1) for the model. A symbol is the paper's (Table 1), or a short name
+# where it gives none: train.py's --help leads with it, plot.py labels sweeps with it, and a default
+# run folder is named by the settings that differ from their defaults, symbol then value
+# (out/me-m2-l64-b32; max_iters has none, so a longer run continues in the same folder). Symbols are
+# letters only and values start with a digit, so a name reads back one way only (b1 for beta_1 once
+# named both --batch_size 10 and --beta1 0 "-b10").
+MODEL_SETTINGS = {  # extractor.Config's fields: name -> (symbol, help)
+    "n_layer": ("m", "number of layers"),
+    "block_size": ("l", "context length"),
+    "n_embd": ("d", "dimension of the model"),
+    "n_hidden": ("c", "nodes in the FFN"),
+    "n_head": ("n", "heads (mixers with heads)"),
+    "dropout": ("p", "dropout rate"),
+}
+TRAINING_SETTINGS = {  # name -> (symbol, help, default)
+    "batch_size": ("b", "batch size (over all ranks)", 64),
+    "lr": ("lr", "AdamW learning rate gamma, constant", 1e-3),
+    "weight_decay": ("wd", "AdamW weight decay", 0.01),
+    "grad_clip": ("clip", "clip the grad norm; 0 = off", 0.0),
+    "seed": ("seed", "seed of initialisation and dropout", 1337),
+    "data_seed": ("dseed", "seed of the batch order", 1337),
+    "beta1": ("bm", "AdamW beta_1, the decay of the gradients' mean", 0.9),
+    "beta2": ("bv", "AdamW beta_2, the decay of their squares' mean (variance)", 0.999),
+}
+SYMBOLS = {name: row[0] for name, row in (MODEL_SETTINGS | TRAINING_SETTINGS).items()}
 
 
 def fail(msg):

@@ -2,24 +2,98 @@
 The run folder's guarantees, for train.py: a folder holds one run, is locked while a train.py works in
 it, is judged before anything in it is written, never mixes two runs' files, keeps log.csv in step with
 ckpt.pt, and a stop signal (on every DDP rank at the same batch) or a non-finite cost ends the run with a
-checkpoint kept. train.py calls these; a reader of the experiment can skip them.
+checkpoint kept. With them: the folder's default name, the settings a resumed run takes from its
+checkpoint, log.csv and the console line, and what ckpt.pt holds to continue bit for bit. train.py calls
+these, first of all run_folder(); a reader of the experiment can skip them.
 """
 
+import argparse
+import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import signal
+import time
 from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
 
-from common import atomic_write, fail
+from common import SYMBOLS, atomic_write, fail, fmt_time, peak_memory
 
 LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png")  # what a run folder holds, beside train.lock
 CKPT_KEYS = ("model", "optimizer", "scaler", "config", "args", "iter", "elapsed_s", "rng", "data")
+# settings a --resume must keep: changing them would no longer continue the same run
+FIXED_ON_RESUME = ("batch_size", "data_seed", "seed", "lr", "beta1", "beta2", "weight_decay", "grad_clip")
+NOT_SAVED = ("out_dir", "resume", "overwrite", "allow_other_data")  # flags about this command, not the run
+
+
+# -------------------------------------------------------------------- the one call: name, lock, judge, resume
+
+
+@contextmanager
+def run_folder(args, parser, argv, master):
+    """train.py's one call: the run folder (named by the settings unless --out_dir names it), locked for
+    the whole run and judged before anything in it is written. Yields the checkpoint to resume, whose
+    settings args now holds (flags given on the command line must agree with it), or None to start."""
+    args.out_dir = args.out_dir or default_out_dir(args, parser.parse_args([]))
+    with locked(args.out_dir, master):
+        ckpt = judge(args.out_dir, args.resume, args.overwrite)
+        if ckpt:
+            resume_settings(args, given_flags(parser, argv, args), ckpt, master)
+        yield ckpt
+
+
+def default_out_dir(args, defaults):
+    """out/<mixer> (out/sa-<n> for attention) for Table 1, plus -<symbol><value> for each setting that
+    differs from its default: letters, then a value that starts with a digit, so no two settings share
+    a name."""
+    name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
+    for key, symbol in SYMBOLS.items():
+        if getattr(args, key) != getattr(defaults, key) and not (key == "n_head" and args.mixer == "sa"):
+            name += f"-{symbol}{exact(getattr(args, key))}"
+    return os.path.join("out", name)
+
+
+def exact(value):
+    """A setting as the folder name writes it: short (3e-4 -> 0.0003, 1.0 -> 1) but exact, so that two
+    settings never share a name (:g alone makes 12345678 and 12345679 both 1.23457e+07)."""
+    return str(value) if isinstance(value, int) or float(f"{value:g}") != value else f"{value:g}"
+
+
+def given_flags(parser, argv, args):
+    """Names of the options given on the command line (a resumed run keeps the checkpoint's others):
+    argparse sets a default only where the namespace has no value yet."""
+    unset = object()
+    probe = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    return {k for k, v in vars(probe).items() if v is not unset}
+
+
+def resume_settings(args, given, ckpt, master):
+    """A resumed run's settings: flags not given keep the checkpoint's values; given ones must not
+    change the run."""
+    saved = {**ckpt["args"], **ckpt["config"]}
+    differ = [
+        k for k in FIXED_ON_RESUME + tuple(ckpt["config"]) if k in given and getattr(args, k) != saved[k]
+    ]
+    if differ:
+        was = ", ".join(f"{k}={saved[k]!r}" for k in differ)
+        now = ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
+        path = os.path.join(args.out_dir, "ckpt.pt")
+        fail(f"{path} was trained with {was} but the flags give {now}; drop those flags to resume")
+    if "dtype" in given and args.dtype != saved.get("dtype", args.dtype) and master:
+        print(
+            f"note: the run so far was trained with --dtype {saved['dtype']}; it goes on with {args.dtype}",
+            flush=True,
+        )
+    for k in (set(vars(args)) - given - set(NOT_SAVED)) & set(saved):
+        setattr(args, k, saved[k])
+
+
+# --------------------------------------------------------------------------- the lock, and judging the folder
 
 
 def lock_run_dir(out_dir):
@@ -133,14 +207,18 @@ def log_rows(path):
 
 
 def log_holds_a_run(out_dir):
-    """Whether log.csv records a run worth keeping: one that got past its first checkpoint (at batch 10
-    at the latest) or ended (run.json then holds its peak memory). A run killed before its first
-    checkpoint has nothing to keep: it simply starts again."""
-    rows = log_rows(os.path.join(out_dir, "log.csv"))
-    ended = False
-    with suppress(OSError, ValueError):  # no run.json, or a damaged one
-        ended = "peak_memory_mb" in json.load(open(os.path.join(out_dir, "run.json")))
-    return bool(rows) and (rows[-1][0] >= 10 or ended)
+    """Whether log.csv belongs to a run that wrote a checkpoint (run.json's last_checkpoint, recorded
+    right after each ckpt.pt is written whole): its ckpt.pt was deleted, the log is worth keeping. A run
+    killed before its first checkpoint was whole, even while writing it, simply starts again. (A run.json
+    of an older train.py has no last_checkpoint, but peak_memory_mb if its run ended; an unreadable one
+    keeps the log.)"""
+    if not log_rows(os.path.join(out_dir, "log.csv")):
+        return False
+    try:
+        info = json.load(open(os.path.join(out_dir, "run.json")))
+        return info.get("last_checkpoint") is not None or "peak_memory_mb" in info
+    except (OSError, ValueError, AttributeError):  # no run.json, or a damaged one
+        return True
 
 
 def check_log_reaches(out_dir, last_iter):
@@ -156,6 +234,9 @@ def check_log_reaches(out_dir, last_iter):
         )
 
 
+# ------------------------------------------------------------------------- the run's files: run.json, log.csv
+
+
 def start_files(out_dir, run_info, start):
     """run.json, and log.csv: new for a fresh start, after the old run's files have gone (its checkpoint
     first, so that the folder never holds the old model beside the new run's log); resuming, cut back to
@@ -165,6 +246,7 @@ def start_files(out_dir, run_info, start):
         for name in RUN_FILES:
             with suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
+    run_info = dict(run_info, last_checkpoint=start or None)  # resuming, ckpt.pt is at batch `start`
     atomic_write(os.path.join(out_dir, "run.json"), json.dumps(run_info, indent=1) + "\n")
     keep = [r for i, r in log_rows(log_path) if i <= start]
     atomic_write(log_path, "\n".join([",".join(LOG_HEADER)] + keep) + "\n")
@@ -175,8 +257,88 @@ def add_to_run_json(out_dir, **info):
     atomic_write(path, json.dumps(dict(json.load(open(path)), **info), indent=1) + "\n")
 
 
+class RunLog:
+    """log.csv and the console. Each batch's loss waits on the device (no sync per batch) until the next
+    log point, in one buffer allocated once: with keep_freed_memory, a tensor kept per batch would pin
+    freed memory and the process would grow without bound (tests.py checks that it stays flat)."""
+
+    def __init__(self, args, start, elapsed0, device, master, world):
+        self.args, self.start, self.elapsed0, self.master, self.world = args, start, elapsed0, master, world
+        self.losses = torch.zeros(max(1, min(args.log_interval, args.max_iters - start)), device=device)
+        self.times = []  # when each batch since the last log point ended
+        self.t_session = self.t_chunk = time.time()
+        self.file = open(os.path.join(args.out_dir, "log.csv"), "a", newline="") if master else None
+
+    def add(self, loss):
+        self.losses[len(self.times)] = loss
+        self.times.append(time.time())
+
+    def write(self, it, val, saved_at):
+        """The batches since the last log point, up to `it`: their losses (under DDP the mean over the
+        ranks, the global batch's loss, so every rank calls this at the same batch), checked finite, as
+        rows of log.csv (val_loss in the last, where it was measured) and one console line."""
+        losses = self.losses[: len(self.times)].clone()  # (k,)
+        if self.world > 1:
+            losses /= self.world
+            dist.all_reduce(losses)
+        rows = list(zip(range(it - len(self.times) + 1, it + 1), self.times, losses.tolist()))
+        self.times = []
+        check_finite(rows, saved_at)
+        if not self.master:
+            return
+        now, n, lr = time.time(), self.args.max_iters, self.args.lr
+        tok_s = self.args.batch_size * self.args.block_size * len(rows) / max(now - self.t_chunk, 1e-9)
+        for i, t, v in rows:
+            val_i = repr(val) if (i == it and val is not None) else ""
+            self.file.write(f"{i},{v!r},{val_i},{lr},{tok_s:.1f},{self.elapsed(t):.3f}\n")
+        self.file.flush()
+        eta = (n - it) * (now - self.t_session) / (it - self.start)  # at this session's pace
+        print(
+            f"iter {it}/{n} ({100 * it / n:.1f}%) | loss {sum(v for _, _, v in rows) / len(rows):.4f}"
+            + (f" | val {val:.4f}" if val is not None else "")
+            + f" | {tok_s / 1000:.1f}k tok/s | elapsed {fmt_time(self.elapsed(now))} | ETA {fmt_time(eta)}",
+            flush=True,
+        )
+        self.t_chunk = time.time()
+
+    def elapsed(self, now=None):
+        return self.elapsed0 + (now or time.time()) - self.t_session
+
+
+def report_peak_memory(out_dir, device, master):
+    """The run's peak memory (this session's, resuming) in run.json and on the last console line."""
+    if master:
+        peak, what = peak_memory(device)
+        add_to_run_json(out_dir, peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
+        print(f"{what}: {peak / 2**30:.2f} GB", flush=True)
+
+
+# ---------------------------------------------------------------------------------- ckpt.pt: save and restore
+
+
+def save_checkpoint(run, it, elapsed, saved_at, rank, world):
+    """ckpt.pt of train.py's Run: plain dicts and tensors (torch.load(weights_only=True) reads it), written
+    whole or not at all; every rank's RNG state, so that a resumed run continues bit for bit."""
+    rngs = gather_rng(run.device, world)  # (a collective under DDP: every rank comes here)
+    if rank:
+        return
+    ckpt = {
+        "model": run.raw_model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "config": dataclasses.asdict(run.raw_model.cfg),
+        "args": dict(vars(run.args)),
+        "iter": it,  # batches done; batch `it` (0-based) comes next
+        "elapsed_s": elapsed,
+        "rng": rngs,  # one dict per DDP rank (dropout streams differ per rank)
+        "data": run.data,  # vocab size and sha256 of train.bin, val.bin and the tokenizer
+    }
+    write_checkpoint(run.args.out_dir, ckpt, saved_at)
+
+
 def write_checkpoint(out_dir, ckpt, saved_at):
-    """ckpt.pt written whole or not at all; a full disk is one line saying which checkpoint was kept."""
+    """ckpt.pt written whole or not at all, then recorded in run.json; a full disk is one line saying which
+    checkpoint was kept."""
     path = os.path.join(out_dir, "ckpt.pt")
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
@@ -185,6 +347,42 @@ def write_checkpoint(out_dir, ckpt, saved_at):
         free = shutil.disk_usage(out_dir).free / 2**20
         reason = getattr(e, "strerror", None) or f"{type(e).__name__} with {free:.0f} MB free on its disk"
         fail(f"cannot write {path} ({reason}); {kept}: free space, then continue with --resume")
+    add_to_run_json(out_dir, last_checkpoint=ckpt["iter"])  # after ckpt.pt is whole: see log_holds_a_run
+
+
+def gather_rng(device, world):
+    """Every rank's RNG states, for the checkpoint (each rank has its own dropout stream)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    rngs = [state] * world
+    if world > 1:
+        dist.all_gather_object(rngs, state)
+    return rngs
+
+
+def restore(ckpt, model, optimizer, scaler, device, rank, world):
+    """A resumed run's state: model, AdamW, loss scaler and this rank's RNG streams."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["scaler"]:
+        scaler.load_state_dict(ckpt["scaler"])
+    if len(ckpt["rng"]) == world:
+        s = ckpt["rng"][rank]
+        torch.set_rng_state(s["torch"])
+        random.setstate(s["python"])
+        if device.type == "cuda" and "cuda" in s:
+            torch.cuda.set_rng_state(s["cuda"], device)
+    else:  # another number of processes: the dropout streams cannot continue, so start new ones
+        n = len(ckpt["rng"])
+        if rank == 0:
+            print(
+                f"note: the checkpoint is from {n} process{'es' * (n > 1)}: dropout RNG reseeded", flush=True
+            )
+        torch.manual_seed(ckpt["args"]["seed"] + rank + 1_000_003 * ckpt["iter"])
+
+
+# --------------------------------------------------------------------------------------------------- stopping
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """Tests: python -m pytest tests.py  (CPU, no network; loopback servers only)."""
 
+import argparse
 import builtins
 import collections
 import contextlib
@@ -1762,7 +1763,8 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
 
 
 def test_train_default_run_folders_differ_for_different_settings():
-    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(list(argv)))
+    p = train.build_parser()
+    folder = lambda *argv: rundir.default_out_dir(p.parse_args(list(argv)), p.parse_args([]))
     assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
     assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
         "--mixer=sa", "--n_head=1"
@@ -1772,6 +1774,85 @@ def test_train_default_run_folders_differ_for_different_settings():
         "out", "me-m2-l64-b32"
     )  # max_iters does not name the run: extend with --resume
     assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
+
+
+def test_train_default_run_folders_never_name_two_settings_alike():
+    """Every mixer, with no, one or two settings changed from Table 1 to typical values of their type:
+    no two of these get the same default folder (compared without case, as macOS and Windows do)."""
+    p = train.build_parser()
+    table1 = p.parse_args([])
+    values = {
+        int: [0, 1, 2, 3, 10, 20, 64, 100, 128, 12345678],
+        float: [0.0, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0, 2.0, 10.0, 20.0, 1e-05, 3e-4, 0.00030000001],
+    }
+    changes = [
+        (key, v)
+        for key in common.SYMBOLS
+        for v in values[type(getattr(table1, key))]
+        if v != getattr(table1, key)
+    ]
+    settings = (
+        [()]
+        + [(c,) for c in changes]
+        + [(a, b) for a, b in itertools.combinations(changes, 2) if a[0] != b[0]]
+    )
+    named = {}
+    for mixer in sorted(MIXERS):
+        for setting in settings:
+            args = argparse.Namespace(**{**vars(table1), "mixer": mixer, **dict(setting)})
+            name = rundir.default_out_dir(args, table1).lower()
+            assert named.setdefault(name, (mixer, setting)) == (mixer, setting), name
+    assert len(named) == len(MIXERS) * len(settings) > 50000
+
+
+def test_train_killed_while_writing_its_first_checkpoint_starts_again_with_the_plain_command(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """kill -9 while the first ckpt.pt is written (log.csv already at batch 10): no checkpoint was ever
+    written, so the same command starts the run again (gpu.py never passes --overwrite). A run that had
+    written one, even if killed later, keeps its log.csv when its ckpt.pt is deleted."""
+    real_save, saves = torch.save, []
+
+    def killed_at_save(n):
+        def save(obj, f, *a, **k):
+            saves.append(1)
+            if len(saves) == n:
+                f.write(b"half a checkpoint")
+                raise _Killed()
+            return real_save(obj, f, *a, **k)
+
+        return save
+
+    def killed_run(name, n_save, *argv):
+        flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(tmp_path / name), "--log_interval", "10"]
+        flags += ["--max_iters", "30", *argv]
+        saves.clear()
+        monkeypatch.setattr(torch, "save", killed_at_save(n_save))
+        with pytest.raises(_Killed):
+            train.main(flags)
+        monkeypatch.setattr(torch, "save", real_save)
+        (tmp_path / name / ".ckpt.ptq7x2k.tmp").write_bytes(b"half a checkpoint")  # what kill -9 leaves
+        return flags, str(tmp_path / name)
+
+    flags, out = killed_run("first", 1)
+    assert _tr_log(out)[-1]["iter"] == "10" and not os.path.exists(os.path.join(out, "ckpt.pt"))
+    assert "no checkpoint" in error_line(capsys, train.main, flags + ["--resume"])
+    assert train.main(flags) == 0  # the plain command starts the run again
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 31))
+
+    flags, out = killed_run("second", 2, "--ckpt_interval", "20")  # killed at batch 20's checkpoint
+    os.remove(os.path.join(out, "ckpt.pt"))  # batch 10's, deleted to save disk
+    capsys.readouterr()
+    assert "log.csv of a run" in error_line(capsys, train.main, flags)
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 21))  # kept
+
+
+def test_train_notes_that_half_precision_on_the_cpu_may_be_slower(tr_data, tmp_path, capsys):
+    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "2", "--device", "cpu"]
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert train.main(flags + ["--dtype", dtype, "--out_dir", str(tmp_path / dtype)]) == 0
+        notes = [line for line in capsys.readouterr().out.splitlines() if "on the CPU may run" in line]
+        assert len(notes) == (dtype != "float32") and all(f"--dtype {dtype} " in n for n in notes), notes
 
 
 def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
@@ -3101,7 +3182,8 @@ def test_f35_1_a_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_p
 
 
 def test_f35_2_default_run_folders_carry_exact_values():
-    folder = lambda *argv: train.default_out_dir(train.build_parser().parse_args(["--mixer=me", *argv]))
+    p = train.build_parser()
+    folder = lambda *argv: rundir.default_out_dir(p.parse_args(["--mixer=me", *argv]), p.parse_args([]))
     for a, b in [
         ("--seed=12345678", "--seed=12345679"),
         ("--seed=1000001", "--seed=1000002"),
