@@ -1726,7 +1726,7 @@ def test_train_help_gives_every_setting_its_symbol(capsys):
     # n heads), then the short names the other settings carry in run folders (README: out/me-m2-l64-b32)
     symbols = dict(block_size="l", n_embd="d", n_hidden="c", n_layer="m", n_head="n", dropout="p")
     symbols |= dict(batch_size="b", lr="lr", weight_decay="wd", grad_clip="clip", seed="seed")
-    symbols |= dict(data_seed="dseed", beta1="b1", beta2="b2")
+    symbols |= dict(data_seed="dseed", beta1="bm", beta2="bv")
     for name, symbol in symbols.items():  # the flag's own help starts with its symbol
         assert re.search(rf"--{name} \S+\s+{re.escape(symbol)}: ", text), (name, symbol)
 
