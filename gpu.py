@@ -16,11 +16,18 @@ at the step limit (or before the budget ends): train.py finishes the batch, chec
 the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
 the start), so every step makes progress. <work>/state.json keeps what the tests and bench steps did
 on this device.
+
+One gpu.py at a time on a --work and a --results: a second is refused while the first or a child of it
+runs. The children live and die with gpu.py: Ctrl-C, kill (SIGTERM) and SIGHUP reach them as SIGTERM
+(train.py checkpoints), gpu.py waits for them and stops with one line (a second signal: SIGKILL). On
+Linux a gpu.py killed with kill -9 takes them along: the kernel sends each SIGTERM. Elsewhere they run on
+until they end (and keep the folders locked); stop them with kill.
 """
 
 import argparse
 import contextlib
 import csv
+import ctypes
 import gzip
 import io
 import json
@@ -186,15 +193,92 @@ def progress(args, state):
     return "\n".join(lines + [f"  left: {rest}{side}"])
 
 
-# ------------------------------------------------------------------------------ running a step
+# ------------------------------------------------------------------------------ children live and die with it
 
 
-def launch(cmd, log_path, env=None):
+class Stopped(Exception):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP): raised between steps at once, during one once its
+    children have stopped."""
+
+
+STOP = {"signal": None, "count": 0, "in_step": False}
+
+
+def on_stop(signum, frame):
+    STOP["signal"], STOP["count"] = STOP["signal"] or signum, STOP["count"] + 1
+    if not STOP["in_step"]:
+        raise Stopped(STOP["signal"])
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Ctrl-C, kill and a closed terminal stop gpu.py (on_stop, wait()); nohup's SIGHUP stays ignored."""
+    STOP.update(signal=None, count=0, in_step=False)
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread, or no such signal here
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                old[s] = signal.signal(s, on_stop)
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def lock_folders(folders):
+    """An exclusive OS lock on each folder (made if need be; the lock is on the folder itself, no file is
+    written), held by gpu.py and passed to its children: no second gpu.py starts on these folders until
+    the first and every child of it has ended. Returns the open descriptors (none without fcntl)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here
+        return []
+    fds = []
+    for folder in dict.fromkeys(os.path.realpath(f) for f in folders):
+        os.makedirs(folder, exist_ok=True)
+        fds.append(os.open(folder, os.O_RDONLY))
+        try:
+            fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            fail(f"another gpu.py (or a train.py it started) is running on {folder}; wait for it to end")
+    return fds
+
+
+def die_with_parent():
+    """Linux: a preexec_fn by which the kernel sends the child SIGTERM when gpu.py ends, even by kill -9
+    (train.py then checkpoints and stops). Elsewhere None: the children of a killed gpu.py run on."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent, PR_SET_PDEATHSIG = ctypes.CDLL(None).prctl, os.getpid(), 1  # from <linux/prctl.h>
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # gpu.py ended before that
+            os._exit(1)
+
+    return preexec
+
+
+def launch(args, cmd, log_path, env=None):
+    """The child in a process group of its own (a stop reaches the processes it starts too), holding
+    gpu.py's folder locks and ended with it."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        env = {**os.environ, **(env or {})}
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            pass_fds=args.locks, preexec_fn=die_with_parent(),
+        )  # fmt: skip
+
+
+def kill_group(p, sig):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
 
 
 def mtime(path):
@@ -202,28 +286,46 @@ def mtime(path):
 
 
 def wait(procs, deadline, hard_end, ckpts=None):
-    """Wait for the processes; SIGTERM each at the deadline once it has written a checkpoint since it
-    started (ckpts: its ckpt.pt, None if it has none to write); SIGKILL at hard_end. Their exit codes."""
+    """Wait for the processes. SIGTERM each at the deadline once it has written a checkpoint since it
+    started (ckpts: its ckpt.pt, None if it has none to write), or at once on a stop signal; SIGKILL at
+    hard_end, or on a second stop signal. Their exit codes."""
     start_mtimes = [mtime(c) if c else None for c in ckpts or [None] * len(procs)]
     asked = [False] * len(procs)
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
         for i, p in enumerate(procs):
             saved = not ckpts or mtime(ckpts[i]) != start_mtimes[i]
-            if p.poll() is None and now >= deadline and not asked[i] and (saved or now >= hard_end):
-                p.send_signal(signal.SIGTERM)
+            if p.poll() is None and not asked[i] and (STOP["signal"] or (now >= deadline and saved)):
+                kill_group(p, signal.SIGTERM)
                 asked[i] = True
-            if p.poll() is None and now >= hard_end:
-                p.kill()
+            if p.poll() is None and (now >= hard_end or STOP["count"] > 1):
+                kill_group(p, signal.SIGKILL)
         time.sleep(0.05)  # a tiny model trains some 20 batches in this time
     return [p.returncode for p in procs]
+
+
+def start_and_wait(args, cmds, deadline, hard_end, ckpts=None, env=None):
+    """Start these (command, log) pairs and wait() for them; meanwhile a stop signal goes to them."""
+    procs = []
+    STOP["in_step"] = True
+    try:
+        procs += [launch(args, cmd, log, env) for cmd, log in cmds]
+        return wait(procs, deadline, hard_end, ckpts)
+    finally:
+        STOP["in_step"] = False
+        for p in procs:  # only if gpu.py itself failed in the step
+            if p.poll() is None:
+                kill_group(p, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------ running a step
 
 
 def tests_step(args, deadline, hard_end):
     cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests.py"), "-q", *args.tests]
     out = os.path.join(args.results, "tests.txt")
     open(out, "w").close()
-    (rc,) = wait([launch(cmd, out, {"TEST_DEVICE": args.device})], deadline, hard_end)
+    (rc,) = start_and_wait(args, [(cmd, out)], deadline, hard_end, env={"TEST_DEVICE": args.device})
     last = [line for line in open(out).read().splitlines() if line.strip()][-1:]
     return rc in (0, 1), f"pytest exit {rc}: {last[0] if last else 'no output'}"  # 1: some tests failed
 
@@ -232,13 +334,13 @@ def bench_step(args, deadline, hard_end):
     out, table = os.path.join(args.results, "bench.txt"), os.path.join(args.results, "bench.json")
     cmd = [sys.executable, os.path.join(ROOT, "bench.py"), "--device", args.device, "--sections", "1,3,6"]
     open(out, "w").close()
-    (rc,) = wait([launch([*cmd, *args.bench, "--json", table], out)], deadline, hard_end)
+    (rc,) = start_and_wait(args, [([*cmd, *args.bench, "--json", table], out)], deadline, hard_end)
     return rc == 0, f"bench.py exit {rc}: tables in {out}"
 
 
 def train_step(args, names, target, deadline, hard_end):
     """One step of these runs side by side: each from its checkpoint (--resume) towards target."""
-    procs, ckpts = [], []
+    cmds, ckpts = [], []
     for name in names:
         run_dir = os.path.join(args.work, name)
         ckpts.append(os.path.join(run_dir, "ckpt.pt"))
@@ -246,8 +348,8 @@ def train_step(args, names, target, deadline, hard_end):
         flags += ["--data_dir", args.data_dir, "--device", args.device]
         flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
-        procs.append(launch(cmd, os.path.join(args.results, "logs", f"{name}.txt")))
-    return wait(procs, deadline, hard_end, ckpts)
+        cmds.append((cmd, os.path.join(args.results, "logs", f"{name}.txt")))
+    return start_and_wait(args, cmds, deadline, hard_end, ckpts)
 
 
 # ------------------------------------------------------------------------------ results after every step
@@ -329,6 +431,16 @@ FINE = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or s
 def run(args):
     start = time.monotonic()
     end = start + args.budget if args.budget else float("inf")
+    args.locks = [] if args.dry_run else lock_folders([args.work, args.results])
+    try:
+        return steps(args, start, end)
+    finally:
+        for fd in args.locks:
+            os.close(fd)
+
+
+def steps(args, start, end):
+    """The plan, then its steps until all is done or the budget is spent."""
     args.device, named = describe(args.device)
     state = load_state(args.work)
     if state.get("device") != named:  # the tests and bench of another device are not this one's
@@ -340,8 +452,6 @@ def run(args):
     print(progress(args, state), flush=True)
     if args.dry_run:
         return 0
-    os.makedirs(args.results, exist_ok=True)
-    os.makedirs(args.work, exist_ok=True)
     tried = set()
     while step := next_step(args, state, tried):
         name, kind, target, names = step
@@ -367,6 +477,8 @@ def run(args):
                 return 1
         save_state(args.work, state)
         write_results(args, state)
+        if STOP["signal"]:
+            raise Stopped(STOP["signal"])
         print(f"   after {fmt_time(time.monotonic() - start)}:\n{progress(args, state)}", flush=True)
     failed = [n for n in ("tests", "bench") if n in args.steps and not state[n]["done"]]
     print(f"{', '.join(failed)} failed: see {args.results}" if failed else "nothing left to do")
@@ -384,10 +496,15 @@ def describe(device):
 def main(argv=None):
     plain_output()
     try:
-        args = settings(sys.argv[1:] if argv is None else argv)
-        return run(args)
+        with stop_signals():
+            return run(settings(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
         return e.code
+    except (Stopped, KeyboardInterrupt) as e:
+        signum = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(f"{name}: gpu.py stopped, its runs at their last checkpoint; run the same command to go on")
+        return 128 + signum
     except OSError as e:
         where = e.filename or "a result"
         msg = f"error: cannot write {where} ({e.strerror}); pick another --results or --work"

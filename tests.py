@@ -3120,6 +3120,102 @@ def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_da
     assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
 
 
+def _gpu_argv(tmp, data, *flags):
+    """gpu.py --smoke on the CPU into tmp/r and tmp/w."""
+    folders = ["--data_dir", str(data), "--results", str(tmp / "r"), "--work", str(tmp / "w")]
+    return ["--smoke", "--device", "cpu", *folders, *flags]
+
+
+def _proc_children(pid):
+    """The processes whose parent is pid (Linux: /proc)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(open(stat).read().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.split("/")[2]))
+    return kids
+
+
+def _proc_alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _gpu_training(tmp, data):
+    """A gpu.py --smoke process training me towards a million batches, once its child train.py has
+    written its first checkpoint: (the gpu.py process, the child's pid); both killed after, if need be."""
+    flags = ["--steps", "me", "--max_iters", "1000000", "--step_limit", "1h"]  # only a signal stops it
+    cmd = [sys.executable, os.path.join(ROOT, "gpu.py"), *_gpu_argv(tmp, data, *flags)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    kids = []
+    try:
+        until = time.monotonic() + 300
+        while not (tmp / "w" / "me" / "ckpt.pt").exists():
+            assert p.poll() is None and time.monotonic() < until, p.communicate()
+            time.sleep(0.1)
+        kids = _proc_children(p.pid)
+        assert len(kids) == 1, kids
+        yield p, kids[0]
+    finally:
+        for pid in [p.pid, *kids]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        p.communicate()
+
+
+def _gpu_me_stopped(tmp):
+    """train.py of the me run said it stopped on SIGTERM, at the batch its checkpoint holds."""
+    said = re.findall(r"SIGTERM: stopped at batch (\d+)", (tmp / "r" / "logs" / "me.txt").read_text())
+    ckpt = torch.load(tmp / "w" / "me" / "ckpt.pt", weights_only=True)
+    return said != [] and int(said[-1]) == ckpt["iter"] >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_gpu_stop_signal_reaches_the_child_which_checkpoints_then_one_line(sig, tr_data, tmp_path):
+    with _gpu_training(tmp_path, tr_data) as (p, child):
+        p.send_signal(sig)  # Ctrl-C or kill
+        out, err = (s.decode() for s in p.communicate(timeout=60))
+        assert p.returncode == 128 + sig and err == "" and not _proc_alive(child), (p.returncode, err)
+    assert out.splitlines()[-1].startswith(f"{signal.Signals(sig).name}: gpu.py stopped"), out
+    assert _gpu_me_stopped(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
+def test_gpu_killed_with_kill_9_leaves_no_child_training(tr_data, tmp_path, capsys):
+    with _gpu_training(tmp_path, tr_data) as (p, child):
+        p.kill()
+        p.wait()
+        until = time.monotonic() + 120
+        while _proc_alive(child) and time.monotonic() < until:
+            time.sleep(0.1)
+        assert not _proc_alive(child)
+    assert _gpu_me_stopped(tmp_path)  # it got SIGTERM and checkpointed
+    at = torch.load(tmp_path / "w" / "me" / "ckpt.pt", weights_only=True)["iter"]
+    argv = _gpu_argv(tmp_path, tr_data, "--steps", "me", "--max_iters", str(at))
+    assert gpu.main(argv) == 0 and "nothing left to do" in capsys.readouterr().out  # not refused
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_gpu_second_call_on_the_same_folders_is_refused_while_one_runs(tr_data, tmp_path, capsys):
+    with _gpu_training(tmp_path, tr_data) as (p, child):
+        err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--steps", "tests"))
+        assert "another gpu.py" in err and os.path.realpath(tmp_path / "w") in err
+        other_work = _gpu_argv(tmp_path, tr_data, "--steps", "tests", "--work", str(tmp_path / "w2"))
+        assert "another gpu.py" in error_line(capsys, gpu.main, other_work)  # the same --results
+        assert not (tmp_path / "r" / "tests.txt").exists()
+        p.send_signal(signal.SIGHUP)  # a closed terminal: stops it as Ctrl-C does
+        p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGHUP and not _proc_alive(child)
+    assert _gpu_me_stopped(tmp_path)
+
+
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
 
 
