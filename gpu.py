@@ -6,7 +6,7 @@ resumes; after every step the figures, CSVs, tables and logs of what exists so f
     python gpu.py --device cuda --budget 40m     # as far as 40 minutes go, into results/gpu and out/gpu
     python gpu.py --device cuda --budget 40m     # again: skips what is done, continues the runs
     python gpu.py --dry_run                      # the plan and its time estimates only
-    python gpu.py --smoke --results /tmp/r --work /tmp/w --data_dir /tmp/d   # tiny settings, seconds
+    python gpu.py --smoke --data_dir /tmp/d      # tiny settings, seconds; into out/gpu-smoke, never out/gpu
 
 The steps, in order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
 --sections 1,3,6), the Table 1 runs (sa-1, sa-32, she, he, we, me: train.py's Table 1 defaults, the
@@ -15,7 +15,8 @@ same batches in the same order; --parallel of them side by side, the least train
 at the step limit (or before the budget ends): train.py finishes the batch, checkpoints and stops, and
 the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
 the start), so every step makes progress. <work>/state.json keeps what the tests and bench steps did
-on this device.
+on this device with these settings (a --smoke call's are not a real call's, and a run folder of other
+settings is refused).
 
 One gpu.py at a time on a --work and a --results: a second is refused while the first or a child of it
 runs. The children live and die with gpu.py: Ctrl-C, kill (SIGTERM) and SIGHUP reach them as SIGTERM
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import csv
 import ctypes
+import dataclasses
 import gzip
 import io
 import json
@@ -48,16 +50,18 @@ TABLE1 = {  # Figure 8's runs: train.py's default folder name -> flags (Table 1 
     **{m: ["--mixer", m] for m in ("she", "he", "we", "me")},
 }
 DTYPES = {f"me-{t}": ["--mixer", "me", "--dtype", t] for t in ("float32", "bfloat16")}
+RUNS = TABLE1 | DTYPES
 BENCH_ROW = {"sa-32": "sa", "she": "she", "he": "he", "we": "we", "me": "me", "me-float32": "me"}
 FULL = {  # the paper's settings; --smoke: tiny ones (bench.py --quick's shapes), every step in seconds
     "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": [], "bench": [], "step_limit": "9m",
-    "margin": "1m",
+    "margin": "1m", "work": "out/gpu", "results": "results/gpu",
 }  # fmt: skip
 SMOKE = {
     "train": "--n_layer 1 --block_size 32 --n_embd 32 --n_hidden 128 --batch_size 4 --eval_batches 2 "
     "--eval_interval 50 --log_interval 50".split(),
     "max_iters": 100, "dtype_iters": 30, "tests": ["-k", "test_forward_loss_is_eq3"],
     "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s",
+    "work": "out/gpu-smoke", "results": "out/gpu-smoke/results",
 }  # fmt: skip
 
 
@@ -66,8 +70,12 @@ def build_parser():
     p.add_argument(
         "--device", default="auto", help="auto (cuda, then mps, then cpu; default), cuda:1, mps, cpu"
     )
-    p.add_argument("--results", default="results/gpu", help="figures, CSVs, tables, logs (results/gpu)")
-    p.add_argument("--work", default="out/gpu", help="run folders with checkpoints, state.json (out/gpu)")
+    p.add_argument(
+        "--results", help="figures, CSVs, tables, logs (results/gpu; --smoke: out/gpu-smoke/results)"
+    )
+    p.add_argument(
+        "--work", help="run folders with checkpoints, state.json (out/gpu; --smoke: out/gpu-smoke)"
+    )
     p.add_argument("--data_dir", default="data", help="prepare_data.py's folder (data)")
     p.add_argument("--budget", default=None, help="stop cleanly before this much time: 40m, 2h, 90s (none)")
     p.add_argument("--step_limit", default=None, help="the longest step (default 9m; --smoke: 60s)")
@@ -102,6 +110,7 @@ def settings(argv):
     preset = SMOKE if args.smoke else FULL
     args.train, args.dtype_iters = preset["train"], preset["dtype_iters"]
     args.tests, args.bench = preset["tests"], preset["bench"]
+    args.work, args.results = args.work or preset["work"], args.results or preset["results"]
     args.max_iters = preset["max_iters"] if args.max_iters is None else args.max_iters
     args.step_limit = seconds(args.step_limit or preset["step_limit"], "--step_limit")
     args.margin = seconds(args.margin or preset["margin"], "--margin")
@@ -121,23 +130,70 @@ def settings(argv):
 # ------------------------------------------------------------------------------ what exists so far
 
 
-def load_state(work):
-    path = os.path.join(work, "state.json")
-    return json.load(open(path)) if os.path.exists(path) else {}
+def load_state(work, device, preset):
+    """<work>/state.json: what the tests and bench steps did, kept only for the same device and preset
+    (the tests of another device, or a --smoke call's, are not this call's); one line if it is not what
+    gpu.py writes."""
+    path, fresh = os.path.join(work, "state.json"), {"device": device, "preset": preset}
+    if not os.path.exists(path):
+        return fresh
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        why = None if well_formed(state) else "not what gpu.py writes"
+    except (OSError, ValueError) as e:  # cut short, not JSON, not text
+        why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    if why:
+        fail(f"cannot read {path} ({why}); delete it to run the tests and bench again (the runs are kept)")
+    same = (state.get("device"), state.get("preset")) == (device, preset)
+    return state if same else fresh
+
+
+def well_formed(state):
+    """Whether state is {"device", "preset", "tests", "bench"}, each step {"done", "summary", "seconds"}."""
+    kinds = {"done": bool, "summary": str, "seconds": (int, float)}
+    steps = [state[k] for k in ("tests", "bench") if k in state] if isinstance(state, dict) else [None]
+    return all(isinstance(s, dict) and all(isinstance(s.get(k), t) for k, t in kinds.items()) for s in steps)
 
 
 def save_state(work, state):
     atomic_write(os.path.join(work, "state.json"), json.dumps(state, indent=1))
 
 
-def batches_done(run_dir):
-    """The batch the run's checkpoint holds (0 for none): where --resume continues."""
+def model_settings(args, name):
+    """The model this call trains for a run, as train.py's checkpoint records it (its config, less the
+    vocabulary): Table 1 (extractor.Config's defaults) with the run's and the preset's flags."""
+    from extractor import Config
+
+    flags = [*RUNS[name], *args.train]
+    given = dict(zip(flags[::2], flags[1::2]))  # every flag here has a value
+    fields = [f for f in dataclasses.fields(Config) if f.name != "vocab_size"]
+    return {f.name: type(f.default)(given.get(f"--{f.name}", f.default)) for f in fields}
+
+
+def batches_done(args, name):
+    """The batch the run's checkpoint holds (0 for none): where --resume continues. One line if it
+    cannot be read, or if it holds another model than this call trains: a real call never resumes a
+    --smoke run's tiny model as a Table 1 run, nor the other way round."""
     import torch
 
+    run_dir = os.path.join(args.work, name)
     path = os.path.join(run_dir, "ckpt.pt")
     if not os.path.exists(path):
         return 0
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter"]
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        at, config = int(ckpt["iter"]), dict(ckpt["config"])
+    except Exception as e:  # cut short, or not train.py's
+        fail(
+            f"cannot read {path} ({type(e).__name__}); it is damaged: delete {run_dir} to train {name} again"
+        )
+    want = model_settings(args, name)
+    other = "; ".join(f"{k} {config.get(k)}, not {v}" for k, v in want.items() if config.get(k) != v)
+    if other:
+        made = "without" if args.smoke else "with"
+        fail(f"{path} is not the model this call trains ({other}): made {made} --smoke? pick another --work")
+    return at
 
 
 def read_log(run_dir):
@@ -164,7 +220,7 @@ def seconds_per_batch(args, name):
 def plan(args):
     """[(name, kind, target, what)]: kind tests, bench, table1 or dtype; target the batches to train."""
     tests = f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
-    train = lambda n: "train.py " + " ".join((TABLE1 | DTYPES)[n])
+    train = lambda n: "train.py " + " ".join(RUNS[n])
     steps = [("tests", "tests", None, tests), ("bench", "bench", None, "bench.py --sections 1,3,6")] + [
         *((n, "table1", args.max_iters, train(n)) for n in TABLE1),
         *((n, "dtype", args.dtype_iters, train(n)) for n in DTYPES),
@@ -180,7 +236,7 @@ def progress(args, state):
             was = state.get(name, {})  # a step that failed or was cut took at least its seconds
             done, left, how = was.get("done", False), was.get("seconds"), was.get("summary", "not run yet")
         else:
-            at = batches_done(os.path.join(args.work, name))
+            at = batches_done(args, name)
             done, per = at >= target, seconds_per_batch(args, name)
             left, how = None if per is None else (target - at) * per, f"batch {at} of {target}"
         if not done:
@@ -344,7 +400,7 @@ def train_step(args, names, target, deadline, hard_end):
     for name in names:
         run_dir = os.path.join(args.work, name)
         ckpts.append(os.path.join(run_dir, "ckpt.pt"))
-        flags = [*(TABLE1 | DTYPES)[name], *args.train, "--max_iters", str(target), "--out_dir", run_dir]
+        flags = [*RUNS[name], *args.train, "--max_iters", str(target), "--out_dir", run_dir]
         flags += ["--data_dir", args.data_dir, "--device", args.device]
         flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
@@ -416,7 +472,7 @@ def next_step(args, state, tried):
             return name, kind, None, [name]
         if target is not None:
             group = [n for n in (TABLE1 if kind == "table1" else DTYPES) if n in args.steps]
-            at = {n: batches_done(os.path.join(args.work, n)) for n in group}
+            at = {n: batches_done(args, n) for n in group}
             # least trained first
             left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target)
             k = args.parallel if kind == "table1" else 1  # dtype: one at a time, so the speeds compare
@@ -442,14 +498,13 @@ def run(args):
 def steps(args, start, end):
     """The plan, then its steps until all is done or the budget is spent."""
     args.device, named = describe(args.device)
-    state = load_state(args.work)
-    if state.get("device") != named:  # the tests and bench of another device are not this one's
-        state = {"device": named}
+    state = load_state(args.work, named, "smoke" if args.smoke else "full")
+    table = progress(args, state)  # (a run folder of other settings is refused here, before any output)
     print(f"gpu.py on {named}: results in {args.results}, runs in {args.work}")
     budget = fmt_time(args.budget) if args.budget else "none"
     print(f"step limit {fmt_time(args.step_limit)}, budget {budget}; time left from each run's own log.csv,")
     print("else from bench.py section 3 (bench.json in the results), else unknown:")
-    print(progress(args, state), flush=True)
+    print(table, flush=True)
     if args.dry_run:
         return 0
     tried = set()
@@ -470,7 +525,7 @@ def steps(args, start, end):
             print(f"   {summary}")
         else:
             codes = train_step(args, names, target, deadline, hard_end)
-            at = [f"{n} at batch {batches_done(os.path.join(args.work, n))}" for n in names]
+            at = [f"{n} at batch {batches_done(args, n)}" for n in names]
             print("   " + ", ".join(at))
             if any(c not in FINE for c in codes):
                 print(f"   train.py failed (exit codes {codes}); see {args.results}/logs/; stopping")

@@ -3216,6 +3216,44 @@ def test_gpu_second_call_on_the_same_folders_is_refused_while_one_runs(tr_data, 
     assert _gpu_me_stopped(tmp_path)
 
 
+@pytest.mark.slow
+def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, capsys):
+    tmp = gpu_smoke[0]
+    smoke, real = gpu.settings(["--smoke", "--dry_run"]), gpu.settings(["--dry_run"])
+    assert {smoke.work, smoke.results}.isdisjoint({real.work, real.results})  # default folders
+    argv = ["--device", "cpu", "--results", str(tmp / "results"), "--work", str(tmp / "work"), "--dry_run"]
+    assert gpu.main([*argv, "--steps", "tests,bench"]) == 0  # the smoke call's tests and bench are not done
+    out = capsys.readouterr().out
+    assert re.search(r"\[ \] tests +unknown", out) and re.search(r"\[ \] bench +unknown", out)
+    err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
+    assert f"{tmp / 'work' / 'sa-1' / 'ckpt.pt'} is not the model this call trains" in err
+    assert "n_layer 1, not 18" in err and "--smoke" in err
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"device": "cpu", "te', "JSONDecodeError"),
+        ("[]", "not what gpu.py writes"),
+        ('{"device": "cpu", "tests": true}', "not what gpu.py writes"),
+        ('{"tests": {"done": false, "summary": "", "seconds": "ten"}}', "not what gpu.py writes"),
+    ],
+)
+def test_gpu_unreadable_state_json_is_one_line_naming_it(text, why, tr_data, tmp_path, capsys):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "state.json").write_text(text)
+    err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--dry_run"))
+    assert f"cannot read {tmp_path / 'w' / 'state.json'} ({why}" in err and "delete it" in err
+
+
+def test_gpu_damaged_checkpoint_is_one_line_naming_it(tr_data, tmp_path, capsys):
+    (tmp_path / "w" / "me").mkdir(parents=True)
+    torch.save({"iter": 10, "model": torch.zeros(1000)}, tmp_path / "w" / "me" / "ckpt.pt")
+    os.truncate(tmp_path / "w" / "me" / "ckpt.pt", 1000)
+    err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--dry_run"))
+    assert f"cannot read {tmp_path / 'w' / 'me' / 'ckpt.pt'}" in err and "damaged" in err
+
+
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
 
 
