@@ -8,7 +8,7 @@ resumes; after every step the figures, CSVs, tables and logs of what exists so f
     python gpu.py --dry_run                      # the plan and its time estimates only
     python gpu.py --smoke --data_dir /tmp/d      # tiny settings, seconds; into out/gpu-smoke, never out/gpu
 
-The steps, in order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
+The steps, in PLAN's order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
 --sections 1,3,6), the Table 1 runs (sa-1, sa-32, she, he, we, me: train.py's Table 1 defaults, the
 same batches in the same order; --parallel of them side by side, the least trained first) and dtype
 (me for 1000 batches in float32, then in bfloat16). A training step runs train.py and sends it SIGTERM
@@ -51,7 +51,12 @@ TABLE1 = {  # Figure 8's runs: train.py's default folder name -> flags (Table 1 
 }
 DTYPES = {f"me-{t}": ["--mixer", "me", "--dtype", t] for t in ("float32", "bfloat16")}
 RUNS = TABLE1 | DTYPES
-BENCH_ROW = {"sa-32": "sa", "she": "she", "he": "he", "we": "we", "me": "me", "me-float32": "me"}
+# The steps in order: a name is a step of its own; a list, runs trained side by side (--parallel at a
+# time, the least trained first); dtype's runs one at a time, so that their speeds compare.
+PLAN = ["tests", "bench", list(TABLE1), ["me-float32"], ["me-bfloat16"]]
+# bench.py section 3's row for each run's speed (sa-1 as sa: 1 head of d or 32 of d/32, the same FLOPs)
+BENCH_ROW = {"sa-1": "sa", "sa-32": "sa", **{m: m for m in ("she", "he", "we", "me")}, "me-float32": "me"}
+REFERENCE = {"cuda": "bench_h200.json", "cpu": "bench_cpu.json"}  # results/table1/: Table 1's speeds
 FULL = {  # the paper's settings; --smoke: tiny ones (bench.py --quick's shapes), every step in seconds
     "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": [], "bench": [], "step_limit": "9m",
     "margin": "1m", "work": "out/gpu", "results": "results/gpu",
@@ -116,7 +121,7 @@ def settings(argv):
     args.margin = seconds(args.margin or preset["margin"], "--margin")
     args.budget = None if args.budget is None else seconds(args.budget, "--budget")
     asked, args.steps = args.steps and args.steps.split(","), None
-    names = [name for name, *_ in plan(args)]
+    names = plan(args)
     if set(asked or ()) - set(names):
         fail(f"--steps {','.join(set(asked) - set(names))}: no such step; pick from {','.join(names)}")
     args.steps = asked or names
@@ -202,15 +207,20 @@ def read_log(run_dir):
 
 
 def seconds_per_batch(args, name):
-    """From the run's own log.csv, else from bench.py section 3 (its Table 1 model), else None."""
+    """From the run's own log.csv, else from bench.py section 3 (its Table 1 model): this device's
+    (bench.json in the results), else at Table 1's sizes the one in results/table1/ (an H200's or a
+    CPU's); else None."""
     rows = read_log(os.path.join(args.work, name))
     if rows:
         return float(rows[-1]["elapsed_s"]) / int(rows[-1]["iter"])
-    bench = os.path.join(args.results, "bench.json")
-    if name in BENCH_ROW and os.path.exists(bench):
+    benches = [os.path.join(args.results, "bench.json")]
+    if not args.smoke and args.device.split(":")[0] in REFERENCE:
+        benches.append(os.path.join(ROOT, "results", "table1", REFERENCE[args.device.split(":")[0]]))
+    for bench in filter(os.path.exists, benches if name in BENCH_ROW else []):
         model = json.load(open(bench))["sections"].get("model", [])
         times = [r["step_ms"] / 1000 for r in model if r["mixer"] == BENCH_ROW[name]]
-        return times[0] if times else None  # the first model is the deepest, Table 1's m = 18
+        if times:
+            return times[0]  # the first model is the deepest, Table 1's m = 18
     return None
 
 
@@ -218,35 +228,55 @@ def seconds_per_batch(args, name):
 
 
 def plan(args):
-    """[(name, kind, target, what)]: kind tests, bench, table1 or dtype; target the batches to train."""
-    tests = f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
-    train = lambda n: "train.py " + " ".join(RUNS[n])
-    steps = [("tests", "tests", None, tests), ("bench", "bench", None, "bench.py --sections 1,3,6")] + [
-        *((n, "table1", args.max_iters, train(n)) for n in TABLE1),
-        *((n, "dtype", args.dtype_iters, train(n)) for n in DTYPES),
-    ]
-    return [s for s in steps if not args.steps or s[0] in args.steps]
+    """The steps' names in PLAN's order (of --steps only, once it is known)."""
+    names = [n for entry in PLAN for n in ([entry] if isinstance(entry, str) else entry)]
+    return [n for n in names if not args.steps or n in args.steps]
+
+
+def target(args, name):
+    """The batches a run trains to."""
+    return args.dtype_iters if name in DTYPES else args.max_iters
+
+
+def command(args, name):
+    if name == "tests":
+        return f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
+    return "bench.py --sections 1,3,6" if name == "bench" else "train.py " + " ".join(RUNS[name])
 
 
 def progress(args, state):
     """A line per step: done or not, how far, how long what is left should take here; then the total."""
     lines, total, unknown = [], 0.0, False
-    for name, kind, target, what in plan(args):
-        if target is None:
+    for name in plan(args):
+        if name not in RUNS:
             was = state.get(name, {})  # a step that failed or was cut took at least its seconds
             done, left, how = was.get("done", False), was.get("seconds"), was.get("summary", "not run yet")
         else:
-            at = batches_done(args, name)
-            done, per = at >= target, seconds_per_batch(args, name)
-            left, how = None if per is None else (target - at) * per, f"batch {at} of {target}"
+            at, goal, per = batches_done(args, name), target(args, name), seconds_per_batch(args, name)
+            done, left, how = at >= goal, None if per is None else (goal - at) * per, f"batch {at} of {goal}"
         if not done:
             total += left or 0.0
             unknown |= left is None
         eta = "done" if done else "unknown" if left is None else fmt_time(left)
-        lines.append(f"  [{'x' if done else ' '}] {name:<12} {eta:>8}  {what}: {how}")
+        lines.append(f"  [{'x' if done else ' '}] {name:<12} {eta:>8}  {command(args, name)}: {how}")
     rest = " + ".join([fmt_time(total)] * (total > 0) + ["unknown"] * unknown) or "nothing"
     side = f", Table 1 runs {args.parallel} side by side (estimate: one after another)" * (args.parallel > 1)
     return "\n".join(lines + [f"  left: {rest}{side}"])
+
+
+def next_step(args, state, tried):
+    """The next step's runs (or its one name: tests, bench), or None when all is done (or, a tests or
+    bench step, tried this call)."""
+    for entry in PLAN:
+        if isinstance(entry, str):
+            if entry in args.steps and not state.get(entry, {}).get("done") and entry not in tried:
+                return [entry]
+            continue
+        at = {n: batches_done(args, n) for n in entry if n in args.steps}
+        left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target(args, n))
+        if left:  # least trained first
+            return [n for _, _, n in left[: args.parallel]]
+    return None
 
 
 # ------------------------------------------------------------------------------ children live and die with it
@@ -394,13 +424,13 @@ def bench_step(args, deadline, hard_end):
     return rc == 0, f"bench.py exit {rc}: tables in {out}"
 
 
-def train_step(args, names, target, deadline, hard_end):
-    """One step of these runs side by side: each from its checkpoint (--resume) towards target."""
+def train_step(args, names, deadline, hard_end):
+    """One step of these runs side by side: each from its checkpoint (--resume) towards its target."""
     cmds, ckpts = [], []
     for name in names:
         run_dir = os.path.join(args.work, name)
         ckpts.append(os.path.join(run_dir, "ckpt.pt"))
-        flags = [*RUNS[name], *args.train, "--max_iters", str(target), "--out_dir", run_dir]
+        flags = [*RUNS[name], *args.train, "--max_iters", str(target(args, name)), "--out_dir", run_dir]
         flags += ["--data_dir", args.data_dir, "--device", args.device]
         flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
@@ -445,13 +475,13 @@ def gzip_bytes(data):
 def write_results(args, state):
     """The runs' log.csv (as log.csv.gz) and run.json, Figure 8 with its CSVs, Figure 9, dtype.csv and
     progress.txt."""
-    runs = [n for n in (*TABLE1, *DTYPES) if read_log(os.path.join(args.work, n))]
+    runs = [n for n in RUNS if read_log(os.path.join(args.work, n))]
     for name in runs:  # the logs kept as results/logs/ keeps them: log.csv.gz (plot.py reads it) and run.json
         os.makedirs(os.path.join(args.results, "runs", name), exist_ok=True)
         for f, pack in (("log.csv", gzip_bytes), ("run.json", bytes)):
             with contextlib.suppress(FileNotFoundError), open(os.path.join(args.work, name, f), "rb") as src:
-                target = os.path.join(args.results, "runs", name, f + (".gz" if pack is gzip_bytes else ""))
-                atomic_write(target, pack(src.read()))
+                dest = os.path.join(args.results, "runs", name, f + (".gz" if pack is gzip_bytes else ""))
+                atomic_write(dest, pack(src.read()))
     fig8 = [os.path.join(args.work, n) for n in TABLE1 if n in runs]
     if fig8:
         plot(args, "fig8", *fig8, "--results", args.results, "-o", os.path.join(args.results, "fig8.png"))
@@ -463,22 +493,6 @@ def write_results(args, state):
 
 
 # ------------------------------------------------------------------------------ the loop
-
-
-def next_step(args, state, tried):
-    """(name, kind, target, names) of the next step, or None when all is done (or tried this call)."""
-    for name, kind, target, _ in plan(args):
-        if target is None and not state.get(name, {}).get("done") and name not in tried:
-            return name, kind, None, [name]
-        if target is not None:
-            group = [n for n in (TABLE1 if kind == "table1" else DTYPES) if n in args.steps]
-            at = {n: batches_done(args, n) for n in group}
-            # least trained first
-            left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target)
-            k = args.parallel if kind == "table1" else 1  # dtype: one at a time, so the speeds compare
-            if left:
-                return kind, kind, target, [n for _, _, n in left[:k]]
-    return None
 
 
 FINE = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or stopped by wait()
@@ -503,33 +517,31 @@ def steps(args, start, end):
     print(f"gpu.py on {named}: results in {args.results}, runs in {args.work}")
     budget = fmt_time(args.budget) if args.budget else "none"
     print(f"step limit {fmt_time(args.step_limit)}, budget {budget}; time left from each run's own log.csv,")
-    print("else from bench.py section 3 (bench.json in the results), else unknown:")
+    print("else from bench.py section 3 (this device's, else results/table1/'s), else unknown:")
     print(table, flush=True)
     if args.dry_run:
         return 0
     tried = set()
-    while step := next_step(args, state, tried):
-        name, kind, target, names = step
+    while names := next_step(args, state, tried):
+        step = " ".join(names)
         left = end - time.monotonic() - args.margin
         if left <= 0:
-            print(f"budget spent: stopped before {name}; run the same command again to go on")
+            print(f"budget spent: stopped before {step}; run the same command again to go on")
             return 0
         t0 = time.monotonic()
-        deadline = t0 + min(args.step_limit, left)
-        hard_end = end  # train.py gets SIGTERM only after its first checkpoint, so a step makes progress
-        print(f"-- {name}: {' '.join(names)}, until {fmt_time(deadline - start)} into this call", flush=True)
-        if target is None:
-            tried.add(name)
-            done, summary = (tests_step if kind == "tests" else bench_step)(args, deadline, hard_end)
-            state[name] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
-            print(f"   {summary}")
-        else:
-            codes = train_step(args, names, target, deadline, hard_end)
-            at = [f"{n} at batch {batches_done(args, n)}" for n in names]
-            print("   " + ", ".join(at))
+        deadline, hard_end = t0 + min(args.step_limit, left), end
+        print(f"-- {step}, until {fmt_time(deadline - start)} into this call", flush=True)
+        if names[0] in RUNS:
+            codes = train_step(args, names, deadline, hard_end)
+            print("   " + ", ".join(f"{n} at batch {batches_done(args, n)}" for n in names))
             if any(c not in FINE for c in codes):
                 print(f"   train.py failed (exit codes {codes}); see {args.results}/logs/; stopping")
                 return 1
+        else:
+            tried.add(step)
+            done, summary = (tests_step if step == "tests" else bench_step)(args, deadline, hard_end)
+            state[step] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
+            print(f"   {summary}")
         save_state(args.work, state)
         write_results(args, state)
         if STOP["signal"]:

@@ -3027,9 +3027,9 @@ def gpu_smoke(tmp_path_factory):
 def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, capsys):
     tmp, (rc, out, err), at_cut, full, again, logs = gpu_smoke
     assert rc == 0 and not err, err
-    plan, rest = out.split("-- table1: me", 1)  # the plan comes before the first step
+    plan, rest = out.split("-- me,", 1)  # the plan comes before the first step
     assert re.search(r"\[ \] me +unknown  train.py --mixer me: batch 0 of 100", plan)
-    assert f"me at batch {at_cut}" in rest and "budget spent: stopped before table1" in rest
+    assert f"me at batch {at_cut}" in rest and "budget spent: stopped before me;" in rest
     assert 10 <= at_cut < 100  # cut in the middle of the run, after its first checkpoint
 
     rc, out, err = full
@@ -3037,8 +3037,7 @@ def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, ca
     assert f"batch {at_cut} of 100" in out.split("-- tests")[0]  # the plan: me continues where it stopped
     steps = [line.split(",")[0] for line in out.splitlines() if line.startswith("-- ")]
     assert steps == [  # in order; three runs side by side, the least trained first; dtype one at a time
-        "-- tests: tests", "-- bench: bench", "-- table1: sa-1 sa-32 she", "-- table1: he we me",
-        "-- dtype: me-float32", "-- dtype: me-bfloat16",
+        "-- tests", "-- bench", "-- sa-1 sa-32 she", "-- he we me", "-- me-float32", "-- me-bfloat16",
     ]  # fmt: skip
     assert out.count("left: ") == 7 and out.rstrip().endswith("nothing left to do")
     assert [_gpu_iter(tmp, run) for run in _GPU_RUNS] == [100] * 6 + [30] * 2
@@ -3116,7 +3115,7 @@ def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_da
     argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--results", str(tmp_path / "r")]
     assert gpu.main([*argv, "--work", str(work)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10 and "left: unknown" in out
+    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10
     assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
 
 
@@ -3228,6 +3227,16 @@ def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, ca
     err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
     assert f"{tmp / 'work' / 'sa-1' / 'ckpt.pt'} is not the model this call trains" in err
     assert "n_layer 1, not 18" in err and "--smoke" in err
+
+
+def test_gpu_plan_estimates_the_runs_before_any_bench(tr_data, tmp_path, capsys):
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
+    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [ ] ")]
+    bench = json.load(open(os.path.join(ROOT, "results", "table1", "bench_cpu.json")))["sections"]["model"]
+    she = [r["step_ms"] for r in bench if r["mixer"] == "she"][0] * 60 / 3600  # 60000 batches, in hours
+    assert f"she {int(she)}h" in " ".join(" ".join(r.split()) for r in rows)
+    assert [r.split()[3] == "unknown" for r in rows] == [True, True] + [False] * 7 + [True]  # tests, bench
 
 
 @pytest.mark.parametrize(
