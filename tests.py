@@ -3263,6 +3263,22 @@ def test_gpu_damaged_checkpoint_is_one_line_naming_it(tr_data, tmp_path, capsys)
     assert f"cannot read {tmp_path / 'w' / 'me' / 'ckpt.pt'}" in err and "damaged" in err
 
 
+def _gpu_fake_tests(folder, passes):
+    """A tests.py for gpu.py's tests step (ROOT monkeypatched to folder), with --smoke's one test."""
+    folder.mkdir(exist_ok=True)
+    (folder / "tests.py").write_text(f"def test_forward_loss_is_eq3():\n    assert {passes}\n")
+    return str(folder)
+
+
+def test_gpu_failed_tests_step_is_a_failure_and_runs_again(tr_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=False))
+    argv = _gpu_argv(tmp_path, tr_data, "--steps", "tests")
+    assert gpu.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "pytest exit 1: 1 failed" in out and "failed: tests" in out and "[x]" not in out
+    assert gpu.main(argv) == 1 and "\n-- tests," in capsys.readouterr().out  # tried again
+
+
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
 
 
