@@ -14,9 +14,11 @@ same batches in the same order; --parallel of them side by side, the least train
 (me for 1000 batches in float32, then in bfloat16). A training step runs train.py and sends it SIGTERM
 at the step limit (or before the budget ends): train.py finishes the batch, checkpoints and stops, and
 the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
-the start), so every step makes progress. A tests or bench step that failed runs again in the next
-call. <work>/state.json keeps what the tests and bench steps did on this device with these settings
-(a --smoke call's are not a real call's, and a run folder of other settings is refused).
+the start), so every step makes progress; a step starts only with the preset's min_step left, and the
+budget keeps --margin for the last checkpoint and the time the results take. A tests or bench step that
+failed runs again in the next call. <work>/state.json keeps what the tests and bench steps did on this
+device with these settings (a --smoke call's are not a real call's, and a run folder of other settings
+is refused).
 
 One gpu.py at a time on a --work and a --results: a second is refused while the first or a child of it
 runs. The children live and die with gpu.py: Ctrl-C, kill (SIGTERM) and SIGHUP reach them as SIGTERM
@@ -59,15 +61,16 @@ BENCH_ROW = {"sa-1": "sa", "sa-32": "sa", **{m: m for m in ("she", "he", "we", "
 REFERENCE = {"cuda": "bench_h200.json", "cpu": "bench_cpu.json"}  # results/table1/: Table 1's speeds
 FULL = {  # the paper's settings; --smoke: tiny ones (bench.py --quick's shapes), every step in seconds
     "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": [], "bench": [], "step_limit": "9m",
-    "margin": "1m", "work": "out/gpu", "results": "results/gpu",
+    "margin": "1m", "min_step": "1m", "results_time": "30s", "work": "out/gpu", "results": "results/gpu",
 }  # fmt: skip
-SMOKE = {
+SMOKE = {  # min_step: the least budget a step starts with; results_time: kept for the results at the end
     "train": "--n_layer 1 --block_size 32 --n_embd 32 --n_hidden 128 --batch_size 4 --eval_batches 2 "
     "--eval_interval 50 --log_interval 50".split(),
     "max_iters": 100, "dtype_iters": 30, "tests": ["-k", "test_forward_loss_is_eq3"],
-    "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s",
-    "work": "out/gpu-smoke", "results": "out/gpu-smoke/results",
+    "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s", "min_step": "5s",
+    "results_time": "3s", "work": "out/gpu-smoke", "results": "out/gpu-smoke/results",
 }  # fmt: skip
+DURATIONS = ("--budget", "--step_limit", "--margin")
 
 
 def build_parser():
@@ -100,33 +103,51 @@ def build_parser():
     return one_line_errors(p, "gpu.py")
 
 
-def seconds(text, flag):
-    """'40m', '2h', '1h30m', '90s' or '90' -> seconds; one clear line if it is none of these."""
-    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text.strip())
-    if not text.strip() or not parts:
+def seconds(text, flag, zero=False):
+    """'40m', '2h', '1h30m', '90s' or '90' -> seconds; one clear line if it is none of these, or if it
+    is negative or (unless zero) 0."""
+    parts = re.fullmatch(
+        r"(-?)(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text.strip()
+    )
+    if not text.strip().lstrip("-") or not parts:
         fail(f"{flag} {text!r} is not a duration; write it like 40m, 2h, 1h30m or 90s")
-    h, m, s = (float(x or 0) for x in parts.groups())
+    minus, *hms = parts.groups()
+    h, m, s = (float(x or 0) for x in hms)
+    if minus or not (zero or 3600 * h + 60 * m + s):
+        fail(f"{flag} {text!r} must be more than 0{' (or 0)' * zero}; write it like 40m, 2h, 1h30m or 90s")
     return 3600 * h + 60 * m + s
+
+
+def with_negative_durations(argv):
+    """'--budget -5m' as '--budget=-5m': argparse reads -5m as an option ("expected one argument")."""
+    out = []
+    for a in argv:
+        if out and out[-1] in DURATIONS and a.startswith("-"):
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
 
 
 def settings(argv):
     """The parsed flags, with the FULL or SMOKE defaults filled in and every duration in seconds."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(with_negative_durations(argv))
     preset = SMOKE if args.smoke else FULL
     args.train, args.dtype_iters = preset["train"], preset["dtype_iters"]
     args.tests, args.bench = preset["tests"], preset["bench"]
     args.work, args.results = args.work or preset["work"], args.results or preset["results"]
     args.max_iters = preset["max_iters"] if args.max_iters is None else args.max_iters
     args.step_limit = seconds(args.step_limit or preset["step_limit"], "--step_limit")
-    args.margin = seconds(args.margin or preset["margin"], "--margin")
+    args.margin = seconds(args.margin or preset["margin"], "--margin", zero=True)
+    args.min_step, args.results_time = seconds(preset["min_step"], ""), seconds(preset["results_time"], "")
     args.budget = None if args.budget is None else seconds(args.budget, "--budget")
     asked, args.steps = args.steps and args.steps.split(","), None
     names = plan(args)
     if set(asked or ()) - set(names):
         fail(f"--steps {','.join(set(asked) - set(names))}: no such step; pick from {','.join(names)}")
     args.steps = asked or names
-    if args.max_iters < 1 or args.parallel < 1 or args.step_limit <= 0:
-        fail("--max_iters, --parallel and --step_limit must be positive")
+    if args.max_iters < 1 or args.parallel < 1:
+        fail("--max_iters and --parallel must be positive")
     if not args.dry_run and not os.path.isfile(os.path.join(args.data_dir, "train.bin")):
         fail(f"no {args.data_dir}/train.bin: run python prepare_data.py first, or pass --data_dir")
     return args
@@ -521,15 +542,15 @@ def steps(args, start, end):
     print(table, flush=True)
     if args.dry_run:
         return 0
-    tried = set()
+    tried, results_time = set(), args.results_time  # the longest the results took, kept at the end
     while names := next_step(args, state, tried):
         step = " ".join(names)
-        left = end - time.monotonic() - args.margin
-        if left <= 0:
+        left = end - time.monotonic() - args.margin - results_time
+        if left < args.min_step:
             print(f"budget spent: stopped before {step}; run the same command again to go on")
             return 0
         t0 = time.monotonic()
-        deadline, hard_end = t0 + min(args.step_limit, left), end
+        deadline, hard_end = t0 + min(args.step_limit, left), end - results_time
         print(f"-- {step}, until {fmt_time(deadline - start)} into this call", flush=True)
         if names[0] in RUNS:
             codes = train_step(args, names, deadline, hard_end)
@@ -543,7 +564,9 @@ def steps(args, start, end):
             state[step] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
             print(f"   {summary}")
         save_state(args.work, state)
+        t1 = time.monotonic()
         write_results(args, state)
+        results_time = max(results_time, time.monotonic() - t1)
         if STOP["signal"]:
             raise Stopped(STOP["signal"])
         print(f"   after {fmt_time(time.monotonic() - start)}:\n{progress(args, state)}", flush=True)

@@ -3009,13 +3009,13 @@ def _gpu_iter(tmp, run):
 
 @pytest.fixture(scope="module")
 def gpu_smoke(tmp_path_factory):
-    """Three calls of gpu.py --smoke: one whose budget ends it in the middle of a step of the me run
-    (cut at the step limit once it has checkpointed; the budget's hard end, 300 s, is far enough away
-    for a loaded machine to reach that first checkpoint), one that does every step, one with nothing
-    left."""
+    """Three calls of gpu.py --smoke: one whose budget ends it after one step of the me run (cut at the
+    step limit once it has checkpointed; the budget's hard end, 300 s, is far enough away for a loaded
+    machine to reach that first checkpoint; the margin leaves 5.5 s for steps, --smoke's least step is
+    5 s and the results keep 3 s), one that does every step, one with nothing left."""
     tmp = tmp_path_factory.mktemp("gpu")
     _tr_make_data(tmp / "data")
-    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "300s", "--margin", "299.5s")
+    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "300s", "--margin", "291.5s")
     at_cut = _gpu_iter(tmp, "me")
     full = _gpu_call(tmp, "--parallel", "3")
     logs = {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS}
@@ -3091,6 +3091,10 @@ def test_gpu_step_limit_cut_resumes_bit_for_bit(gpu_smoke):
         (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
         (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from tests,bench,sa-1"),
         (["--parallel", "0"], "must be positive"),
+        (["--budget", "0", "--dry_run"], "--budget '0' must be more than 0"),
+        (["--budget", "0m", "--dry_run"], "--budget '0m' must be more than 0"),
+        (["--budget", "-5m", "--dry_run"], "--budget '-5m' must be more than 0"),
+        (["--step_limit", "0s", "--dry_run"], "--step_limit '0s' must be more than 0"),
         (["--data_dir", "no/such/folder"], "no no/such/folder/train.bin: run python prepare_data.py first"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate (see python gpu.py --help)"),
     ],
@@ -3277,6 +3281,18 @@ def test_gpu_failed_tests_step_is_a_failure_and_runs_again(tr_data, tmp_path, mo
     out = capsys.readouterr().out
     assert "pytest exit 1: 1 failed" in out and "failed: tests" in out and "[x]" not in out
     assert gpu.main(argv) == 1 and "\n-- tests," in capsys.readouterr().out  # tried again
+
+
+def test_gpu_budget_starts_no_step_it_cannot_fit_and_keeps_time_for_the_results(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "6s")) == 0
+    assert "budget spent: stopped before tests;" in capsys.readouterr().out  # 6 s less margin and results
+    assert not (tmp_path / "r" / "tests.txt").exists()
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "12s")) == 0
+    until = re.search(r"-- tests, until ([0-9.]+)s into this call", capsys.readouterr().out)
+    assert until and float(until[1]) <= 12 - 1 - 2  # the margin, and time for the results
 
 
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
