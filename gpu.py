@@ -6,21 +6,32 @@ resumes; after every step the figures, CSVs, tables and logs of what exists so f
     python gpu.py --device cuda --budget 40m     # as far as 40 minutes go, into results/gpu and out/gpu
     python gpu.py --device cuda --budget 40m     # again: skips what is done, continues the runs
     python gpu.py --dry_run                      # the plan and its time estimates only
-    python gpu.py --smoke --results /tmp/r --work /tmp/w --data_dir /tmp/d   # tiny settings, seconds
+    python gpu.py --smoke --data_dir /tmp/d      # tiny settings, seconds; into out/gpu-smoke, never out/gpu
 
-The steps, in order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
+The steps, in PLAN's order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
 --sections 1,3,6), the Table 1 runs (sa-1, sa-32, she, he, we, me: train.py's Table 1 defaults, the
 same batches in the same order; --parallel of them side by side, the least trained first) and dtype
 (me for 1000 batches in float32, then in bfloat16). A training step runs train.py and sends it SIGTERM
 at the step limit (or before the budget ends): train.py finishes the batch, checkpoints and stops, and
 the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
-the start), so every step makes progress. <work>/state.json keeps what the tests and bench steps did
-on this device.
+the start), so every step makes progress; a step starts only with the preset's min_step left, and the
+budget keeps --margin for the last checkpoint and the time the results take. A tests or bench step that
+failed runs again in the next call. <work>/state.json keeps what the tests and bench steps did on this
+device with these settings (a --smoke call's are not a real call's, and a run folder of other settings
+is refused).
+
+One gpu.py at a time on a --work and a --results: a second is refused while the first or a child of it
+runs. The children live and die with gpu.py: Ctrl-C, kill (SIGTERM) and SIGHUP reach them as SIGTERM
+(train.py checkpoints), gpu.py waits for them and stops with one line (a second signal: SIGKILL). On
+Linux a gpu.py killed with kill -9 takes them along: the kernel sends each SIGTERM. Elsewhere they run on
+until they end (and keep the folders locked); stop them with kill.
 """
 
 import argparse
 import contextlib
 import csv
+import ctypes
+import dataclasses
 import gzip
 import io
 import json
@@ -41,17 +52,25 @@ TABLE1 = {  # Figure 8's runs: train.py's default folder name -> flags (Table 1 
     **{m: ["--mixer", m] for m in ("she", "he", "we", "me")},
 }
 DTYPES = {f"me-{t}": ["--mixer", "me", "--dtype", t] for t in ("float32", "bfloat16")}
-BENCH_ROW = {"sa-32": "sa", "she": "she", "he": "he", "we": "we", "me": "me", "me-float32": "me"}
+RUNS = TABLE1 | DTYPES
+# The steps in order: a name is a step of its own; a list, runs trained side by side (--parallel at a
+# time, the least trained first); dtype's runs one at a time, so that their speeds compare.
+PLAN = ["tests", "bench", list(TABLE1), ["me-float32"], ["me-bfloat16"]]
+# bench.py section 3's row for each run's speed (sa-1 as sa: 1 head of d or 32 of d/32, the same FLOPs)
+BENCH_ROW = {"sa-1": "sa", "sa-32": "sa", **{m: m for m in ("she", "he", "we", "me")}, "me-float32": "me"}
+REFERENCE = {"cuda": "bench_h200.json", "cpu": "bench_cpu.json"}  # results/table1/: Table 1's speeds
 FULL = {  # the paper's settings; --smoke: tiny ones (bench.py --quick's shapes), every step in seconds
     "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": [], "bench": [], "step_limit": "9m",
-    "margin": "1m",
+    "margin": "1m", "min_step": "1m", "results_time": "30s", "work": "out/gpu", "results": "results/gpu",
 }  # fmt: skip
-SMOKE = {
+SMOKE = {  # min_step: the least budget a step starts with; results_time: kept for the results at the end
     "train": "--n_layer 1 --block_size 32 --n_embd 32 --n_hidden 128 --batch_size 4 --eval_batches 2 "
     "--eval_interval 50 --log_interval 50".split(),
     "max_iters": 100, "dtype_iters": 30, "tests": ["-k", "test_forward_loss_is_eq3"],
-    "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s",
+    "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s", "min_step": "5s",
+    "results_time": "3s", "work": "out/gpu-smoke", "results": "out/gpu-smoke/results",
 }  # fmt: skip
+DURATIONS = ("--budget", "--step_limit", "--margin")
 
 
 def build_parser():
@@ -59,8 +78,12 @@ def build_parser():
     p.add_argument(
         "--device", default="auto", help="auto (cuda, then mps, then cpu; default), cuda:1, mps, cpu"
     )
-    p.add_argument("--results", default="results/gpu", help="figures, CSVs, tables, logs (results/gpu)")
-    p.add_argument("--work", default="out/gpu", help="run folders with checkpoints, state.json (out/gpu)")
+    p.add_argument(
+        "--results", help="figures, CSVs, tables, logs (results/gpu; --smoke: out/gpu-smoke/results)"
+    )
+    p.add_argument(
+        "--work", help="run folders with checkpoints, state.json (out/gpu; --smoke: out/gpu-smoke)"
+    )
     p.add_argument("--data_dir", default="data", help="prepare_data.py's folder (data)")
     p.add_argument("--budget", default=None, help="stop cleanly before this much time: 40m, 2h, 90s (none)")
     p.add_argument("--step_limit", default=None, help="the longest step (default 9m; --smoke: 60s)")
@@ -80,32 +103,51 @@ def build_parser():
     return one_line_errors(p, "gpu.py")
 
 
-def seconds(text, flag):
-    """'40m', '2h', '1h30m', '90s' or '90' -> seconds; one clear line if it is none of these."""
-    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text.strip())
-    if not text.strip() or not parts:
+def seconds(text, flag, zero=False):
+    """'40m', '2h', '1h30m', '90s' or '90' -> seconds; one clear line if it is none of these, or if it
+    is negative or (unless zero) 0."""
+    parts = re.fullmatch(
+        r"(-?)(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text.strip()
+    )
+    if not text.strip().lstrip("-") or not parts:
         fail(f"{flag} {text!r} is not a duration; write it like 40m, 2h, 1h30m or 90s")
-    h, m, s = (float(x or 0) for x in parts.groups())
+    minus, *hms = parts.groups()
+    h, m, s = (float(x or 0) for x in hms)
+    if minus or not (zero or 3600 * h + 60 * m + s):
+        fail(f"{flag} {text!r} must be more than 0{' (or 0)' * zero}; write it like 40m, 2h, 1h30m or 90s")
     return 3600 * h + 60 * m + s
+
+
+def with_negative_durations(argv):
+    """'--budget -5m' as '--budget=-5m': argparse reads -5m as an option ("expected one argument")."""
+    out = []
+    for a in argv:
+        if out and out[-1] in DURATIONS and a.startswith("-"):
+            out[-1] += "=" + a
+        else:
+            out.append(a)
+    return out
 
 
 def settings(argv):
     """The parsed flags, with the FULL or SMOKE defaults filled in and every duration in seconds."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(with_negative_durations(argv))
     preset = SMOKE if args.smoke else FULL
     args.train, args.dtype_iters = preset["train"], preset["dtype_iters"]
     args.tests, args.bench = preset["tests"], preset["bench"]
+    args.work, args.results = args.work or preset["work"], args.results or preset["results"]
     args.max_iters = preset["max_iters"] if args.max_iters is None else args.max_iters
     args.step_limit = seconds(args.step_limit or preset["step_limit"], "--step_limit")
-    args.margin = seconds(args.margin or preset["margin"], "--margin")
+    args.margin = seconds(args.margin or preset["margin"], "--margin", zero=True)
+    args.min_step, args.results_time = seconds(preset["min_step"], ""), seconds(preset["results_time"], "")
     args.budget = None if args.budget is None else seconds(args.budget, "--budget")
     asked, args.steps = args.steps and args.steps.split(","), None
-    names = [name for name, *_ in plan(args)]
+    names = plan(args)
     if set(asked or ()) - set(names):
         fail(f"--steps {','.join(set(asked) - set(names))}: no such step; pick from {','.join(names)}")
     args.steps = asked or names
-    if args.max_iters < 1 or args.parallel < 1 or args.step_limit <= 0:
-        fail("--max_iters, --parallel and --step_limit must be positive")
+    if args.max_iters < 1 or args.parallel < 1:
+        fail("--max_iters and --parallel must be positive")
     if not args.dry_run and not os.path.isfile(os.path.join(args.data_dir, "train.bin")):
         fail(f"no {args.data_dir}/train.bin: run python prepare_data.py first, or pass --data_dir")
     return args
@@ -114,23 +156,70 @@ def settings(argv):
 # ------------------------------------------------------------------------------ what exists so far
 
 
-def load_state(work):
-    path = os.path.join(work, "state.json")
-    return json.load(open(path)) if os.path.exists(path) else {}
+def load_state(work, device, preset):
+    """<work>/state.json: what the tests and bench steps did, kept only for the same device and preset
+    (the tests of another device, or a --smoke call's, are not this call's); one line if it is not what
+    gpu.py writes."""
+    path, fresh = os.path.join(work, "state.json"), {"device": device, "preset": preset}
+    if not os.path.exists(path):
+        return fresh
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        why = None if well_formed(state) else "not what gpu.py writes"
+    except (OSError, ValueError) as e:  # cut short, not JSON, not text
+        why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+    if why:
+        fail(f"cannot read {path} ({why}); delete it to run the tests and bench again (the runs are kept)")
+    same = (state.get("device"), state.get("preset")) == (device, preset)
+    return state if same else fresh
+
+
+def well_formed(state):
+    """Whether state is {"device", "preset", "tests", "bench"}, each step {"done", "summary", "seconds"}."""
+    kinds = {"done": bool, "summary": str, "seconds": (int, float)}
+    steps = [state[k] for k in ("tests", "bench") if k in state] if isinstance(state, dict) else [None]
+    return all(isinstance(s, dict) and all(isinstance(s.get(k), t) for k, t in kinds.items()) for s in steps)
 
 
 def save_state(work, state):
     atomic_write(os.path.join(work, "state.json"), json.dumps(state, indent=1))
 
 
-def batches_done(run_dir):
-    """The batch the run's checkpoint holds (0 for none): where --resume continues."""
+def model_settings(args, name):
+    """The model this call trains for a run, as train.py's checkpoint records it (its config, less the
+    vocabulary): Table 1 (extractor.Config's defaults) with the run's and the preset's flags."""
+    from extractor import Config
+
+    flags = [*RUNS[name], *args.train]
+    given = dict(zip(flags[::2], flags[1::2]))  # every flag here has a value
+    fields = [f for f in dataclasses.fields(Config) if f.name != "vocab_size"]
+    return {f.name: type(f.default)(given.get(f"--{f.name}", f.default)) for f in fields}
+
+
+def batches_done(args, name):
+    """The batch the run's checkpoint holds (0 for none): where --resume continues. One line if it
+    cannot be read, or if it holds another model than this call trains: a real call never resumes a
+    --smoke run's tiny model as a Table 1 run, nor the other way round."""
     import torch
 
+    run_dir = os.path.join(args.work, name)
     path = os.path.join(run_dir, "ckpt.pt")
     if not os.path.exists(path):
         return 0
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter"]
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        at, config = int(ckpt["iter"]), dict(ckpt["config"])
+    except Exception as e:  # cut short, or not train.py's
+        fail(
+            f"cannot read {path} ({type(e).__name__}); it is damaged: delete {run_dir} to train {name} again"
+        )
+    want = model_settings(args, name)
+    other = "; ".join(f"{k} {config.get(k)}, not {v}" for k, v in want.items() if config.get(k) != v)
+    if other:
+        made = "without" if args.smoke else "with"
+        fail(f"{path} is not the model this call trains ({other}): made {made} --smoke? pick another --work")
+    return at
 
 
 def read_log(run_dir):
@@ -139,15 +228,20 @@ def read_log(run_dir):
 
 
 def seconds_per_batch(args, name):
-    """From the run's own log.csv, else from bench.py section 3 (its Table 1 model), else None."""
+    """From the run's own log.csv, else from bench.py section 3 (its Table 1 model): this device's
+    (bench.json in the results), else at Table 1's sizes the one in results/table1/ (an H200's or a
+    CPU's); else None."""
     rows = read_log(os.path.join(args.work, name))
     if rows:
         return float(rows[-1]["elapsed_s"]) / int(rows[-1]["iter"])
-    bench = os.path.join(args.results, "bench.json")
-    if name in BENCH_ROW and os.path.exists(bench):
+    benches = [os.path.join(args.results, "bench.json")]
+    if not args.smoke and args.device.split(":")[0] in REFERENCE:
+        benches.append(os.path.join(ROOT, "results", "table1", REFERENCE[args.device.split(":")[0]]))
+    for bench in filter(os.path.exists, benches if name in BENCH_ROW else []):
         model = json.load(open(bench))["sections"].get("model", [])
         times = [r["step_ms"] / 1000 for r in model if r["mixer"] == BENCH_ROW[name]]
-        return times[0] if times else None  # the first model is the deepest, Table 1's m = 18
+        if times:
+            return times[0]  # the first model is the deepest, Table 1's m = 18
     return None
 
 
@@ -155,46 +249,143 @@ def seconds_per_batch(args, name):
 
 
 def plan(args):
-    """[(name, kind, target, what)]: kind tests, bench, table1 or dtype; target the batches to train."""
-    tests = f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
-    train = lambda n: "train.py " + " ".join((TABLE1 | DTYPES)[n])
-    steps = [("tests", "tests", None, tests), ("bench", "bench", None, "bench.py --sections 1,3,6")] + [
-        *((n, "table1", args.max_iters, train(n)) for n in TABLE1),
-        *((n, "dtype", args.dtype_iters, train(n)) for n in DTYPES),
-    ]
-    return [s for s in steps if not args.steps or s[0] in args.steps]
+    """The steps' names in PLAN's order (of --steps only, once it is known)."""
+    names = [n for entry in PLAN for n in ([entry] if isinstance(entry, str) else entry)]
+    return [n for n in names if not args.steps or n in args.steps]
+
+
+def target(args, name):
+    """The batches a run trains to."""
+    return args.dtype_iters if name in DTYPES else args.max_iters
+
+
+def command(args, name):
+    if name == "tests":
+        return f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
+    return "bench.py --sections 1,3,6" if name == "bench" else "train.py " + " ".join(RUNS[name])
 
 
 def progress(args, state):
     """A line per step: done or not, how far, how long what is left should take here; then the total."""
     lines, total, unknown = [], 0.0, False
-    for name, kind, target, what in plan(args):
-        if target is None:
+    for name in plan(args):
+        if name not in RUNS:
             was = state.get(name, {})  # a step that failed or was cut took at least its seconds
             done, left, how = was.get("done", False), was.get("seconds"), was.get("summary", "not run yet")
         else:
-            at = batches_done(os.path.join(args.work, name))
-            done, per = at >= target, seconds_per_batch(args, name)
-            left, how = None if per is None else (target - at) * per, f"batch {at} of {target}"
+            at, goal, per = batches_done(args, name), target(args, name), seconds_per_batch(args, name)
+            done, left, how = at >= goal, None if per is None else (goal - at) * per, f"batch {at} of {goal}"
         if not done:
             total += left or 0.0
             unknown |= left is None
         eta = "done" if done else "unknown" if left is None else fmt_time(left)
-        lines.append(f"  [{'x' if done else ' '}] {name:<12} {eta:>8}  {what}: {how}")
+        lines.append(f"  [{'x' if done else ' '}] {name:<12} {eta:>8}  {command(args, name)}: {how}")
     rest = " + ".join([fmt_time(total)] * (total > 0) + ["unknown"] * unknown) or "nothing"
     side = f", Table 1 runs {args.parallel} side by side (estimate: one after another)" * (args.parallel > 1)
     return "\n".join(lines + [f"  left: {rest}{side}"])
 
 
-# ------------------------------------------------------------------------------ running a step
+def next_step(args, state, tried):
+    """The next step's runs (or its one name: tests, bench), or None when all is done (or, a tests or
+    bench step, tried this call)."""
+    for entry in PLAN:
+        if isinstance(entry, str):
+            if entry in args.steps and not state.get(entry, {}).get("done") and entry not in tried:
+                return [entry]
+            continue
+        at = {n: batches_done(args, n) for n in entry if n in args.steps}
+        left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target(args, n))
+        if left:  # least trained first
+            return [n for _, _, n in left[: args.parallel]]
+    return None
 
 
-def launch(cmd, log_path, env=None):
+# ------------------------------------------------------------------------------ children live and die with it
+
+
+class Stopped(Exception):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP): raised between steps at once, during one once its
+    children have stopped."""
+
+
+STOP = {"signal": None, "count": 0, "in_step": False}
+
+
+def on_stop(signum, frame):
+    STOP["signal"], STOP["count"] = STOP["signal"] or signum, STOP["count"] + 1
+    if not STOP["in_step"]:
+        raise Stopped(STOP["signal"])
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Ctrl-C, kill and a closed terminal stop gpu.py (on_stop, wait()); nohup's SIGHUP stays ignored."""
+    STOP.update(signal=None, count=0, in_step=False)
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread, or no such signal here
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                old[s] = signal.signal(s, on_stop)
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def lock_folders(folders):
+    """An exclusive OS lock on each folder (made if need be; the lock is on the folder itself, no file is
+    written), held by gpu.py and passed to its children: no second gpu.py starts on these folders until
+    the first and every child of it has ended. Returns the open descriptors (none without fcntl)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here
+        return []
+    fds = []
+    for folder in dict.fromkeys(os.path.realpath(f) for f in folders):
+        os.makedirs(folder, exist_ok=True)
+        fds.append(os.open(folder, os.O_RDONLY))
+        try:
+            fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            fail(f"another gpu.py (or a train.py it started) is running on {folder}; wait for it to end")
+    return fds
+
+
+def die_with_parent():
+    """Linux: a preexec_fn by which the kernel sends the child SIGTERM when gpu.py ends, even by kill -9
+    (train.py then checkpoints and stops). Elsewhere None: the children of a killed gpu.py run on."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent, PR_SET_PDEATHSIG = ctypes.CDLL(None).prctl, os.getpid(), 1  # from <linux/prctl.h>
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # gpu.py ended before that
+            os._exit(1)
+
+    return preexec
+
+
+def launch(args, cmd, log_path, env=None):
+    """The child in a process group of its own (a stop reaches the processes it starts too), holding
+    gpu.py's folder locks and ended with it."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        env = {**os.environ, **(env or {})}
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            pass_fds=args.locks, preexec_fn=die_with_parent(),
+        )  # fmt: skip
+
+
+def kill_group(p, sig):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
 
 
 def mtime(path):
@@ -202,52 +393,70 @@ def mtime(path):
 
 
 def wait(procs, deadline, hard_end, ckpts=None):
-    """Wait for the processes; SIGTERM each at the deadline once it has written a checkpoint since it
-    started (ckpts: its ckpt.pt, None if it has none to write); SIGKILL at hard_end. Their exit codes."""
+    """Wait for the processes. SIGTERM each at the deadline once it has written a checkpoint since it
+    started (ckpts: its ckpt.pt, None if it has none to write), or at once on a stop signal; SIGKILL at
+    hard_end, or on a second stop signal. Their exit codes."""
     start_mtimes = [mtime(c) if c else None for c in ckpts or [None] * len(procs)]
     asked = [False] * len(procs)
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
         for i, p in enumerate(procs):
             saved = not ckpts or mtime(ckpts[i]) != start_mtimes[i]
-            if p.poll() is None and now >= deadline and not asked[i] and (saved or now >= hard_end):
-                p.send_signal(signal.SIGTERM)
+            if p.poll() is None and not asked[i] and (STOP["signal"] or (now >= deadline and saved)):
+                kill_group(p, signal.SIGTERM)
                 asked[i] = True
-            if p.poll() is None and now >= hard_end:
-                p.kill()
+            if p.poll() is None and (now >= hard_end or STOP["count"] > 1):
+                kill_group(p, signal.SIGKILL)
         time.sleep(0.05)  # a tiny model trains some 20 batches in this time
     return [p.returncode for p in procs]
+
+
+def start_and_wait(args, cmds, deadline, hard_end, ckpts=None, env=None):
+    """Start these (command, log) pairs and wait() for them; meanwhile a stop signal goes to them."""
+    procs = []
+    STOP["in_step"] = True
+    try:
+        procs += [launch(args, cmd, log, env) for cmd, log in cmds]
+        return wait(procs, deadline, hard_end, ckpts)
+    finally:
+        STOP["in_step"] = False
+        for p in procs:  # only if gpu.py itself failed in the step
+            if p.poll() is None:
+                kill_group(p, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------ running a step
 
 
 def tests_step(args, deadline, hard_end):
     cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests.py"), "-q", *args.tests]
     out = os.path.join(args.results, "tests.txt")
     open(out, "w").close()
-    (rc,) = wait([launch(cmd, out, {"TEST_DEVICE": args.device})], deadline, hard_end)
+    (rc,) = start_and_wait(args, [(cmd, out)], deadline, hard_end, env={"TEST_DEVICE": args.device})
     last = [line for line in open(out).read().splitlines() if line.strip()][-1:]
-    return rc in (0, 1), f"pytest exit {rc}: {last[0] if last else 'no output'}"  # 1: some tests failed
+    return rc == 0, f"pytest exit {rc}: {last[0] if last else 'no output'}"
 
 
 def bench_step(args, deadline, hard_end):
     out, table = os.path.join(args.results, "bench.txt"), os.path.join(args.results, "bench.json")
     cmd = [sys.executable, os.path.join(ROOT, "bench.py"), "--device", args.device, "--sections", "1,3,6"]
     open(out, "w").close()
-    (rc,) = wait([launch([*cmd, *args.bench, "--json", table], out)], deadline, hard_end)
+    (rc,) = start_and_wait(args, [([*cmd, *args.bench, "--json", table], out)], deadline, hard_end)
     return rc == 0, f"bench.py exit {rc}: tables in {out}"
 
 
-def train_step(args, names, target, deadline, hard_end):
-    """One step of these runs side by side: each from its checkpoint (--resume) towards target."""
-    procs, ckpts = [], []
+def train_step(args, names, deadline, hard_end):
+    """One step of these runs side by side: each from its checkpoint (--resume) towards its target."""
+    cmds, ckpts = [], []
     for name in names:
         run_dir = os.path.join(args.work, name)
         ckpts.append(os.path.join(run_dir, "ckpt.pt"))
-        flags = [*(TABLE1 | DTYPES)[name], *args.train, "--max_iters", str(target), "--out_dir", run_dir]
+        flags = [*RUNS[name], *args.train, "--max_iters", str(target(args, name)), "--out_dir", run_dir]
         flags += ["--data_dir", args.data_dir, "--device", args.device]
         flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
-        procs.append(launch(cmd, os.path.join(args.results, "logs", f"{name}.txt")))
-    return wait(procs, deadline, hard_end, ckpts)
+        cmds.append((cmd, os.path.join(args.results, "logs", f"{name}.txt")))
+    return start_and_wait(args, cmds, deadline, hard_end, ckpts)
 
 
 # ------------------------------------------------------------------------------ results after every step
@@ -287,13 +496,13 @@ def gzip_bytes(data):
 def write_results(args, state):
     """The runs' log.csv (as log.csv.gz) and run.json, Figure 8 with its CSVs, Figure 9, dtype.csv and
     progress.txt."""
-    runs = [n for n in (*TABLE1, *DTYPES) if read_log(os.path.join(args.work, n))]
+    runs = [n for n in RUNS if read_log(os.path.join(args.work, n))]
     for name in runs:  # the logs kept as results/logs/ keeps them: log.csv.gz (plot.py reads it) and run.json
         os.makedirs(os.path.join(args.results, "runs", name), exist_ok=True)
         for f, pack in (("log.csv", gzip_bytes), ("run.json", bytes)):
             with contextlib.suppress(FileNotFoundError), open(os.path.join(args.work, name, f), "rb") as src:
-                target = os.path.join(args.results, "runs", name, f + (".gz" if pack is gzip_bytes else ""))
-                atomic_write(target, pack(src.read()))
+                dest = os.path.join(args.results, "runs", name, f + (".gz" if pack is gzip_bytes else ""))
+                atomic_write(dest, pack(src.read()))
     fig8 = [os.path.join(args.work, n) for n in TABLE1 if n in runs]
     if fig8:
         plot(args, "fig8", *fig8, "--results", args.results, "-o", os.path.join(args.results, "fig8.png"))
@@ -307,69 +516,65 @@ def write_results(args, state):
 # ------------------------------------------------------------------------------ the loop
 
 
-def next_step(args, state, tried):
-    """(name, kind, target, names) of the next step, or None when all is done (or tried this call)."""
-    for name, kind, target, _ in plan(args):
-        if target is None and not state.get(name, {}).get("done") and name not in tried:
-            return name, kind, None, [name]
-        if target is not None:
-            group = [n for n in (TABLE1 if kind == "table1" else DTYPES) if n in args.steps]
-            at = {n: batches_done(os.path.join(args.work, n)) for n in group}
-            # least trained first
-            left = sorted((a, i, n) for i, (n, a) in enumerate(at.items()) if a < target)
-            k = args.parallel if kind == "table1" else 1  # dtype: one at a time, so the speeds compare
-            if left:
-                return kind, kind, target, [n for _, _, n in left[:k]]
-    return None
-
-
 FINE = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or stopped by wait()
 
 
 def run(args):
     start = time.monotonic()
     end = start + args.budget if args.budget else float("inf")
+    args.locks = [] if args.dry_run else lock_folders([args.work, args.results])
+    try:
+        return steps(args, start, end)
+    finally:
+        for fd in args.locks:
+            os.close(fd)
+
+
+def steps(args, start, end):
+    """The plan, then its steps until all is done or the budget is spent."""
     args.device, named = describe(args.device)
-    state = load_state(args.work)
-    if state.get("device") != named:  # the tests and bench of another device are not this one's
-        state = {"device": named}
+    state = load_state(args.work, named, "smoke" if args.smoke else "full")
+    table = progress(args, state)  # (a run folder of other settings is refused here, before any output)
     print(f"gpu.py on {named}: results in {args.results}, runs in {args.work}")
     budget = fmt_time(args.budget) if args.budget else "none"
     print(f"step limit {fmt_time(args.step_limit)}, budget {budget}; time left from each run's own log.csv,")
-    print("else from bench.py section 3 (bench.json in the results), else unknown:")
-    print(progress(args, state), flush=True)
+    print("else from bench.py section 3 (this device's, else results/table1/'s), else unknown:")
+    print(table, flush=True)
     if args.dry_run:
         return 0
-    os.makedirs(args.results, exist_ok=True)
-    os.makedirs(args.work, exist_ok=True)
-    tried = set()
-    while step := next_step(args, state, tried):
-        name, kind, target, names = step
-        left = end - time.monotonic() - args.margin
-        if left <= 0:
-            print(f"budget spent: stopped before {name}; run the same command again to go on")
+    tried, results_time = set(), args.results_time  # the longest the results took, kept at the end
+    while names := next_step(args, state, tried):
+        step = " ".join(names)
+        left = end - time.monotonic() - args.margin - results_time
+        if left < args.min_step:
+            print(f"budget spent: stopped before {step}; run the same command again to go on")
             return 0
         t0 = time.monotonic()
-        deadline = t0 + min(args.step_limit, left)
-        hard_end = end  # train.py gets SIGTERM only after its first checkpoint, so a step makes progress
-        print(f"-- {name}: {' '.join(names)}, until {fmt_time(deadline - start)} into this call", flush=True)
-        if target is None:
-            tried.add(name)
-            done, summary = (tests_step if kind == "tests" else bench_step)(args, deadline, hard_end)
-            state[name] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
-            print(f"   {summary}")
-        else:
-            codes = train_step(args, names, target, deadline, hard_end)
-            at = [f"{n} at batch {batches_done(os.path.join(args.work, n))}" for n in names]
-            print("   " + ", ".join(at))
+        deadline, hard_end = t0 + min(args.step_limit, left), end - results_time
+        print(f"-- {step}, until {fmt_time(deadline - start)} into this call", flush=True)
+        if names[0] in RUNS:
+            codes = train_step(args, names, deadline, hard_end)
+            print("   " + ", ".join(f"{n} at batch {batches_done(args, n)}" for n in names))
             if any(c not in FINE for c in codes):
                 print(f"   train.py failed (exit codes {codes}); see {args.results}/logs/; stopping")
                 return 1
+        else:
+            tried.add(step)
+            done, summary = (tests_step if step == "tests" else bench_step)(args, deadline, hard_end)
+            state[step] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
+            print(f"   {summary}")
         save_state(args.work, state)
+        t1 = time.monotonic()
         write_results(args, state)
+        results_time = max(results_time, time.monotonic() - t1)
+        if STOP["signal"]:
+            raise Stopped(STOP["signal"])
         print(f"   after {fmt_time(time.monotonic() - start)}:\n{progress(args, state)}", flush=True)
     failed = [n for n in ("tests", "bench") if n in args.steps and not state[n]["done"]]
-    print(f"{', '.join(failed)} failed: see {args.results}" if failed else "nothing left to do")
+    if failed:
+        print(f"failed: {', '.join(failed)} (see {args.results}); the next call runs them again")
+    else:
+        print("nothing left to do")
     return 1 if failed else 0
 
 
@@ -384,10 +589,15 @@ def describe(device):
 def main(argv=None):
     plain_output()
     try:
-        args = settings(sys.argv[1:] if argv is None else argv)
-        return run(args)
+        with stop_signals():
+            return run(settings(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:
         return e.code
+    except (Stopped, KeyboardInterrupt) as e:
+        signum = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(f"{name}: gpu.py stopped, its runs at their last checkpoint; run the same command to go on")
+        return 128 + signum
     except OSError as e:
         where = e.filename or "a result"
         msg = f"error: cannot write {where} ({e.strerror}); pick another --results or --work"

@@ -3331,13 +3331,13 @@ def _gpu_iter(tmp, run):
 
 @pytest.fixture(scope="module")
 def gpu_smoke(tmp_path_factory):
-    """Three calls of gpu.py --smoke: one whose budget ends it in the middle of a step of the me run
-    (cut at the step limit once it has checkpointed; the budget's hard end, 300 s, is far enough away
-    for a loaded machine to reach that first checkpoint), one that does every step, one with nothing
-    left."""
+    """Three calls of gpu.py --smoke: one whose budget ends it after one step of the me run (cut at the
+    step limit once it has checkpointed; the budget's hard end, 300 s, is far enough away for a loaded
+    machine to reach that first checkpoint; the margin leaves 5.5 s for steps, --smoke's least step is
+    5 s and the results keep 3 s), one that does every step, one with nothing left."""
     tmp = tmp_path_factory.mktemp("gpu")
     _tr_make_data(tmp / "data")
-    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "300s", "--margin", "299.5s")
+    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "300s", "--margin", "291.5s")
     at_cut = _gpu_iter(tmp, "me")
     full = _gpu_call(tmp, "--parallel", "3")
     logs = {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS}
@@ -3349,9 +3349,9 @@ def gpu_smoke(tmp_path_factory):
 def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, capsys):
     tmp, (rc, out, err), at_cut, full, again, logs = gpu_smoke
     assert rc == 0 and not err, err
-    plan, rest = out.split("-- table1: me", 1)  # the plan comes before the first step
+    plan, rest = out.split("-- me,", 1)  # the plan comes before the first step
     assert re.search(r"\[ \] me +unknown  train.py --mixer me: batch 0 of 100", plan)
-    assert f"me at batch {at_cut}" in rest and "budget spent: stopped before table1" in rest
+    assert f"me at batch {at_cut}" in rest and "budget spent: stopped before me;" in rest
     assert 10 <= at_cut < 100  # cut in the middle of the run, after its first checkpoint
 
     rc, out, err = full
@@ -3359,8 +3359,7 @@ def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, ca
     assert f"batch {at_cut} of 100" in out.split("-- tests")[0]  # the plan: me continues where it stopped
     steps = [line.split(",")[0] for line in out.splitlines() if line.startswith("-- ")]
     assert steps == [  # in order; three runs side by side, the least trained first; dtype one at a time
-        "-- tests: tests", "-- bench: bench", "-- table1: sa-1 sa-32 she", "-- table1: he we me",
-        "-- dtype: me-float32", "-- dtype: me-bfloat16",
+        "-- tests", "-- bench", "-- sa-1 sa-32 she", "-- he we me", "-- me-float32", "-- me-bfloat16",
     ]  # fmt: skip
     assert out.count("left: ") == 7 and out.rstrip().endswith("nothing left to do")
     assert [_gpu_iter(tmp, run) for run in _GPU_RUNS] == [100] * 6 + [30] * 2
@@ -3414,6 +3413,10 @@ def test_gpu_step_limit_cut_resumes_bit_for_bit(gpu_smoke):
         (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
         (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from tests,bench,sa-1"),
         (["--parallel", "0"], "must be positive"),
+        (["--budget", "0", "--dry_run"], "--budget '0' must be more than 0"),
+        (["--budget", "0m", "--dry_run"], "--budget '0m' must be more than 0"),
+        (["--budget", "-5m", "--dry_run"], "--budget '-5m' must be more than 0"),
+        (["--step_limit", "0s", "--dry_run"], "--step_limit '0s' must be more than 0"),
         (["--data_dir", "no/such/folder"], "no no/such/folder/train.bin: run python prepare_data.py first"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate (see python gpu.py --help)"),
     ],
@@ -3438,8 +3441,180 @@ def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_da
     argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--results", str(tmp_path / "r")]
     assert gpu.main([*argv, "--work", str(work)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10 and "left: unknown" in out
+    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10
     assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
+
+
+def _gpu_argv(tmp, data, *flags):
+    """gpu.py --smoke on the CPU into tmp/r and tmp/w."""
+    folders = ["--data_dir", str(data), "--results", str(tmp / "r"), "--work", str(tmp / "w")]
+    return ["--smoke", "--device", "cpu", *folders, *flags]
+
+
+def _proc_children(pid):
+    """The processes whose parent is pid (Linux: /proc)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(open(stat).read().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.split("/")[2]))
+    return kids
+
+
+def _proc_alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _gpu_training(tmp, data):
+    """A gpu.py --smoke process training me towards a million batches, once its child train.py has
+    written its first checkpoint: (the gpu.py process, the child's pid); both killed after, if need be."""
+    flags = ["--steps", "me", "--max_iters", "1000000", "--step_limit", "1h"]  # only a signal stops it
+    cmd = [sys.executable, os.path.join(ROOT, "gpu.py"), *_gpu_argv(tmp, data, *flags)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    kids = []
+    try:
+        until = time.monotonic() + 300
+        while not (tmp / "w" / "me" / "ckpt.pt").exists():
+            assert p.poll() is None and time.monotonic() < until, p.communicate()
+            time.sleep(0.1)
+        kids = _proc_children(p.pid)
+        assert len(kids) == 1, kids
+        yield p, kids[0]
+    finally:
+        for pid in [p.pid, *kids]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        p.communicate()
+
+
+def _gpu_me_stopped(tmp):
+    """train.py of the me run said it stopped on SIGTERM, at the batch its checkpoint holds."""
+    said = re.findall(r"SIGTERM: stopped at batch (\d+)", (tmp / "r" / "logs" / "me.txt").read_text())
+    ckpt = torch.load(tmp / "w" / "me" / "ckpt.pt", weights_only=True)
+    return said != [] and int(said[-1]) == ckpt["iter"] >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_gpu_stop_signal_reaches_the_child_which_checkpoints_then_one_line(sig, tr_data, tmp_path):
+    with _gpu_training(tmp_path, tr_data) as (p, child):
+        p.send_signal(sig)  # Ctrl-C or kill
+        out, err = (s.decode() for s in p.communicate(timeout=60))
+        assert p.returncode == 128 + sig and err == "" and not _proc_alive(child), (p.returncode, err)
+    assert out.splitlines()[-1].startswith(f"{signal.Signals(sig).name}: gpu.py stopped"), out
+    assert _gpu_me_stopped(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
+def test_gpu_killed_with_kill_9_leaves_no_child_training(tr_data, tmp_path, capsys):
+    with _gpu_training(tmp_path, tr_data) as (p, child):
+        p.kill()
+        p.wait()
+        until = time.monotonic() + 120
+        while _proc_alive(child) and time.monotonic() < until:
+            time.sleep(0.1)
+        assert not _proc_alive(child)
+    assert _gpu_me_stopped(tmp_path)  # it got SIGTERM and checkpointed
+    at = torch.load(tmp_path / "w" / "me" / "ckpt.pt", weights_only=True)["iter"]
+    argv = _gpu_argv(tmp_path, tr_data, "--steps", "me", "--max_iters", str(at))
+    assert gpu.main(argv) == 0 and "nothing left to do" in capsys.readouterr().out  # not refused
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_gpu_second_call_on_the_same_folders_is_refused_while_one_runs(tr_data, tmp_path, capsys):
+    with _gpu_training(tmp_path, tr_data) as (p, child):
+        err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--steps", "tests"))
+        assert "another gpu.py" in err and os.path.realpath(tmp_path / "w") in err
+        other_work = _gpu_argv(tmp_path, tr_data, "--steps", "tests", "--work", str(tmp_path / "w2"))
+        assert "another gpu.py" in error_line(capsys, gpu.main, other_work)  # the same --results
+        assert not (tmp_path / "r" / "tests.txt").exists()
+        p.send_signal(signal.SIGHUP)  # a closed terminal: stops it as Ctrl-C does
+        p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGHUP and not _proc_alive(child)
+    assert _gpu_me_stopped(tmp_path)
+
+
+@pytest.mark.slow
+def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, capsys):
+    tmp = gpu_smoke[0]
+    smoke, real = gpu.settings(["--smoke", "--dry_run"]), gpu.settings(["--dry_run"])
+    assert {smoke.work, smoke.results}.isdisjoint({real.work, real.results})  # default folders
+    argv = ["--device", "cpu", "--results", str(tmp / "results"), "--work", str(tmp / "work"), "--dry_run"]
+    assert gpu.main([*argv, "--steps", "tests,bench"]) == 0  # the smoke call's tests and bench are not done
+    out = capsys.readouterr().out
+    assert re.search(r"\[ \] tests +unknown", out) and re.search(r"\[ \] bench +unknown", out)
+    err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
+    assert f"{tmp / 'work' / 'sa-1' / 'ckpt.pt'} is not the model this call trains" in err
+    assert "n_layer 1, not 18" in err and "--smoke" in err
+
+
+def test_gpu_plan_estimates_the_runs_before_any_bench(tr_data, tmp_path, capsys):
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
+    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [ ] ")]
+    bench = json.load(open(os.path.join(ROOT, "results", "table1", "bench_cpu.json")))["sections"]["model"]
+    she = [r["step_ms"] for r in bench if r["mixer"] == "she"][0] * 60 / 3600  # 60000 batches, in hours
+    assert f"she {int(she)}h" in " ".join(" ".join(r.split()) for r in rows)
+    assert [r.split()[3] == "unknown" for r in rows] == [True, True] + [False] * 7 + [True]  # tests, bench
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"device": "cpu", "te', "JSONDecodeError"),
+        ("[]", "not what gpu.py writes"),
+        ('{"device": "cpu", "tests": true}', "not what gpu.py writes"),
+        ('{"tests": {"done": false, "summary": "", "seconds": "ten"}}', "not what gpu.py writes"),
+    ],
+)
+def test_gpu_unreadable_state_json_is_one_line_naming_it(text, why, tr_data, tmp_path, capsys):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "state.json").write_text(text)
+    err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--dry_run"))
+    assert f"cannot read {tmp_path / 'w' / 'state.json'} ({why}" in err and "delete it" in err
+
+
+def test_gpu_damaged_checkpoint_is_one_line_naming_it(tr_data, tmp_path, capsys):
+    (tmp_path / "w" / "me").mkdir(parents=True)
+    torch.save({"iter": 10, "model": torch.zeros(1000)}, tmp_path / "w" / "me" / "ckpt.pt")
+    os.truncate(tmp_path / "w" / "me" / "ckpt.pt", 1000)
+    err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--dry_run"))
+    assert f"cannot read {tmp_path / 'w' / 'me' / 'ckpt.pt'}" in err and "damaged" in err
+
+
+def _gpu_fake_tests(folder, passes):
+    """A tests.py for gpu.py's tests step (ROOT monkeypatched to folder), with --smoke's one test."""
+    folder.mkdir(exist_ok=True)
+    (folder / "tests.py").write_text(f"def test_forward_loss_is_eq3():\n    assert {passes}\n")
+    return str(folder)
+
+
+def test_gpu_failed_tests_step_is_a_failure_and_runs_again(tr_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=False))
+    argv = _gpu_argv(tmp_path, tr_data, "--steps", "tests")
+    assert gpu.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "pytest exit 1: 1 failed" in out and "failed: tests" in out and "[x]" not in out
+    assert gpu.main(argv) == 1 and "\n-- tests," in capsys.readouterr().out  # tried again
+
+
+def test_gpu_budget_starts_no_step_it_cannot_fit_and_keeps_time_for_the_results(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "6s")) == 0
+    assert "budget spent: stopped before tests;" in capsys.readouterr().out  # 6 s less margin and results
+    assert not (tmp_path / "r" / "tests.txt").exists()
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "12s")) == 0
+    until = re.search(r"-- tests, until ([0-9.]+)s into this call", capsys.readouterr().out)
+    assert until and float(until[1]) <= 12 - 1 - 2  # the margin, and time for the results
 
 
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
