@@ -136,13 +136,18 @@ def loglog_slope(ms_by_t, tokens):
 # ---------------------------------------------------------------------------------- what to measure
 
 
+def fir_taps(module):
+    """The Extractor's taps (W_ext or w_ext), None for a mixer without a FIR."""
+    return next((p for n, p in module.named_parameters() if n.split(".")[-1] in ("W_ext", "w_ext")), None)
+
+
 def fir_path(module, t):
-    """Which computation a mixer takes at sequence length t, read from its taps' shape and
-    fir.FFT_MIN_T_SCALAR: toeplitz (scalar taps, short t), fft, sdpa (attention), matmul."""
-    taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in ("W_ext", "w_ext")]
-    if not taps:
+    """Which computation a mixer takes at sequence length t on its device: fir.default_path of its taps
+    (toeplitz, toeplitz-strided, fft, fft-cuda), else sdpa (attention) or matmul."""
+    taps = fir_taps(module)
+    if taps is None:
         return "sdpa" if isinstance(module, extractor.SelfAttention) else "matmul"
-    return "toeplitz" if taps[0].dim() == 1 and t < fir.FFT_MIN_T_SCALAR else "fft"
+    return fir.default_path(taps.device.type, taps.dim(), t)
 
 
 def make_config(s, args, mixer, l, n_layer=1):

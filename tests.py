@@ -5,6 +5,7 @@ import collections
 import contextlib
 import copy
 import csv
+import functools
 import glob
 import gzip
 import hashlib
@@ -210,18 +211,18 @@ def test_mixer_equals_literal_equations(name):
         assert torch.allclose(y, literal_mixer(name, m, x), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "shape,path",
-    [((12,), "toeplitz"), ((12,), "fft"), ((12, 5), "fft"), ((12, 5, 5), "fft")],
-    ids=["scalar-toeplitz", "scalar-fft", "vector-fft", "matrix-fft"],
-)
-def test_fir_forward_and_backward_equal_literal_sum(shape, path, monkeypatch):
-    """Each path of fir.fir_full against extractor.causal_fir_reference, the double sum as written."""
-    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1 if path == "fft" else 10**9)
+FIR_TAPS = {1: (12,), 2: (12, 5), 3: (12, 5, 5)}  # w.dim() -> taps of l = 12 for 5 features
+FIR_CASES = [(FIR_TAPS[dim], path) for path, dims in fir.PATHS.items() for dim in dims]
+
+
+@pytest.mark.parametrize("shape,path", FIR_CASES, ids=[f"{len(s)}d-{p}" for s, p in FIR_CASES])
+def test_fir_forward_and_backward_equal_literal_sum(shape, path):
+    """Each path of fir.fir_full, named explicitly (so every path runs on every device), against
+    extractor.causal_fir_reference, the double sum as written."""
     torch.manual_seed(1)
-    for t in (1, 7, 12):
+    for t in (1, 7, 8, 12):
         x, w, g = torch.randn(3, t, 5).double(), torch.randn(*shape).double(), torch.randn(3, t, 5).double()
-        y, dx, dw = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
+        y, dx, dw = fir_and_grads(functools.partial(fir.fir_full, path=path), dev(x), dev(w), dev(g))
         y_ref, dx_ref, dw_ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
         assert torch.allclose(y, y_ref, atol=TOL, rtol=0)
         assert torch.allclose(dx, dx_ref, atol=TOL, rtol=0)
@@ -234,6 +235,68 @@ def fir_and_grads(fir, x, w, g):
     x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
     y = fir(x, w)
     return cpu64(y, *torch.autograd.grad(y, (x, w), g))
+
+
+def test_fir_default_path_by_device_type_taps_and_length(monkeypatch):
+    """The CPU and MPS keep the paths measured on the CPU. CUDA takes its own for scalar and matrix taps,
+    and the FFT for vector taps until a GPU measures the batched Toeplitz product faster (then
+    CUDA_TOEPLITZ_MAX_T_VECTOR is raised). taps: w.dim(), 1 scalars (ME), 2 vectors, 3 matrices (SHE)."""
+    want = {  # (device type, w.dim(), t) -> path
+        ("cpu", 1, 1): "toeplitz", ("cpu", 1, 1023): "toeplitz", ("cpu", 1, 1024): "fft",
+        ("cpu", 2, 1): "fft", ("cpu", 2, 128): "fft", ("cpu", 3, 128): "fft",
+        ("mps", 1, 128): "toeplitz", ("mps", 2, 128): "fft", ("mps", 3, 128): "fft",
+        ("cuda", 1, 1): "toeplitz-strided", ("cuda", 1, 1023): "toeplitz-strided", ("cuda", 1, 1024): "fft",
+        ("cuda", 2, 1): "fft", ("cuda", 2, 128): "fft",
+        ("cuda", 3, 1): "fft-cuda", ("cuda", 3, 128): "fft-cuda",
+    }  # fmt: skip
+    for (device, dim, t), path in want.items():
+        assert fir.default_path(device, dim, t) == path, (device, dim, t)
+    monkeypatch.setattr(fir, "CUDA_TOEPLITZ_MAX_T_VECTOR", 256)
+    assert [fir.default_path("cuda", 2, t) for t in (1, 256, 257)] == ["toeplitz-strided"] * 2 + ["fft"]
+    assert fir.default_path("cpu", 2, 128) == "fft"
+
+
+def spy_fir_paths(monkeypatch):
+    """A list to which each fir_full call appends the path it computes by, told by the function it calls."""
+    taken = []
+    toeplitz, strided, fft = fir.toeplitz, fir.ToeplitzStrided.apply, fir.FIRFFT.apply
+    monkeypatch.setattr(fir, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
+    monkeypatch.setattr(
+        fir.ToeplitzStrided, "apply", lambda x, w: taken.append("toeplitz-strided") or strided(x, w)
+    )
+    monkeypatch.setattr(
+        fir.FIRFFT, "apply", lambda x, w, cuda: taken.append("fft-cuda" if cuda else "fft") or fft(x, w, cuda)
+    )
+    return taken
+
+
+def test_fir_full_takes_its_device_default_unless_a_path_is_named_or_forced(monkeypatch):
+    taken = spy_fir_paths(monkeypatch)
+    for dim, shape in FIR_TAPS.items():
+        x, w = dev(torch.randn(2, 12, 5)), dev(torch.randn(*shape))
+        fir.fir_full(x, w)
+        assert taken == [fir.default_path(DEVICE.type, dim, 12)], (dim, taken)
+        for path in [p for p, dims in fir.PATHS.items() if dim in dims]:
+            taken.clear()
+            fir.fir_full(x, w, path=path)
+            with fir.forcing(path):
+                fir.fir_full(x, w)
+            assert taken == [path, path], (dim, path, taken)
+            taken.clear()
+
+
+def test_fir_full_refuses_a_path_that_does_not_compute_the_taps():
+    x = torch.randn(1, 4, 5)
+    for path, shape in [
+        ("fft-cuda", (4, 5)),
+        ("toeplitz", (4, 5)),
+        ("toeplitz-strided", (4, 5, 5)),
+        ("fftw", (4,)),
+    ]:
+        with pytest.raises(ValueError, match=f"no FIR path '{path}' for taps of shape"):
+            fir.fir_full(x, torch.randn(*shape), path=path)
+    with pytest.raises(ValueError, match="no FIR path 'fftw'"), fir.forcing("fftw"):
+        pass
 
 
 def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
@@ -2669,18 +2732,15 @@ def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
 
 
 def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
-    """fir_path reads the taps' shape and FFT_MIN_T_SCALAR; check it against the code that actually runs."""
-    taken = []
-    toeplitz, fft_apply = fir.toeplitz, fir.FIRFFT.apply
-    monkeypatch.setattr(fir, "toeplitz", lambda w: taken.append("toeplitz") or toeplitz(w))
-    monkeypatch.setattr(fir.FIRFFT, "apply", lambda *a: taken.append("fft") or fft_apply(*a))
+    """fir_path reads the taps' shape and device; check it against the code that actually runs."""
+    taken = spy_fir_paths(monkeypatch)
     monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 8)
     for name in extractor.MIXERS:
         cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
-        module = extractor.MIXERS[name](cfg)
+        module = dev(extractor.MIXERS[name](cfg))
         for t in (4, 12):  # both sides of the scalar-tap threshold
             taken.clear()
-            module(torch.randn(1, t, 4))
+            module(dev(torch.randn(1, t, 4)))
             want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
             assert bench.fir_path(module, t) == want, (name, t)
 
