@@ -34,6 +34,12 @@ reshaping, so an rfft along the time axis of a (B, t, d) tensor copies it to tim
 transposes before the rffts are that copy, made explicitly. It writes the spectrum time-last, so the
 per-frequency bmm needs its (F, B, d) copy (cuBLAS wants a unit stride inside each matrix); and an irfft
 always copies its input first (cuFFT's c2r overwrites it).
+
+TF32 (the suspected cause of SHE's gap in issue 40, under test, not a finding): train.py lets CUDA's
+float32 matmuls run in TF32 (10-bit mantissa). cuBLAS's TF32 mode covers complex64 GEMM too, so SHE's
+per-frequency products would see inputs rounded to 10 bits, in forward and both gradients. Here every
+GEMM of the toeplitz-strided, fft and fft-cuda paths runs in IEEE float32 whatever the global setting
+(ieee_float32); ALLOW_TF32 = True lets them follow it again, as before, to reproduce the gap.
 """
 
 import contextlib
@@ -44,6 +50,7 @@ import torch.nn.functional as F
 FFT_MIN_T_SCALAR = 1024  # scalar taps (ME): one Toeplitz GEMM below this t, the FFT from here on
 CUDA_TOEPLITZ_MAX_T_VECTOR = 0  # vector taps on CUDA: toeplitz-strided up to this t, else the FFT (0:
 # never, until bench.py section 1 on a GPU shows it faster at t = l = 128)
+ALLOW_TF32 = False  # True: the FIR's GEMMs follow allow_tf32 again (issue 40's diagnosis; see TF32)
 PATHS = {"toeplitz": (1,), "toeplitz-strided": (1, 2), "fft": (1, 2, 3), "fft-cuda": (3,)}  # w.dim()s
 _forced = None  # the path every fir_full call takes inside forcing()
 
@@ -97,6 +104,26 @@ def fir_full(x, w, path=None):
 
 
 # ----------------------------------------------------------------------------------------------------
+# TF32: the FIR's GEMMs in IEEE float32 on CUDA
+
+
+@contextlib.contextmanager
+def ieee_float32(device):
+    """Inside, CUDA's float32 (and complex64) GEMMs run in IEEE float32 even where train.py turned TF32
+    on; restored after. Nothing changes on other devices or with ALLOW_TF32. The switch goes through
+    the same flag train.py sets, allow_tf32, which keeps PyTorch's old and new precision settings in
+    step; fp32_precision is read because it answers under either API (allow_tf32 raises after a mix)."""
+    tf32 = device.type == "cuda" and not ALLOW_TF32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        if tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+
+# ----------------------------------------------------------------------------------------------------
 # Scalar taps, short sequences: the sum as one matrix product
 
 
@@ -131,32 +158,34 @@ class ToeplitzStrided(torch.autograd.Function):
     """fir_full as T x with T = toeplitz_strided(w): scalar taps, the same (t x t) matrix for every sequence
     (a batched GEMM with batch stride 0 over T, so neither T nor x is copied); vector taps, one (t x t)
     matrix per channel. The backward is written out, dx = T^T g and dw = diagonal_sums(dT) with dT = sum
-    over the batch of g x^T, so that dw is one reduction (autograd through unfold would sum each tap's t
-    terms in one GPU thread, unfold_backward's loop)."""
+    over the batch of g x^T, so that its GEMMs run in ieee_float32 too and dw is one reduction (autograd
+    through unfold would sum each tap's t terms in one GPU thread, unfold_backward's loop)."""
 
     @staticmethod
     def forward(ctx, x, w):  # x (B, t, d), w (t,) or (t, d)
         T = toeplitz_strided(w)  # (t, t) or (d, t, t)
         ctx.save_for_backward(x, T)
-        if T.dim() == 2:
-            return torch.bmm(T.expand(x.shape[0], -1, -1), x)  # (B, t, t) @ (B, t, d)
-        return torch.bmm(T, x.permute(2, 1, 0)).permute(2, 1, 0)  # (d, t, t) @ (d, t, B) -> (B, t, d)
+        with ieee_float32(x.device):
+            if T.dim() == 2:
+                return torch.bmm(T.expand(x.shape[0], -1, -1), x)  # (B, t, t) @ (B, t, d)
+            return torch.bmm(T, x.permute(2, 1, 0)).permute(2, 1, 0)  # (d, t, t) @ (d, t, B) -> (B, t, d)
 
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
         x, T = ctx.saved_tensors
         dx = dw = None
-        if T.dim() == 2:
+        with ieee_float32(g.device):
+            if T.dim() == 2:
+                if ctx.needs_input_grad[0]:
+                    dx = torch.bmm(T.mT.expand(g.shape[0], -1, -1), g)  # (B, t, d)
+                if ctx.needs_input_grad[1]:
+                    dw = diagonal_sums(torch.bmm(g, x.mT).sum(0))  # (t, t) -> (t,)
+                return dx, dw
+            g_c = g.permute(2, 1, 0)  # (d, t, B)
             if ctx.needs_input_grad[0]:
-                dx = torch.bmm(T.mT.expand(g.shape[0], -1, -1), g)  # (B, t, d)
+                dx = torch.bmm(T.mT, g_c).permute(2, 1, 0)  # (B, t, d)
             if ctx.needs_input_grad[1]:
-                dw = diagonal_sums(torch.bmm(g, x.mT).sum(0))  # (t, t) -> (t,)
-            return dx, dw
-        g_c = g.permute(2, 1, 0)  # (d, t, B)
-        if ctx.needs_input_grad[0]:
-            dx = torch.bmm(T.mT, g_c).permute(2, 1, 0)  # (B, t, d)
-        if ctx.needs_input_grad[1]:
-            dw = diagonal_sums(torch.bmm(g_c, x.permute(2, 0, 1)))  # (d, t, t) -> (t, d)
+                dw = diagonal_sums(torch.bmm(g_c, x.permute(2, 0, 1)))  # (d, t, t) -> (t, d)
         return dx, dw
 
 
@@ -200,7 +229,8 @@ class FIRFFT(torch.autograd.Function):
             X = X.permute(2, 0, 1).contiguous()  # (F, B, d)
             W = torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1).permute(2, 0, 1).contiguous()  # (F, d, d)
             ctx.save_for_backward(X, W)
-            Y = torch.bmm(X, W)  # (F, B, d)
+            with ieee_float32(x.device):
+                Y = torch.bmm(X, W)  # (F, B, d)
             if cuda_layout:
                 return torch.fft.irfft(Y, n=n, dim=0)[:t].transpose(0, 1)  # (B, t, d)
             Y = Y.permute(1, 2, 0)  # (B, d, F)
@@ -223,11 +253,13 @@ class FIRFFT(torch.autograd.Function):
                 return FIRFFT.matrix_grads_cuda(ctx, X, W, G, t, n)
             if ctx.needs_input_grad[0]:
                 W_H = W.transpose(1, 2).conj().resolve_conj()  # conj resolved: MKL's fast path
-                dX = torch.bmm(G, W_H).permute(1, 2, 0)  # (B, d, F)
+                with ieee_float32(g.device):
+                    dX = torch.bmm(G, W_H).permute(1, 2, 0)  # (B, d, F)
                 dx = torch.fft.irfft(dX, n=n, dim=-1)[..., :t].transpose(1, 2)
             if ctx.needs_input_grad[1]:
                 X_H = X.conj().resolve_conj().transpose(1, 2)  # (F, d, B)
-                dW = torch.bmm(X_H, G).permute(1, 2, 0)  # (d, d, F), summed over the batch
+                with ieee_float32(g.device):
+                    dW = torch.bmm(X_H, G).permute(1, 2, 0)  # (d, d, F), summed over the batch
                 dw = torch.fft.irfft(dW, n=n, dim=-1)[..., :t].permute(2, 0, 1)  # (t, d, d)
             return dx, dw, None
         if ctx.needs_input_grad[0]:
@@ -244,10 +276,11 @@ class FIRFFT(torch.autograd.Function):
     def matrix_grads_cuda(ctx, X, W, G, t, n):
         """The matrix taps' gradients in the fft-cuda layout: X (F, B, d), W (F, d, d), G (F, B, d)."""
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.fft.irfft(torch.bmm(G, W.mH), n=n, dim=0)[:t].transpose(0, 1)  # (B, t, d)
-        if ctx.needs_input_grad[1]:
-            dw = torch.fft.irfft(torch.bmm(X.mH, G), n=n, dim=0)[:t]  # (t, d, d), summed over the batch
+        with ieee_float32(G.device):
+            if ctx.needs_input_grad[0]:
+                dx = torch.fft.irfft(torch.bmm(G, W.mH), n=n, dim=0)[:t].transpose(0, 1)  # (B, t, d)
+            if ctx.needs_input_grad[1]:
+                dw = torch.fft.irfft(torch.bmm(X.mH, G), n=n, dim=0)[:t]  # (t, d, d), summed over the batch
         return dx, dw, None
 
 

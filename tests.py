@@ -299,6 +299,107 @@ def test_fir_full_refuses_a_path_that_does_not_compute_the_taps():
         pass
 
 
+GEMM_CASES = [
+    (shape, path) for shape, path in FIR_CASES if path in ("toeplitz-strided", "fft-cuda") or len(shape) == 3
+]
+
+
+@pytest.mark.parametrize("shape,path", GEMM_CASES, ids=[f"{len(s)}d-{p}" for s, p in GEMM_CASES])
+def test_fir_gemms_run_inside_ieee_float32(shape, path, monkeypatch):
+    """The forward GEMM and both gradients' of each path built on torch.bmm run inside fir.ieee_float32,
+    where TF32 cannot reach them on CUDA. (toeplitz, the CPU's path for scalar taps, and the FFT's
+    elementwise products for scalar and vector taps have no bmm.)"""
+    depth, inside = [0], []
+    ieee, bmm = fir.ieee_float32, torch.bmm
+
+    @contextlib.contextmanager
+    def counted(device):
+        depth[0] += 1
+        try:
+            with ieee(device):
+                yield
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(fir, "ieee_float32", counted)
+    monkeypatch.setattr(torch, "bmm", lambda a, b: inside.append(depth[0] > 0) or bmm(a, b))
+    x, w, g = torch.randn(3, 12, 5), torch.randn(*shape), torch.randn(3, 12, 5)
+    fir_and_grads(functools.partial(fir.fir_full, path=path), dev(x), dev(w), dev(g))
+    assert inside == [True] * 3, inside
+
+
+def test_ieee_float32_turns_tf32_off_for_cuda_inside_and_restores_it(monkeypatch):
+    """Needs no GPU: the switch is PyTorch's global flag. Off for a CUDA device while TF32 is on; the CPU,
+    ALLOW_TF32 = True and TF32 already off leave the flag alone; an exception inside still restores it."""
+    matmul, cuda, seen = torch.backends.cuda.matmul, torch.device("cuda"), []
+    monkeypatch.setattr(matmul, "allow_tf32", True)
+    for device, allow in ((cuda, False), (torch.device("cpu"), False), (cuda, True)):
+        monkeypatch.setattr(fir, "ALLOW_TF32", allow)
+        with fir.ieee_float32(device):
+            seen.append(matmul.allow_tf32)
+        assert matmul.allow_tf32 and matmul.fp32_precision == "tf32"
+    assert seen == [False, True, True]
+    monkeypatch.setattr(fir, "ALLOW_TF32", False)
+    with pytest.raises(KeyError), fir.ieee_float32(cuda):
+        raise KeyError("inside")
+    assert matmul.allow_tf32
+    matmul.allow_tf32 = False
+    with fir.ieee_float32(cuda):
+        assert not matmul.allow_tf32
+    assert not matmul.allow_tf32
+
+
+# max |error| / max |reference| of fir_full in float32, forward and both gradients: float32 reaches 0.9-3.7e-7
+# (the CPU, every path, d = 32, t = 64, three seeds), the GEMMs' inputs rounded to TF32's 10-bit mantissa
+# 2.1-4.1e-4 (TF32's unit roundoff is 2^-11 = 4.9e-4); 1e-5 lies 25x above the one and 20x below the other
+FIR_FLOAT32_BOUND = 1e-5
+
+
+def fir_float32_errors(name, path=None, d=32, l=64, batch=4):
+    """fir_full in float32 on the test device (path: the device's default unless named) for the taps of
+    mixer `name` as the paper initialises them, against the literal sum in float64 on the CPU: the
+    relative errors, max |error| / max |reference|, of the output, dx and dw."""
+    torch.manual_seed(7)
+    w = bench.fir_taps(MIXERS[name](Config(n_embd=d, block_size=l, mixer=name))).detach()
+    x, g = torch.randn(batch, l, d), torch.randn(batch, l, d)
+    ref = fir_and_grads(extractor.causal_fir_reference, x.double(), w.double(), g.double())
+    got = fir_and_grads(functools.partial(fir.fir_full, path=path), x.to(DEVICE), w.to(DEVICE), g.to(DEVICE))
+    return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref)]
+
+
+@pytest.mark.parametrize("name", ["she", "he", "we", "me", "he-ext"])
+def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkeypatch):
+    """train.py turns TF32 on for CUDA's float32 matmuls; each Extractor's FIR on its default path for the
+    test device must still compute at float32's accuracy, forward and both gradients. On a GPU where
+    cuBLAS runs SHE's complex products in TF32 (fir.ALLOW_TF32 = True, as before) this is expected to
+    fail: issue 40's suspect. The CPU has no TF32: there it passes either way."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    errors = fir_float32_errors(name)
+    assert max(errors) < FIR_FLOAT32_BOUND, f"relative errors of y, dx, dw: {errors}"
+
+
+def tf32_rounded(a):
+    """float32 (or both parts of complex64) rounded to TF32's 10 explicit mantissa bits, to nearest."""
+    if a.is_complex():
+        a = a.resolve_conj()
+        return torch.complex(tf32_rounded(a.real), tf32_rounded(a.imag))
+    bits = a.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)  # 23 - 10 = 13 low bits dropped, half added
+
+
+@pytest.mark.parametrize(
+    "name,path", [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided"), ("me", "toeplitz-strided")]
+)
+def test_tf32_rounded_gemm_inputs_exceed_the_float32_fir_bound(name, path, monkeypatch):
+    """The bound above bites: TF32 emulated by rounding every bmm's inputs to a 10-bit mantissa, as cuBLAS's
+    TF32 mode feeds SHE's complex products to the tensor cores, puts the output and both gradients above
+    it (measured 20x and more)."""
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: bmm(tf32_rounded(a), tf32_rounded(b)))
+    errors = fir_float32_errors(name, path)
+    assert min(errors) > FIR_FLOAT32_BOUND, f"relative errors of y, dx, dw: {errors}"
+
+
 def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
     """extractor.causal_fir_reference, the few lines a reader checks against Eq. (23), tested as a filter
     rather than against another copy of its sum: a unit impulse in channel c at position j gives the
