@@ -2798,15 +2798,19 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
             assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
                 block
             )
-        else:
-            assert [r[0] for r in rows if r[0] in mixers] == mixers, block
+        else:  # section 1 on cuda: a row per FIR path, a mixer's rows together
+            assert list(dict.fromkeys(r[0] for r in rows if r[0] in mixers)) == mixers, block
     res = json.loads(out.read_text())
     assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops", "memory"}
+    cuda = res["settings"]["device"].startswith("cuda")
     for name, rows in res["sections"].items():
         want = (mixers + ["none"]) * 2 if name == "model" else mixers
-        assert sorted(r["mixer"] for r in rows) == sorted(want), name
+        got = [r["mixer"] for r in rows]
+        assert sorted(dict.fromkeys(got) if name == "sublayer" and cuda else got) == sorted(want), name
     for r in res["sections"]["sublayer"]:
-        assert r["ms"] > 0 and r["path"] in ("sdpa", "toeplitz", "fft", "matmul")
+        assert r["ms"] > 0 and r["path"] in (
+            {"sdpa", "matmul"} | set(fir.PATHS if cuda else ("toeplitz", "fft"))
+        )
     for r in res["sections"]["generation"]:
         assert r["cached_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0
 
@@ -2844,6 +2848,55 @@ def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
             module(dev(torch.randn(1, t, 4)))
             want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
             assert bench.fir_path(module, t) == want, (name, t)
+
+
+def test_bench_sublayer_section_times_every_fir_path_on_cuda(monkeypatch, tmp_path):
+    """On CUDA section 1 has a row per FIR path that computes a mixer's taps, its default first, and each
+    row's calls take that path (bench.forced); elsewhere a row per mixer, as before. Run here with
+    sublayer_paths told that the device is CUDA: the paths themselves run on any device."""
+    on_cuda = {
+        "sa": ["sdpa"], "she": ["fft-cuda", "fft"], "he": ["fft", "toeplitz-strided"],
+        "we": ["fft", "toeplitz-strided"], "me": ["toeplitz-strided", "toeplitz", "fft"],
+        "he-ext": ["fft", "toeplitz-strided"], "dense": ["matmul"],
+    }  # fmt: skip
+    on_cpu = {
+        "sa": "sdpa",
+        "she": "fft",
+        "he": "fft",
+        "we": "fft",
+        "me": "toeplitz",
+        "he-ext": "fft",
+        "dense": "matmul",
+    }
+    for name, paths in on_cuda.items():
+        module = MIXERS[name](Config(n_embd=8, block_size=16, n_head=2, mixer=name))
+        assert bench.sublayer_paths(module, 16, torch.device("cuda")) == paths, name
+        assert bench.sublayer_paths(module, 16, torch.device("cpu")) == [on_cpu[name]], name
+    taken, sublayer_paths = spy_fir_paths(monkeypatch), bench.sublayer_paths
+    for path in fir.PATHS:  # forced: the path runs whatever the default
+        taken.clear()
+        w = torch.randn(*FIR_TAPS[fir.PATHS[path][-1]])
+        bench.forced(path, lambda: fir.fir_full(torch.randn(2, 12, 5), w))()
+        assert taken == [path], (path, taken)
+    monkeypatch.setattr(
+        bench, "sublayer_paths", lambda m, t, device: sublayer_paths(m, t, torch.device("cuda"))
+    )
+    out = tmp_path / "bench.json"
+    argv = [
+        "--quick",
+        "--sections",
+        "1",
+        "--mixers",
+        ",".join(on_cuda),
+        "--no_malloc_tune",
+        "--json",
+        str(out),
+    ]
+    taken.clear()
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["sections"]["sublayer"]
+    assert [(r["mixer"], r["path"]) for r in rows] == [(m, p) for m, paths in on_cuda.items() for p in paths]
+    assert set(taken) == set(fir.PATHS) and all(r["ms"] > 0 for r in rows)
 
 
 def test_bench_loglog_slope_recovers_a_power_law():
