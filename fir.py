@@ -124,7 +124,7 @@ def ieee_float32(device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Scalar taps, short sequences: the sum as one matrix product
+# Short sequences: the sum as a Toeplitz matrix times X (scalar taps; on CUDA vector taps too, per channel)
 
 
 def toeplitz(w):
