@@ -136,13 +136,40 @@ def loglog_slope(ms_by_t, tokens):
 # ---------------------------------------------------------------------------------- what to measure
 
 
+def fir_taps(module):
+    """The Extractor's taps (W_ext or w_ext), None for a mixer without a FIR."""
+    return next((p for n, p in module.named_parameters() if n.split(".")[-1] in ("W_ext", "w_ext")), None)
+
+
 def fir_path(module, t):
-    """Which computation a mixer takes at sequence length t, read from its taps' shape and
-    fir.FFT_MIN_T_SCALAR: toeplitz (scalar taps, short t), fft, sdpa (attention), matmul."""
-    taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in ("W_ext", "w_ext")]
-    if not taps:
+    """Which computation a mixer takes at sequence length t on its device: fir.default_path of its taps
+    (toeplitz, toeplitz-strided, fft, fft-cuda), else sdpa (attention) or matmul."""
+    taps = fir_taps(module)
+    if taps is None:
         return "sdpa" if isinstance(module, extractor.SelfAttention) else "matmul"
-    return "toeplitz" if taps[0].dim() == 1 and t < fir.FFT_MIN_T_SCALAR else "fft"
+    return fir.default_path(taps.device.type, taps.dim(), t)
+
+
+def sublayer_paths(module, t, device):
+    """The paths section 1 times for a mixer: on CUDA every FIR path that computes its taps, the default
+    first, so that a GPU run decides fir.py's defaults; elsewhere the default alone."""
+    taps = fir_taps(module)
+    if taps is None:
+        return [fir_path(module, t)]
+    default = fir.default_path(device.type, taps.dim(), t)
+    if device.type != "cuda":
+        return [default]
+    return [default] + [p for p, dims in fir.PATHS.items() if taps.dim() in dims and p != default]
+
+
+def forced(path, step):
+    """step, with every FIR inside it taking this path (sdpa and matmul have none to force)."""
+
+    def run():
+        with fir.forcing(path) if path in fir.PATHS else nullcontext():
+            step()
+
+    return run
 
 
 def make_config(s, args, mixer, l, n_layer=1):
@@ -311,16 +338,17 @@ def maybe_compile(module, args):
 def section_sublayer(s, args, mixers, device, ctx):
     x = torch.randn(s["batch"], s["l"], s["d"], device=device, requires_grad=True)  # (B, t, d)
     g = torch.randn(s["batch"], s["l"], s["d"], device=device)
-    steps, paths = {}, {}
+    steps = {}  # (mixer, path) -> step
     for m in mixers:
         module = MIXERS[m](make_config(s, args, m, s["l"])).to(device)
-        paths[m] = fir_path(module, s["l"])
-        steps[m] = sublayer_step(maybe_compile(module, args), x, g, ctx)
+        for path in sublayer_paths(module, s["l"], device):
+            steps[m, path] = forced(path, sublayer_step(maybe_compile(module, args), x, g, ctx))
     times, _ = interleaved(steps, s["warmup"], s["rounds"], device, "sublayer")
-    ms = {m: 1e3 * med(times[m]) for m in mixers}
+    ms = {k: 1e3 * med(times[k]) for k in steps}
+    sa = ms["sa", "sdpa"]
     return [
-        dict(mixer=m, path=paths[m], ms=ms[m], iqr_ms=1e3 * quartile_spread(times[m]), vs_sa=ms[m] / ms["sa"])
-        for m in mixers
+        dict(mixer=m, path=p, ms=ms[m, p], iqr_ms=1e3 * quartile_spread(times[m, p]), vs_sa=ms[m, p] / sa)
+        for m, p in steps
     ]
 
 
@@ -578,7 +606,8 @@ TABLE_TEXT = """
 sublayer: 1. Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads); \
 median of {rounds} interleaved rounds
 mixer path ms:.2f iqr_ms:.2f vs_sa:.3f
-- path: the computation causal_fir takes (toeplitz, fft), sdpa for attention, matmul otherwise
+- path: the computation causal_fir takes (fir.py's paths), sdpa for attention, matmul otherwise; \
+on cuda a row per FIR path that computes the mixer's taps, its default first
 
 sweep: 2. Context sweep, l = t, batch * t = {sweep_tokens} tokens: forward+backward ms, ratio to sa, \
 slope of log(time per token) vs log(l)
