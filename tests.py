@@ -3765,6 +3765,17 @@ def test_gpu_budget_13m_with_step_limit_9m_cuts_steps_and_stops_inside_the_budge
     )
 
 
+def test_gpu_check_trains_each_model_with_the_settings_of_its_committed_cpu_run():
+    for run, (model, more, switch) in gpu.CHECKS["check"].items():
+        assert (model, more, switch) == (run, [], None)  # the check's own runs: train.py's defaults
+        settings = vars(train.build_parser().parse_args([*gpu.TABLE1[run], *gpu.CHECK_FLAGS]))
+        committed = json.load(open(os.path.join(ROOT, "results", "logs", "table1-cpu", run, "run.json")))
+        where = {"data_dir", "out_dir", "device"}  # where it ran, not what
+        assert {k: settings[k] for k in committed["args"] if k not in where} == {
+            k: v for k, v in committed["args"].items() if k not in where
+        }, run
+
+
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
 
 
