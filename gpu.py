@@ -1,24 +1,28 @@
 """
-One command for a GPU with little time: the device tests, bench.py sections 1, 3 and 6, the six Table 1
-runs of Figure 8 and bfloat16 against float32, in steps of at most --step_limit that a later call
-resumes; after every step the figures, CSVs, tables and logs of what exists so far go to --results.
+One command for a GPU with little time: the same-experiment check, the device tests, bench.py sections
+1, 3 and 6, Figure 9's two runs and the other four of Table 1 to 60000 batches, and bfloat16 against
+float32, in steps of at most --step_limit that a later call resumes; after every step the figures, CSVs,
+tables and logs of what exists so far go to --results (and with --pack, all of it into one file).
 
     python gpu.py --device cuda --budget 40m     # as far as 40 minutes go, into results/gpu and out/gpu
     python gpu.py --device cuda --budget 40m     # again: skips what is done, continues the runs
     python gpu.py --dry_run                      # the plan and its time estimates only
     python gpu.py --smoke --data_dir /tmp/d      # tiny settings, seconds; into out/gpu-smoke, never out/gpu
 
-The steps, in PLAN's order: tests (TEST_DEVICE=<device> python -m pytest tests.py -q), bench (bench.py
---sections 1,3,6), the Table 1 runs (sa-1, sa-32, she, he, we, me: train.py's Table 1 defaults, the
-same batches in the same order; --parallel of them side by side, the least trained first) and dtype
-(me for 1000 batches in float32, then in bfloat16). A training step runs train.py and sends it SIGTERM
-at the step limit (or before the budget ends): train.py finishes the batch, checkpoints and stops, and
-the next step goes on with --resume. SIGTERM waits for the step's first checkpoint (10 batches after
-the start), so every step makes progress; a step starts only with the preset's min_step left, and the
-budget keeps --margin for the last checkpoint and the time the results take. A tests or bench step that
-failed runs again in the next call. <work>/state.json keeps what the tests and bench steps did on this
-device with these settings (a --smoke call's are not a real call's, and a run folder of other settings
-is refused).
+The steps, in PLAN's order: check (the six Table 1 models for 100 batches with the flags of the committed
+CPU runs, each 10-batch window's mean training cost within 0.05 of results/logs/table1-cpu's: check.txt),
+diagnose (CUDA only: SHE again with the FIR's complex products in TF32, as the committed H200 runs had
+them, and with TF32 off: diagnose.txt), tests (TEST_DEVICE=<device> python -m pytest tests.py -q -m 'not
+slow'), bench (bench.py --sections 1,3,6), Figure 9's runs (sa-32, she), the other four (sa-1, he, we,
+me: train.py's Table 1 defaults, the same batches in the same order; --parallel of them side by side,
+the least trained first) and dtype (me for 1000 batches in float32, then in bfloat16). A training step
+runs train.py and sends it SIGTERM at the step limit (or before the budget ends): train.py finishes the
+batch, checkpoints and stops, and the next step goes on with --resume. SIGTERM waits for the step's first
+checkpoint (10 batches after the start), so every step makes progress; a step starts only with the
+preset's min_step left, and the budget keeps --margin for the last checkpoint and the time the results
+take. A check, diagnose, tests or bench step that failed runs again in the next call (the check's and
+the diagnosis's runs afresh). <work>/state.json keeps what these steps did on this device with these
+settings (a --smoke call's are not a real call's, and a run folder of other settings is refused).
 
 One gpu.py at a time on a --work and a --results: a second is refused while the first or a child of it
 runs. The children live and die with gpu.py: Ctrl-C, kill (SIGTERM) and SIGHUP reach them as SIGTERM
@@ -32,14 +36,17 @@ import contextlib
 import csv
 import ctypes
 import dataclasses
+import functools
 import gzip
 import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 from common import atomic_write, fail, fmt_time, one_line_errors, pick_device, plain_output
@@ -53,21 +60,46 @@ TABLE1 = {  # Figure 8's runs: train.py's default folder name -> flags (Table 1 
 }
 DTYPES = {f"me-{t}": ["--mixer", "me", "--dtype", t] for t in ("float32", "bfloat16")}
 RUNS = TABLE1 | DTYPES
-# The steps in order: a name is a step of its own; a list, runs trained side by side (--parallel at a
-# time, the least trained first); dtype's runs one at a time, so that their speeds compare.
-PLAN = ["tests", "bench", list(TABLE1), ["me-float32"], ["me-bfloat16"]]
+FIG9 = ["sa-32", "she"]  # Figure 9: SA-32 against SHE
+# The steps in order: a name is a step of its own (STEPS); a list, runs trained side by side (--parallel at
+# a time, the least trained first); dtype's runs one at a time, so that their speeds compare.
+PLAN = [
+    "check",  # the six Table 1 models' first 100 batches against the committed CPU logs
+    "diagnose",  # SHE's first 100 batches with the FIR's complex products in TF32, and with TF32 off
+    "tests",
+    "bench",
+    FIG9,
+    ["sa-1", "he", "we", "me"],
+    ["me-float32"],
+    ["me-bfloat16"],
+]
+
+# The same-experiment check (issue 40): each run with the flags of the committed CPU runs (their run.json),
+# Table 1 otherwise; the mean training cost of each 10-batch window, this device minus the CPU, within 0.05.
+CHECK_ITERS, WINDOW, TOLERANCE = 100, 10, 0.05
+CHECK_FLAGS = ["--max_iters", str(CHECK_ITERS), "--log_interval", "10"]
+# Names from train.py and fir.py, in one place: TF32 off everywhere, and fir.py's switch that puts the FIR's
+# complex products back in TF32 (the arithmetic of the committed H200 runs)
+NO_TF32, COMPLEX_TF32 = "--no-tf32", "COMPLEX_TF32"
+CHECKS = {  # the check's and the diagnosis's runs: <work>/check/<folder> -> (Table 1 run, flags, fir switch)
+    "check": {n: (n, [], None) for n in TABLE1},
+    "diagnose": {"she-complex-tf32": ("she", [], COMPLEX_TF32), "she-no-tf32": ("she", [NO_TF32], None)},
+}
+CHECK_RUNS = CHECKS["check"] | CHECKS["diagnose"]
+CUDA_ONLY = {"diagnose"}  # TF32 is CUDA's: elsewhere the diagnosis is skipped
 # bench.py section 3's row for each run's speed (sa-1 as sa: 1 head of d or 32 of d/32, the same FLOPs)
 BENCH_ROW = {"sa-1": "sa", "sa-32": "sa", **{m: m for m in ("she", "he", "we", "me")}, "me-float32": "me"}
 REFERENCE = {"cuda": "bench_h200.json", "cpu": "bench_cpu.json"}  # results/table1/: Table 1's speeds
 FULL = {  # the paper's settings; --smoke: tiny ones (bench.py --quick's shapes), every step in seconds
-    "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": [], "bench": [], "step_limit": "9m",
-    "margin": "1m", "min_step": "1m", "results_time": "30s", "work": "out/gpu", "results": "results/gpu",
+    "train": [], "max_iters": 60000, "dtype_iters": 1000, "tests": ["-m", "not slow"], "bench": [],
+    "step_limit": "9m", "margin": "1m", "min_step": "1m", "results_time": "30s", "work": "out/gpu",
+    "results": "results/gpu",
 }  # fmt: skip
 SMOKE = {  # min_step: the least budget a step starts with; results_time: kept for the results at the end
     "train": "--n_layer 1 --block_size 32 --n_embd 32 --n_hidden 128 --batch_size 4 --eval_batches 2 "
     "--eval_interval 50 --log_interval 50".split(),
     "max_iters": 100, "dtype_iters": 30, "tests": ["-k", "test_forward_loss_is_eq3"],
-    "bench": ["--quick", "--mixers", "me"], "step_limit": "60s", "margin": "1s", "min_step": "5s",
+    "bench": ["--quick", "--mixers", "me"], "step_limit": "3m", "margin": "1s", "min_step": "5s",
     "results_time": "3s", "work": "out/gpu-smoke", "results": "out/gpu-smoke/results",
 }  # fmt: skip
 DURATIONS = ("--budget", "--step_limit", "--margin")
@@ -86,7 +118,7 @@ def build_parser():
     )
     p.add_argument("--data_dir", default="data", help="prepare_data.py's folder (data)")
     p.add_argument("--budget", default=None, help="stop cleanly before this much time: 40m, 2h, 90s (none)")
-    p.add_argument("--step_limit", default=None, help="the longest step (default 9m; --smoke: 60s)")
+    p.add_argument("--step_limit", default=None, help="the longest step (default 9m; --smoke: 3m)")
     p.add_argument("--margin", default=None, help="budget kept for the last checkpoint (1m; --smoke: 1s)")
     p.add_argument("--max_iters", type=int, default=None, help="batches per Table 1 run (default 60000)")
     p.add_argument(
@@ -100,6 +132,9 @@ def build_parser():
         "--smoke", action="store_true", help="tiny settings and a few tests: every step in seconds"
     )
     p.add_argument("--dry_run", action="store_true", help="print the plan and its estimates, do nothing")
+    p.add_argument(
+        "--pack", help="after every step, all of --results as this one .tar.gz too (a path outside --results)"
+    )
     return one_line_errors(p, "gpu.py")
 
 
@@ -148,6 +183,8 @@ def settings(argv):
     args.steps = asked or names
     if args.max_iters < 1 or args.parallel < 1:
         fail("--max_iters and --parallel must be positive")
+    if args.pack and os.path.abspath(args.pack).startswith(os.path.join(os.path.abspath(args.results), "")):
+        fail(f"--pack {args.pack} is inside --results {args.results}; put it elsewhere")
     if not args.dry_run and not os.path.isfile(os.path.join(args.data_dir, "train.bin")):
         fail(f"no {args.data_dir}/train.bin: run python prepare_data.py first, or pass --data_dir")
     return args
@@ -223,8 +260,13 @@ def batches_done(args, name):
 
 
 def read_log(run_dir):
+    """A run's log.csv (or log.csv.gz, as results/logs/ keeps it) as rows of text; [] if it has none."""
     path = os.path.join(run_dir, "log.csv")
-    return list(csv.DictReader(open(path, newline=""))) if os.path.exists(path) else []
+    path += ".gz" * (not os.path.exists(path) and os.path.exists(path + ".gz"))
+    if not os.path.exists(path):
+        return []
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def seconds_per_batch(args, name):
@@ -254,6 +296,11 @@ def plan(args):
     return [n for n in names if not args.steps or n in args.steps]
 
 
+def skipped(args, name):
+    """Whether the step is one this device skips: the diagnosis of TF32, elsewhere than CUDA."""
+    return name in CUDA_ONLY and not args.device.startswith("cuda")
+
+
 def target(args, name):
     """The batches a run trains to."""
     return args.dtype_iters if name in DTYPES else args.max_iters
@@ -261,17 +308,29 @@ def target(args, name):
 
 def command(args, name):
     if name == "tests":
-        return f"TEST_DEVICE={args.device} python -m pytest tests.py -q {' '.join(args.tests)}".strip()
+        return f"TEST_DEVICE={args.device} python -m pytest tests.py -q {shlex.join(args.tests)}".strip()
+    if name in CHECKS:
+        return f"train.py {' '.join(CHECK_FLAGS)}: {', '.join(CHECKS[name])}"
     return "bench.py --sections 1,3,6" if name == "bench" else "train.py " + " ".join(RUNS[name])
+
+
+def check_estimate(args, name):
+    """The check's or the diagnosis's runs, one after another at this device's speeds (None if unknown)."""
+    per = [seconds_per_batch(args, run) for run, _, _ in CHECKS.get(name, {}).values()]
+    return CHECK_ITERS * sum(per) if per and None not in per else None
 
 
 def progress(args, state):
     """A line per step: done or not, how far, how long what is left should take here; then the total."""
     lines, total, unknown = [], 0.0, False
     for name in plan(args):
+        if skipped(args, name):
+            lines.append(f"  [-] {name:<12} {'skipped':>8}  {command(args, name)}: on CUDA only (TF32)")
+            continue
         if name not in RUNS:
             was = state.get(name, {})  # a step that failed or was cut took at least its seconds
-            done, left, how = was.get("done", False), was.get("seconds"), was.get("summary", "not run yet")
+            done, how = was.get("done", False), was.get("summary", "not run yet")
+            left = was.get("seconds", check_estimate(args, name))
         else:
             at, goal, per = batches_done(args, name), target(args, name), seconds_per_batch(args, name)
             done, left, how = at >= goal, None if per is None else (goal - at) * per, f"batch {at} of {goal}"
@@ -286,11 +345,12 @@ def progress(args, state):
 
 
 def next_step(args, state, tried):
-    """The next step's runs (or its one name: tests, bench), or None when all is done (or, a tests or
-    bench step, tried this call)."""
+    """The next step's runs (or its one name: check, diagnose, tests, bench), or None when all is done
+    (or, a named step, tried this call or skipped on this device)."""
     for entry in PLAN:
         if isinstance(entry, str):
-            if entry in args.steps and not state.get(entry, {}).get("done") and entry not in tried:
+            todo = entry in args.steps and not skipped(args, entry) and entry not in tried
+            if todo and not state.get(entry, {}).get("done"):
                 return [entry]
             continue
         at = {n: batches_done(args, n) for n in entry if n in args.steps}
@@ -445,18 +505,131 @@ def bench_step(args, deadline, hard_end):
     return rc == 0, f"bench.py exit {rc}: tables in {out}"
 
 
+def train_cmd(args, run_dir, flags, device, switch=None):
+    """train.py's command line for a run, or with fir.py's switch set first (python -c '...; fir.<switch>
+    = True; train.main(...)'): the flags, then the run folder, the data and the device."""
+    flags = [*flags, "--out_dir", run_dir, "--data_dir", args.data_dir, "--device", device]
+    if switch is None:
+        return [sys.executable, os.path.join(ROOT, "train.py"), *flags]
+    code = (
+        f"import sys; sys.path.insert(0, {ROOT!r}); import fir, train\n"
+        f"if not hasattr(fir, {switch!r}): sys.exit('fir.py has no {switch}: rename gpu.COMPLEX_TF32')\n"
+        f"fir.{switch} = True\nsys.exit(train.main(sys.argv[1:]))"
+    )
+    return [sys.executable, "-c", code, *flags]
+
+
+def console(args, run_dir):
+    """Where a run's train.py writes its console: <results>/logs/<the run folder under --work>.txt."""
+    return os.path.join(args.results, "logs", os.path.relpath(run_dir, args.work) + ".txt")
+
+
 def train_step(args, names, deadline, hard_end):
     """One step of these runs side by side: each from its checkpoint (--resume) towards its target."""
     cmds, ckpts = [], []
     for name in names:
         run_dir = os.path.join(args.work, name)
         ckpts.append(os.path.join(run_dir, "ckpt.pt"))
-        flags = [*RUNS[name], *args.train, "--max_iters", str(target(args, name)), "--out_dir", run_dir]
-        flags += ["--data_dir", args.data_dir, "--device", args.device]
+        flags = [*RUNS[name], *args.train, "--max_iters", str(target(args, name))]
         flags += ["--resume"] * os.path.exists(ckpts[-1])  # none yet: a fresh start
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
-        cmds.append((cmd, os.path.join(args.results, "logs", f"{name}.txt")))
+        cmds.append((train_cmd(args, run_dir, flags, args.device), console(args, run_dir)))
     return start_and_wait(args, cmds, deadline, hard_end, ckpts)
+
+
+def cpu_logs(args):
+    """The check's CPU logs: the committed CPU runs'; --smoke: the same tiny runs on the CPU, trained once
+    into <work>/check-cpu (on the CPU itself, the check's own runs)."""
+    if not args.smoke:
+        return os.path.join(ROOT, "results", "logs", "table1-cpu")
+    return os.path.join(args.work, "check" if args.device == "cpu" else "check-cpu")
+
+
+def check_step(args, deadline, hard_end, step="check"):
+    """The check (or the diagnosis): its runs trained afresh, --parallel side by side (with --smoke on a
+    GPU also the CPU's runs of the same tiny models, once), then judged."""
+    jobs = [(n, os.path.join(args.work, "check", n), args.device) for n in CHECKS[step]]
+    if args.smoke and args.device != "cpu":  # first the CPU's runs it lacks
+        cpu = {run: os.path.join(cpu_logs(args), run) for run, _, _ in CHECKS[step].values()}
+        jobs = [(run, d, "cpu") for run, d in cpu.items() if not read_log(d)] + jobs
+    for i in range(0, len(jobs), args.parallel):
+        if i and time.monotonic() >= deadline:
+            break
+        cmds, ckpts = [], []
+        for name, run_dir, device in jobs[i : i + args.parallel]:
+            run, more, switch = CHECK_RUNS[name]
+            flags = [*TABLE1[run], *args.train, *CHECK_FLAGS, *more, "--overwrite"]
+            cmds.append((train_cmd(args, run_dir, flags, device, switch), console(args, run_dir)))
+            ckpts.append(os.path.join(run_dir, "ckpt.pt"))
+        start_and_wait(args, cmds, deadline, hard_end, ckpts)
+    return judge(args, step)
+
+
+def judge(args, step):
+    """The windows table of the step's runs against the CPU's logs, printed and written to <results>/
+    <step>.csv and .txt: (passed, summary). The check passes if every window of every run is within
+    TOLERANCE; the diagnosis once its runs are complete (beside them the check's SHE, if it has run)."""
+    names = list(CHECKS[step])
+    if step == "diagnose" and read_log(os.path.join(args.work, "check", "she")):
+        names.insert(0, "she")  # train.py's defaults
+    gaps = {}
+    for name in names:
+        cpu = read_log(os.path.join(cpu_logs(args), CHECK_RUNS[name][0]))
+        gaps[name] = window_gaps(read_log(os.path.join(args.work, "check", name)), cpu)
+    text, table = windows_table(gaps)
+    head = (
+        f"{step}: training cost, mean of each {WINDOW}-batch window, {args.device} minus the CPU's log in "
+        f"{os.path.relpath(cpu_logs(args))}; a run passes with every |gap| <= {TOLERANCE}"
+    )
+    how = []
+    for name in names:
+        run, more, switch = CHECK_RUNS[name]
+        with_switch = f" with fir.{switch} = True" if switch else ""
+        how.append(f"  {name}: train.py {' '.join([*TABLE1[run], *CHECK_FLAGS, *more])}{with_switch}")
+    atomic_write(os.path.join(args.results, f"{step}.csv"), table)
+    atomic_write(
+        os.path.join(args.results, f"{step}.txt"), "\n".join([head, *text, "The runs:", *how]) + "\n"
+    )
+    print("\n".join("   " + line for line in [head, *text]))
+    said = {n: "incomplete" if worst(g) is None else f"{worst(g):.4f}" for n, g in gaps.items()}
+    where = f"{args.results}/{step}.txt"
+    if step == "check":
+        over = [f"{n} {said[n]}" for n, g in gaps.items() if worst(g) is None or worst(g) > TOLERANCE]
+        verdict = f"failed: {', '.join(over)}" if over else f"passed: every window within {TOLERANCE}"
+        return not over, f"{verdict} ({where})"
+    largest = ", ".join(f"{n} {w}" for n, w in said.items())
+    return "incomplete" not in said.values(), f"largest |gap|: {largest} ({where})"
+
+
+def window_gaps(log, cpu):
+    """The mean training cost of each WINDOW batches of 1..CHECK_ITERS, a log's minus the CPU's (rows of
+    log.csv); None for a window that either log lacks a batch of."""
+
+    def means(rows):
+        loss = {int(r["iter"]): float(r["train_loss"]) for r in rows}
+        spans = [range(a, a + WINDOW) for a in range(1, CHECK_ITERS + 1, WINDOW)]
+        return [sum(loss[i] for i in s) / WINDOW if all(i in loss for i in s) else None for s in spans]
+
+    return [None if None in (a, b) else a - b for a, b in zip(means(log), means(cpu))]
+
+
+def worst(gaps):
+    """The largest |gap| of a run's windows; None if it lacks one."""
+    return None if None in gaps else max(map(abs, gaps))
+
+
+def windows_table(gaps):
+    """{run: window_gaps} as text lines and as CSV: a column per window, then the largest |gap|."""
+    heads = [f"{a}-{a + WINDOW - 1}" for a in range(1, CHECK_ITERS + 1, WINDOW)]
+    text = [f"{'run':<17}" + "".join(f"{h:>8}" for h in heads) + "  max|gap|"]
+    table = [["run", *heads, "max_abs_gap"]]
+    for name, g in gaps.items():
+        w = worst(g)
+        cells = ["" if x is None else f"{round(x, 4) + 0:+.4f}" for x in g]  # (+ 0: no -0.0000)
+        cells.append("" if w is None else f"{w:.4f}")
+        verdict = " incomplete" if w is None else f" over {TOLERANCE}" * (w > TOLERANCE)
+        text.append(f"{name:<17}" + "".join(f"{c or '-':>8}" for c in cells) + verdict)
+        table.append([name, *cells])
+    return text, "".join(",".join(row) + "\n" for row in table)
 
 
 # ------------------------------------------------------------------------------ results after every step
@@ -494,9 +667,9 @@ def gzip_bytes(data):
 
 
 def write_results(args, state):
-    """The runs' log.csv (as log.csv.gz) and run.json, Figure 8 with its CSVs, Figure 9, dtype.csv and
-    progress.txt."""
-    runs = [n for n in RUNS if read_log(os.path.join(args.work, n))]
+    """The runs' log.csv (as log.csv.gz) and run.json, the check's runs' too (runs/check/), Figure 8 with
+    its CSVs, Figure 9, dtype.csv and progress.txt; with --pack, all of it into that one file."""
+    runs = [n for n in [*RUNS, *(f"check/{c}" for c in CHECK_RUNS)] if read_log(os.path.join(args.work, n))]
     for name in runs:  # the logs kept as results/logs/ keeps them: log.csv.gz (plot.py reads it) and run.json
         os.makedirs(os.path.join(args.results, "runs", name), exist_ok=True)
         for f, pack in (("log.csv", gzip_bytes), ("run.json", bytes)):
@@ -506,16 +679,25 @@ def write_results(args, state):
     fig8 = [os.path.join(args.work, n) for n in TABLE1 if n in runs]
     if fig8:
         plot(args, "fig8", *fig8, "--results", args.results, "-o", os.path.join(args.results, "fig8.png"))
-    fig9 = [os.path.join(args.work, n) for n in ("sa-32", "she") if n in runs]
+    fig9 = [os.path.join(args.work, n) for n in FIG9 if n in runs]
     if fig9:
         plot(args, "fig9", *fig9, "--raw", "-o", os.path.join(args.results, "fig9.png"))
     dtype_table(args)
     atomic_write(os.path.join(args.results, "progress.txt"), f"{state['device']}\n{progress(args, state)}\n")
+    if args.pack:
+        packed = io.BytesIO()
+        with tarfile.open(fileobj=packed, mode="w:gz") as tar:
+            tar.add(args.results, arcname=os.path.basename(os.path.abspath(args.results)))
+        atomic_write(args.pack, packed.getvalue())
 
 
 # ------------------------------------------------------------------------------ the loop
 
 
+STEPS = {  # PLAN's named steps: (args, deadline, hard_end) -> (done, summary)
+    "check": check_step, "diagnose": functools.partial(check_step, step="diagnose"),
+    "tests": tests_step, "bench": bench_step,
+}  # fmt: skip
 FINE = (0, 128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL)  # done, or stopped by wait()
 
 
@@ -560,7 +742,7 @@ def steps(args, start, end):
                 return 1
         else:
             tried.add(step)
-            done, summary = (tests_step if step == "tests" else bench_step)(args, deadline, hard_end)
+            done, summary = STEPS[step](args, deadline, hard_end)
             state[step] = {"done": done, "summary": summary, "seconds": round(time.monotonic() - t0, 1)}
             print(f"   {summary}")
         save_state(args.work, state)
@@ -570,7 +752,7 @@ def steps(args, start, end):
         if STOP["signal"]:
             raise Stopped(STOP["signal"])
         print(f"   after {fmt_time(time.monotonic() - start)}:\n{progress(args, state)}", flush=True)
-    failed = [n for n in ("tests", "bench") if n in args.steps and not state[n]["done"]]
+    failed = [n for n in STEPS if n in args.steps and not skipped(args, n) and not state[n]["done"]]
     if failed:
         print(f"failed: {', '.join(failed)} (see {args.results}); the next call runs them again")
     else:

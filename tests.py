@@ -23,9 +23,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -3572,10 +3574,12 @@ def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, ca
     assert rc == 0 and "Traceback" not in err, err
     assert f"batch {at_cut} of 100" in out.split("-- tests")[0]  # the plan: me continues where it stopped
     steps = [line.split(",")[0] for line in out.splitlines() if line.startswith("-- ")]
-    assert steps == [  # in order; three runs side by side, the least trained first; dtype one at a time
-        "-- tests", "-- bench", "-- sa-1 sa-32 she", "-- he we me", "-- me-float32", "-- me-bfloat16",
+    assert steps == [  # in order (no diagnosis on the CPU); Figure 9's two runs, then the other four side by
+        "-- check", "-- tests", "-- bench", "-- sa-32 she", "-- sa-1 he we", "-- me",  # side, the least
+        "-- me-float32", "-- me-bfloat16",  # trained first (me was cut above); dtype one at a time
     ]  # fmt: skip
-    assert out.count("left: ") == 7 and out.rstrip().endswith("nothing left to do")
+    assert "passed: every window within 0.05" in out  # the CPU against itself: --smoke on the CPU
+    assert out.count("left: ") == 9 and out.rstrip().endswith("nothing left to do")
     assert [_gpu_iter(tmp, run) for run in _GPU_RUNS] == [100] * 6 + [30] * 2
     calls = [
         line for line in (tmp / "results" / "logs" / "me.txt").read_text().splitlines() if line[:2] == "$ "
@@ -3597,16 +3601,17 @@ def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, ca
     )
     for run in _GPU_RUNS:
         assert gzip.decompress((res / "runs" / run / "log.csv.gz").read_bytes()) == logs[run]
+    assert (res / "runs" / "check" / "she" / "log.csv.gz").exists() and (res / "check.csv").exists()
 
     rc, out, err = again  # a third call skips everything and trains nothing
-    assert rc == 0 and "-- " not in out and out.count("[x]") == 10 and "nothing left to do" in out
+    assert rc == 0 and "-- " not in out and out.count("[x]") == 11 and "nothing left to do" in out
     assert {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS} == logs
 
     argv = ["--smoke", "--data_dir", str(tmp / "data"), "--results", str(res), "--work", str(tmp / "work")]
     assert gpu.main([*argv, "--max_iters", "150", "--dry_run", "--device", "cpu"]) == 0
     plan = capsys.readouterr().out  # time left from each run's own speed; the tests and bench are done
     rows = [line for line in plan.splitlines() if line.startswith("  [")]
-    assert len(rows) == 10 and not any("unknown" in row for row in rows) and "[x] bench" in plan
+    assert len(rows) == 12 and not any("unknown" in row for row in rows) and "[x] bench" in plan
     assert re.search(r"\[ \] me +[0-9.]+s  train.py --mixer me: batch 100 of 150", plan)
 
 
@@ -3625,7 +3630,7 @@ def test_gpu_step_limit_cut_resumes_bit_for_bit(gpu_smoke):
     [
         (["--budget", "forty minutes"], "--budget 'forty minutes' is not a duration"),
         (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
-        (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from tests,bench,sa-1"),
+        (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from check,diagnose,tests,bench,sa-32"),
         (["--parallel", "0"], "must be positive"),
         (["--budget", "0", "--dry_run"], "--budget '0' must be more than 0"),
         (["--budget", "0m", "--dry_run"], "--budget '0m' must be more than 0"),
@@ -3655,7 +3660,7 @@ def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_da
     argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--results", str(tmp_path / "r")]
     assert gpu.main([*argv, "--work", str(work)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 10
+    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 11
     assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
 
 
@@ -3765,7 +3770,7 @@ def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, ca
     out = capsys.readouterr().out
     assert re.search(r"\[ \] tests +unknown", out) and re.search(r"\[ \] bench +unknown", out)
     err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
-    assert f"{tmp / 'work' / 'sa-1' / 'ckpt.pt'} is not the model this call trains" in err
+    assert f"{tmp / 'work' / 'sa-32' / 'ckpt.pt'} is not the model this call trains" in err
     assert "n_layer 1, not 18" in err and "--smoke" in err
 
 
@@ -3776,7 +3781,8 @@ def test_gpu_plan_estimates_the_runs_before_any_bench(tr_data, tmp_path, capsys)
     bench = json.load(open(os.path.join(ROOT, "results", "table1", "bench_cpu.json")))["sections"]["model"]
     she = [r["step_ms"] for r in bench if r["mixer"] == "she"][0] * 60 / 3600  # 60000 batches, in hours
     assert f"she {int(she)}h" in " ".join(" ".join(r.split()) for r in rows)
-    assert [r.split()[3] == "unknown" for r in rows] == [True, True] + [False] * 7 + [True]  # tests, bench
+    unknown = [r.split()[3] == "unknown" for r in rows]  # check from bench too; not tests, bench
+    assert unknown == [False, True, True] + [False] * 7 + [True]
 
 
 @pytest.mark.parametrize(
@@ -3829,6 +3835,159 @@ def test_gpu_budget_starts_no_step_it_cannot_fit_and_keeps_time_for_the_results(
     assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "12s")) == 0
     until = re.search(r"-- tests, until ([0-9.]+)s into this call", capsys.readouterr().out)
     assert until and float(until[1]) <= 12 - 1 - 2  # the margin, and time for the results
+
+
+def _gpu_made_up_log(folder, gaps, wiggle):
+    """A log.csv (gzipped as results/logs/ keeps it, for wiggle 0) of 100 batches whose training cost is
+    8 - 0.02 i, plus gaps[k] in batches 10k+1..10k+10, plus +-wiggle by turns (0 over each window)."""
+    rows = ["iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"]
+    for i in range(1, 101):
+        rows.append(f"{i},{8 - 0.02 * i + gaps[(i - 1) // 10] + wiggle * (-1) ** i!r},,0.001,1000.0,{i / 10}")
+    os.makedirs(folder, exist_ok=True)
+    text = ("\n".join(rows) + "\n").encode()
+    name, data = ("log.csv", text) if wiggle else ("log.csv.gz", gzip.compress(text))
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+
+
+_GPU_SHE_GAPS = [0.0, 0.001, 0.012, 0.039, 0.049, -0.049, 0.02, 0.03, 0.04, 0.045]
+
+
+@pytest.mark.parametrize("we_last_window", [0.0, -0.06], ids=["within", "one_window_over"])
+def test_gpu_check_tables_each_windows_gap_and_fails_when_one_is_over_005(
+    we_last_window, tr_data, tmp_path, monkeypatch, capsys
+):
+    """The check's runs give made-up logs (instead of training) whose 10-batch windows are the CPU's plus
+    the gaps written here: she's up to 0.049, we's last window 0 or -0.06; the others the CPU's own."""
+    gaps = {"she": _GPU_SHE_GAPS, "we": [0.0] * 9 + [we_last_window]}
+    for run in gpu.TABLE1:
+        _gpu_made_up_log(tmp_path / "cpu" / run, [0.0] * 10, wiggle=0)
+    train_for_real = gpu.start_and_wait
+
+    def made_up_training(args, cmds, *rest, **kw):
+        if "--overwrite" not in cmds[0][0]:  # not the check's: the tests step
+            return train_for_real(args, cmds, *rest, **kw)
+        for cmd, _ in cmds:
+            out_dir = cmd[cmd.index("--out_dir") + 1]
+            _gpu_made_up_log(out_dir, gaps.get(os.path.basename(out_dir), [0.0] * 10), wiggle=0.01)
+        return [0] * len(cmds)
+
+    monkeypatch.setattr(gpu, "start_and_wait", made_up_training)
+    monkeypatch.setattr(gpu, "cpu_logs", lambda args: str(tmp_path / "cpu"))
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
+    pack = tmp_path / "packed.tar.gz"
+    rc = gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,tests", "--pack", str(pack)))
+    out = capsys.readouterr().out
+    zeros = ",+0.0000" * 10 + ",0.0000"
+    assert (tmp_path / "r" / "check.csv").read_text().splitlines() == [
+        "run,1-10,11-20,21-30,31-40,41-50,51-60,61-70,71-80,81-90,91-100,max_abs_gap",
+        "sa-1" + zeros, "sa-32" + zeros,
+        "she,+0.0000,+0.0010,+0.0120,+0.0390,+0.0490,-0.0490,+0.0200,+0.0300,+0.0400,+0.0450,0.0490",
+        "he" + zeros,
+        "we" + (zeros if we_last_window == 0 else ",+0.0000" * 9 + ",-0.0600,0.0600"),
+        "me" + zeros,
+    ]  # fmt: skip
+    printed = [" ".join(line.split()) for line in out.splitlines()]  # the table, as check.csv
+    assert (
+        "she +0.0000 +0.0010 +0.0120 +0.0390 +0.0490 -0.0490 +0.0200 +0.0300 +0.0400 +0.0450 0.0490"
+        in printed
+    )
+    if we_last_window:
+        assert "we" + " +0.0000" * 9 + " -0.0600 0.0600 over 0.05" in printed
+    assert out.index("-- check,") < out.index("-- tests,") and "pytest exit 0" in out  # the plan goes on
+    if we_last_window == 0:
+        assert rc == 0 and "passed: every window within 0.05" in out and "nothing left to do" in out
+    else:
+        assert rc == 1 and "   failed: we 0.0600 (" in out and "failed: check (" in out
+    with tarfile.open(pack) as tar:  # --pack: the results in one file
+        assert tar.extractfile("r/check.csv").read() == (tmp_path / "r" / "check.csv").read_bytes()
+        assert tar.extractfile("r/check.txt").read() == (tmp_path / "r" / "check.txt").read_bytes()
+
+
+def test_gpu_pack_inside_the_results_is_refused_with_one_line(tr_data, tmp_path, capsys):
+    argv = _gpu_argv(tmp_path, tr_data, "--dry_run", "--pack", str(tmp_path / "r" / "p.tar.gz"))
+    assert "is inside --results" in error_line(capsys, gpu.main, argv)
+
+
+def test_gpu_plan_checks_tests_benches_then_figure_9_then_the_other_four_then_dtype(
+    tr_data, tmp_path, capsys
+):
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
+    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
+    rows = re.findall(r"^  \[.\] (\S+)", capsys.readouterr().out, re.M)
+    assert rows == [
+        "check", "diagnose", "tests", "bench", "sa-32", "she", "sa-1", "he", "we", "me", "me-float32",
+        "me-bfloat16",
+    ]  # fmt: skip
+
+
+def test_gpu_diagnosis_is_skipped_on_the_cpu_with_one_line(tr_data, tmp_path, capsys):
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,diagnose", "--dry_run")) == 0
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "diagnose")) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "diagnose" in line]
+    assert len(said) == 2 and all(re.match(r"  \[-\] diagnose +skipped .*on CUDA only", s) for s in said)
+    assert "nothing left to do" in out and not (tmp_path / "w" / "check").exists()
+
+
+def test_gpu_budget_13m_with_step_limit_9m_cuts_steps_and_stops_inside_the_budget(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """A 15-minute GPU job: --budget 13m --step_limit 9m, on a made-up clock, each step taking what is
+    written here (the training step all it is given). Every step ends by 9 minutes after its start and by
+    13m less the 1m margin and the 30s kept for the results (11m30s); then gpu.py stops."""
+    clock, took = [0.0], {"check": 60, "tests": 120, "bench": 90}
+    deadlines = []
+
+    def step(name):
+        def run(args, deadline, hard_end):
+            deadlines.append((name, clock[0], deadline))
+            clock[0] += took[name]
+            return True, f"{name} done"
+
+        return run
+
+    def training(args, names, deadline, hard_end):
+        deadlines.append((" ".join(names), clock[0], deadline))
+        clock[0] = deadline  # cut at its deadline
+        return [0] * len(names)
+
+    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    for name in took:
+        monkeypatch.setitem(gpu.STEPS, name, step(name))
+    monkeypatch.setattr(gpu, "train_step", training)
+    argv = [
+        "--device",
+        "cpu",
+        "--data_dir",
+        tr_data,
+        "--results",
+        str(tmp_path / "r"),
+        "--work",
+        str(tmp_path / "w"),
+    ]
+    assert gpu.main([*argv, "--budget", "13m", "--step_limit", "9m", "--parallel", "2"]) == 0
+    assert deadlines == [  # (step, start, end): the step limit, then the budget
+        ("check", 0, 540), ("tests", 60, 600), ("bench", 180, 690), ("sa-32 she", 270, 690),
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert (
+        "-- check, until 9m00s" in out and "-- tests, until 10m00s" in out and "-- bench, until 11m30s" in out
+    )
+    assert out.rstrip().endswith(
+        "budget spent: stopped before sa-32 she; run the same command again to go on"
+    )
+
+
+def test_gpu_check_trains_each_model_with_the_settings_of_its_committed_cpu_run():
+    for run, (model, more, switch) in gpu.CHECKS["check"].items():
+        assert (model, more, switch) == (run, [], None)  # the check's own runs: train.py's defaults
+        settings = vars(train.build_parser().parse_args([*gpu.TABLE1[run], *gpu.CHECK_FLAGS]))
+        committed = json.load(open(os.path.join(ROOT, "results", "logs", "table1-cpu", run, "run.json")))
+        where = {"data_dir", "out_dir", "device"}  # where it ran, not what
+        assert {k: settings[k] for k in committed["args"] if k not in where} == {
+            k: v for k, v in committed["args"].items() if k not in where
+        }, run
 
 
 # ---- results/: published numbers redrawn from the committed logs (issue 32)
