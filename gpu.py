@@ -79,11 +79,11 @@ PLAN = [
 CHECK_ITERS, WINDOW, TOLERANCE = 100, 10, 0.05
 CHECK_FLAGS = ["--max_iters", str(CHECK_ITERS), "--log_interval", "10"]
 # Names from train.py and fir.py, in one place: TF32 off everywhere, and fir.py's switch that puts the FIR's
-# complex products back in TF32 (the arithmetic of the committed H200 runs)
-NO_TF32, COMPLEX_TF32 = "--no-tf32", "COMPLEX_TF32"
+# products (SHE's complex ones) back in TF32 (the arithmetic of the committed H200 runs)
+NO_TF32, FIR_TF32 = "--no-tf32", "ALLOW_TF32"
 CHECKS = {  # the check's and the diagnosis's runs: <work>/check/<folder> -> (Table 1 run, flags, fir switch)
     "check": {n: (n, [], None) for n in TABLE1},
-    "diagnose": {"she-complex-tf32": ("she", [], COMPLEX_TF32), "she-no-tf32": ("she", [NO_TF32], None)},
+    "diagnose": {"she-complex-tf32": ("she", [], FIR_TF32), "she-no-tf32": ("she", [NO_TF32], None)},
 }
 CHECK_RUNS = CHECKS["check"] | CHECKS["diagnose"]
 CUDA_ONLY = {"diagnose"}  # TF32 is CUDA's: elsewhere the diagnosis is skipped
@@ -513,7 +513,7 @@ def train_cmd(args, run_dir, flags, device, switch=None):
         return [sys.executable, os.path.join(ROOT, "train.py"), *flags]
     code = (
         f"import sys; sys.path.insert(0, {ROOT!r}); import fir, train\n"
-        f"if not hasattr(fir, {switch!r}): sys.exit('fir.py has no {switch}: rename gpu.COMPLEX_TF32')\n"
+        f"if not hasattr(fir, {switch!r}): sys.exit('fir.py has no {switch}: rename gpu.FIR_TF32')\n"
         f"fir.{switch} = True\nsys.exit(train.main(sys.argv[1:]))"
     )
     return [sys.executable, "-c", code, *flags]
