@@ -2859,16 +2859,16 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
     assert titles[:6] == ["1.", "2.", "3.", "4.", "5.", "6."]
     for block in tables[:6]:
         rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
-        if block.startswith("3."):  # one row per mixer and model size
-            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
-                block
-            )
+        if block.startswith("3."):  # one row per mixer and model size (on CUDA: and variant)
+            variants = 4 if bench.pick_device("auto").type == "cuda" else 1
+            want = sorted((mixers + ["none"]) * 2 * variants)
+            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == want, block
         else:
             assert [r[0] for r in rows if r[0] in mixers] == mixers, block
     res = json.loads(out.read_text())
     assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops", "memory"}
     for name, rows in res["sections"].items():
-        want = (mixers + ["none"]) * 2 if name == "model" else mixers
+        want = (mixers + ["none"]) * 2 * variants if name == "model" else mixers
         assert sorted(r["mixer"] for r in rows) == sorted(want), name
     for r in res["sections"]["sublayer"]:
         assert r["ms"] > 0 and r["path"] in ("sdpa", "toeplitz", "fft", "matmul")
@@ -2886,9 +2886,28 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
     for m, r in sweep.items():
         for key in (k for k in r if k.startswith("ms_t") and r[k] is not None):
             ratio(r[f"vs_sa_t{key[4:]}"], r[key] / sweep["sa"][key], "sweep", m, key)
-    sa_step = {r["model"]: r["step_ms"] for r in res["sections"]["model"] if r["mixer"] == "sa"}
-    for r in res["sections"]["model"]:
-        ratio(r["vs_sa"], sa_step[r["model"]] / r["step_ms"], "model", r["model"], r["mixer"])
+    # section 3 against its floor (on CUDA, and on the CPU with --floor): the floor and the ratio from the
+    # row's own counts and the rates it was measured against
+    floor = out.with_name("floor.json")
+    argv = f"--quick --sections 3 --floor --mixers me --device cpu --no_malloc_tune --json {floor}".split()
+    assert bench.main(argv) == 0
+    block = capsys.readouterr().out.split("\n\n")[1]
+    assert block.startswith("3.") and " vs_floor " in block.splitlines()[1], block
+    floor_rows = json.loads(floor.read_text())["sections"]["model"]
+    assert sorted((r["model"], r["mixer"]) for r in floor_rows) == sorted(
+        (m, x) for m in ("m=2", "m=1") for x in ("sa", "me", "none")
+    )
+    for rows in (res["sections"]["model"], floor_rows):
+        sa_step = {(r["model"], r.get("variant")): r["step_ms"] for r in rows if r["mixer"] == "sa"}
+        for r in rows:
+            where = ("model", r["model"], r["mixer"], r.get("variant"))
+            ratio(r["vs_sa"], sa_step[r["model"], r.get("variant")] / r["step_ms"], *where)
+            if "vs_floor" in r:
+                ratio(r["flop_ms"], 1e3 * r["flops"] / r["flop_rate"], *where)
+                ratio(r["byte_ms"], 1e3 * r["bytes"] / r["byte_rate"], *where)
+                assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]) and min(r["flops"], r["bytes"]) > 0
+                ratio(r["vs_floor"], r["step_ms"] / r["floor_ms"], *where)
+                ratio(r["tokens_per_s"], 1e3 * 4 * 32 / r["step_ms"], *where)  # --quick: batch 4 x 32
 
 
 def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
