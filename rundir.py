@@ -252,7 +252,7 @@ def make_step(run, train_step, world):
         "--no-cuda_graph": not args.cuda_graph,
         f"no CUDA graphs on {device.type}": device.type != "cuda",
         "DDP: not captured": world > 1,
-        "--dtype float16: its loss scaler syncs with the CPU": args.dtype == "float16",
+        "--dtype float16: its loss scaling is not captured": args.dtype == "float16",
         "--compile: not captured": args.compile,
     }
     why = next((why for why, applies in cannot.items() if applies), None)
