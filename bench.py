@@ -9,7 +9,9 @@ Every token mixer of extractor.py measured against attention on this device: the
     python bench.py --table7                          # the paper's Table 7, from the formulas
 
 Sections: 1 sublayer forward+backward at Table 1 shapes, 2 context sweep at fixed tokens per batch,
-3 whole model training (m = 18 and m = 2), 4 generation with and without the cache, 5 the paper's
+3 whole model training (m = 18 and m = 2; on CUDA, or with --floor, each way of running the step:
+captured in a CUDA graph, eager, bf16, compiled with --compile, against the floor its FLOPs and bytes
+set at the rates measured in the same run), 4 generation with and without the cache, 5 the paper's
 operation counts beside the FLOPs torch.utils.flop_counter measures, 6 the memory of one Table 1
 training step (parameters, gradients, AdamW, saved activations, peak) and the largest batch that fits
 a GPU (--gpu_gib, default the paper's 6 GB RTX 4050). Times are medians of interleaved
@@ -20,6 +22,7 @@ Each table's columns are the keys of its rows in the --json file.
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -36,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import extractor
 import fir
+import rundir
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
 import train
 from common import atomic_write, fail, keep_freed_memory, one_line_errors, pick_device
@@ -55,6 +59,11 @@ SETTINGS = {
     "sweep_rounds": (5, 1),
     "layers": ((18, 2), (2, 1)),  # section 3: m of the two models, timed steps per model
     "model_rounds": (4, 1),
+    "gemm_n": (
+        8192,
+        256,
+    ),  # section 3's floor: the GEMM (n x n) @ (n x n) and the copy that measure the rates
+    "copy_mib": (1024, 16),
     "paper_batches": (60000, 60000),  # Section 6: the paper trains on 60000 batches
     "gen_layers": (2, 1),  # section 4, batch 1
     "gen_block": (512, 32),
@@ -208,7 +217,8 @@ def build_model(s, args, mixer, n_layer, device):
 
 
 def make_optimizer(model, device):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=device.type == "cuda")
+    cuda = device.type == "cuda"  # as train.py: fused, and capturable in a CUDA graph
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=cuda, capturable=cuda)
 
 
 def peak_bytes(step, model, opt, device):
@@ -311,16 +321,21 @@ def complete_mapping():
     def sdpa_cpu(*args, out_val=None, **kwargs):
         return flop_registry[aten._scaled_dot_product_flash_attention](*args, out_val=out_val, **kwargs)
 
+    def sdpa_cpu_backward(grad_out, query, key, value, *args, out_val=None, **kwargs):
+        flash = flop_registry[aten._scaled_dot_product_flash_attention_backward]
+        return flash(grad_out, query, key, value, out_val=out_val)
+
     def r2c(x, dim, *args, out_val=None, **kwargs):
         return int(2.5 * x.numel() * math.log2(math.prod(x.shape[d] for d in dim)))
 
     def c2r(x, dim, normalization, last_dim_size, *args, out_val=None, **kwargs):
         return int(2.5 * out_val.numel() * math.log2(math.prod(out_val.shape[d] for d in dim)))
 
-    for f in (bmm, mul, sdpa_cpu, r2c, c2r):
+    for f in (bmm, mul, sdpa_cpu, sdpa_cpu_backward, r2c, c2r):
         f._get_raw = True
     return {
         aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward,
         aten.bmm: bmm,
         aten.mul: mul,
         aten._fft_r2c: r2c,
@@ -394,6 +409,8 @@ def path_ranges(path_by_t):
 
 
 def section_model(s, args, mixers, device, ctx, dtype):
+    if device.type == "cuda" or args.floor:
+        return section_model_floor(s, args, mixers, device)
     B, l, rows = s["batch"], s["l"], []
     data = torch.randint(0, s["vocab"], (B, l + 1), generator=torch.Generator().manual_seed(0))
     x, y = data[:, :-1].to(device), data[:, 1:].to(device)  # (B, l) inputs and next tokens
@@ -425,6 +442,130 @@ def section_model(s, args, mixers, device, ctx, dtype):
             )
         del models, steps, times
     return rows
+
+
+# Section 3 on CUDA (and with --floor): every way of running the step, against the floor it counts.
+# name -> (autocast dtype, how the step runs); train.py's step on CUDA first (gpu.py reads a model's
+# first row), then the others; compiled with --compile only (minutes of compiling per model)
+VARIANTS = {
+    "captured": ("float32", "captured"),
+    "eager": ("float32", "eager"),
+    "bf16-captured": ("bfloat16", "captured"),
+    "bf16": ("bfloat16", "eager"),
+    "compiled": ("float32", "compiled"),
+}
+
+
+def section_model_floor(s, args, mixers, device):
+    """Each variant's training step (train.train_step, as train.py runs it on this device) timed, beside
+    the floor counted for its model: FLOPs over the measured matrix rate, the fewest bytes over the
+    measured copy rate, whichever is longer. float32 as train.py: TF32 matmuls on CUDA."""
+    cuda = device.type == "cuda"  # the CPU: eager (and compiled), float32
+    variants = [v for v, (dt, how) in VARIANTS.items() if (cuda or dt == "float32" and how != "captured")]
+    variants = [v for v in variants if v != "compiled" or args.compile]
+    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        ctxs = {dt: train.precision(device, dt)[0] for dt in dict.fromkeys(VARIANTS[v][0] for v in variants)}
+        rates = measure_rates(device, list(ctxs), s)
+        rows = [
+            row
+            for n_layer in s["layers"]
+            for row in floor_rows(s, args, mixers, device, n_layer, variants, ctxs, rates)
+        ]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
+    return rows
+
+
+def measure_rates(device, dtypes, s):
+    """This machine's rates, measured once: FLOP/s of an (n x n) @ (n x n) GEMM in each dtype (float32
+    under the TF32 setting in effect) and bytes/s of a large copy (each byte read once, written once).
+    On the CPU at most n = 2048 and 256 MiB."""
+    cpu = device.type != "cuda"
+    n, mib = min(s["gemm_n"], 2048) if cpu else s["gemm_n"], min(s["copy_mib"], 256) if cpu else s["copy_mib"]
+    fns = {}
+    for dt in dtypes:
+        a, b = (torch.randn(n, n, device=device).to(getattr(torch, dt)) for _ in range(2))
+        fns[dt] = functools.partial(torch.mm, a, b, out=torch.empty_like(a))
+    src = torch.randn(mib * 2**18, device=device)  # float32: mib MiB
+    fns["copy"] = functools.partial(torch.Tensor.copy_, torch.empty_like(src), src)
+    times, _ = interleaved(fns, 2, 10, device, "rates")
+    rates = {dt: 2 * n**3 / med(times[dt]) for dt in dtypes}
+    rates["copy"] = 2 * src.nbytes / med(times["copy"])
+    s.update(gemm=f"{n}^3 GEMM", copy=f"{mib} MiB copy", rates=", ".join(
+        [f"{dt}{' (TF32)' * (dt == 'float32' and not cpu and torch.backends.cuda.matmul.allow_tf32)} "
+         f"{rates[dt] / 1e12:.3g} TFLOP/s" for dt in dtypes] + [f"copy {rates['copy'] / 1e9:.4g} GB/s"]
+    ))  # fmt: skip
+    return rates
+
+
+def step_counts(model, opt, step, logits):
+    """One training step counted, (FLOPs, bytes): its FLOPs as torch.utils.flop_counter counts them
+    (completed as in section 5; forward, backward, AdamW's none) and the fewest bytes it must move:
+    parameters, gradients and AdamW's two moments each read and written once, each activation saved for
+    backward written once and read once, the logits (`logits` bytes) written once and read once."""
+    params = list(model.parameters())
+    with FlopCounterMode(display=False, custom_mapping=complete_mapping()) as counter:
+        _, saved = saved_for_backward(step, params)
+    moments = storage_bytes(st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    state = 2 * storage_bytes(params) + moments  # parameters, their gradients (as large), the moments
+    return counter.get_total_flops(), 2 * (state + saved + logits)
+
+
+def floor_rows(s, args, mixers, device, n_layer, variants, ctxs, rates):
+    """Section 3's rows at m = n_layer: a model and AdamW per mixer, shared by its variants (a captured
+    step past its warm-up and capture, a compiled one past compiling: one line where that fails, and no
+    row), timed in interleaved rounds; the floor from step_counts and the rates."""
+    B, l, rounds = s["batch"], s["l"], s["model_rounds"] * (5 if device.type == "cuda" else 1)
+    s["floor_rounds"] = rounds
+    data = torch.randint(0, s["vocab"], (B, l + 1), generator=torch.Generator().manual_seed(0))
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)  # (B, l) inputs and next tokens
+    if "compiled" in variants:  # a compiled model per mixer, each a new Transformer.forward to compile
+        torch._dynamo.config.recompile_limit = 64
+    steps, counts, params = {}, {}, {}
+    for m in mixers:
+        torch.manual_seed(0)
+        model = build_model(s, args, m, n_layer, device).train()
+        opt, scaler = make_optimizer(model, device), torch.amp.GradScaler(device.type, enabled=False)
+        params[m] = sum(p.numel() for p in model.parameters())
+        for dt, ctx in ctxs.items():  # (also AdamW's first step, which makes its moments)
+            logits = B * l * s["vocab"] * (2 if dt == "bfloat16" else 4)
+            counts[m, dt] = step_counts(
+                model, opt, lambda: train.train_step(model, opt, scaler, ctx, x, y), logits
+            )
+        for v in variants:
+            dt, how = VARIANTS[v]
+            step = functools.partial(
+                train.train_step, torch.compile(model) if how == "compiled" else model, opt, scaler, ctxs[dt]
+            )
+            step = rundir.CapturedStep(step) if how == "captured" else step
+            try:
+                for _ in range(4 if how == "captured" else 1 if how == "compiled" else 0):
+                    step(x, y)  # a captured step: 3 eager warm-up steps, then the capture
+            except Exception as e:  # torch.compile does not generate code for complex tensors (SHE, HE, WE)
+                print(f"  m={n_layer} {m} {v} fails, no row: {type(e).__name__}: {first_line(e)}", flush=True)
+                continue
+            steps[m, v] = functools.partial(step, x, y)
+    progress(f"model m = {n_layer}: {len(mixers)} models, {len(steps)} steps")
+    times, _ = interleaved(steps, 2, rounds, device, f"model m={n_layer}")
+    rows = []
+    for (m, v), ts in times.items():
+        dt, t = VARIANTS[v][0], med(ts)
+        flops, moved = counts[m, dt]
+        flop_s, byte_s = flops / rates[dt], moved / rates["copy"]
+        floor, sa = max(flop_s, byte_s), times.get(("sa", v))
+        rows.append(dict(
+            model=f"m={n_layer}", mixer=m, variant=v, params=params[m], step_ms=1e3 * t,
+            tokens_per_s=B * l / t, vs_sa=med(sa) / t if sa else None, flops=flops,
+            bytes=moved, flop_ms=1e3 * flop_s, byte_ms=1e3 * byte_s, floor_ms=1e3 * floor,
+            vs_floor=t / floor, paper_hours=s["paper_batches"] * t / 3600, flop_rate=rates[dt],
+            byte_rate=rates["copy"],
+        ))  # fmt: skip
+    return sorted(rows, key=lambda r: (mixers.index(r["mixer"]), list(VARIANTS).index(r["variant"])))
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [""])[0][:80]
 
 
 def generate_timed(model, prompt, n_new, use_cache, ctx, device):
@@ -623,6 +764,22 @@ model mixer params:si step_ms:.0f tokens_per_s:.0f vs_sa:.2f peak_mb:.0f paper_h
 and AdamW states (cpu: Linux VmHWM)
 - paper_hours: the paper's {paper_batches} batches at this step time
 
+model_floor: 3. Whole model training step (fwd, loss, bwd, AdamW) against its floor, batch {batch} x {l}, \
+Table 1 otherwise; median of {floor_rounds} interleaved steps; rates measured: {rates}
+model mixer variant params:si step_ms:.2f tokens_per_s:.0f vs_sa:.2f flops:si bytes:si flop_ms:.3f \
+byte_ms:.3f floor_ms:.3f vs_floor:.1f paper_hours:.2f
+- variant: train.train_step as train.py runs it, float32 (TF32 matmuls on CUDA) or bf16 autocast; captured: \
+replayed as a CUDA graph (rundir.CapturedStep, train.py's default on CUDA); compiled: torch.compile(model)
+- flops: one step's FLOPs, torch.utils.flop_counter completed as in section 5 (backward included)
+- bytes: the fewest bytes one step must move: parameters, gradients, AdamW's two moments read and \
+written once, each activation saved for backward written and read once, the logits written and read once
+- flop_ms, byte_ms: flops at the GEMM rate of the variant's dtype ({gemm}), bytes at the copy rate \
+({copy}); floor_ms: the larger; vs_floor: step_ms / floor_ms
+- vs_sa: sa's step time over this one, same variant (above 1: faster)
+- paper_hours: the paper's {paper_batches} batches at this step time
+- expected before any GPU ran it, at m = 18 on an H100/H200: captured 4-9x eager's speed and still 4-10x \
+its floor, since each of the step's 480-1070 unfused ops reads and writes its tensors (9-19 GB)
+
 generation: 4. Generation, batch 1, {gen_prompt}-token prompt, {gen_new} new tokens (greedy), \
 m = {gen_layers}, l = {gen_block}, d = {d}; median of {gen_rounds} rounds
 mixer cached_tokens_per_s:.0f cached_ms_per_token:.2f full_tokens_per_s:.0f full_ms_per_token:.2f \
@@ -723,6 +880,7 @@ def parse_args(argv):
         "--compile", action="store_true", help="torch.compile sublayers and models (not generation)"
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: runs in seconds")
+    p.add_argument("--floor", action="store_true", help="section 3 against its floor also off CUDA")
     sections = ", ".join(f"{k} {v}" for k, v in SECTIONS.items())
     p.add_argument("--sections", default="1,2,3,4,5,6", help=f"comma list of: {sections}")
     p.add_argument(
@@ -848,7 +1006,7 @@ def main(argv=None):
             if args.compile:
                 fail(f"section {k} failed under --compile ({type(e).__name__}); run without --compile")
             raise
-        show(SECTIONS[k], rows, s)
+        show("model_floor" if rows and "variant" in rows[0] else SECTIONS[k], rows, s)
         sys.stdout.flush()
     results["elapsed_s"] = time.perf_counter() - t0
     results["settings"]["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -140,6 +140,22 @@ def pick_device(name, local_rank=0):
     return device
 
 
+def device_name(device):
+    """The device's model, for run.json: the GPU's name on CUDA, else the CPU's (/proc/cpuinfo's model
+    name, or what the platform module says)."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def peak_memory(device):
     """(bytes, what) of this process's peak memory so far: on CUDA the most the tensors ever held
     (max_memory_allocated), elsewhere the peak resident memory of the whole process (ru_maxrss)."""

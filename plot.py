@@ -104,7 +104,7 @@ def read_settings(run_dir):
     try:
         with open(path) as f:
             run = json.load(f)
-        return {**run["args"], **run["config"], "params": run.get("params", {})}
+        return {**run["args"], **run["config"], "params": run.get("params", {}), "data": run.get("data")}
     except (ValueError, KeyError, TypeError) as e:  # a cut or hand-edited file
         fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
 
@@ -304,17 +304,34 @@ def check_sweep(runs, rows, key):
 
 def check_one_corpus(runs, verb):
     """Runs in one figure or table: one corpus and one vocabulary (a cost in nats over other text or
-    other tokens is another quantity); else one line naming the corpora."""
-    corpora = {
-        (os.path.normpath(r["settings"].get("data_dir", "data")), r["settings"].get("vocab_size"))
-        for r in runs
-    }
-    if len(corpora) > 1:
+    other tokens is another quantity); else one line naming the corpora. Runs whose run.json all hold the
+    data's fingerprint are judged by it, wherever their data folder was (one corpus prepared on a GPU
+    machine and on a laptop draws together); others by data folder and vocabulary."""
+    where = lambda r: os.path.normpath(r["settings"].get("data_dir", "data"))
+    prints = [data_fingerprint(r["settings"]) for r in runs]
+    if all(prints):  # a name per fingerprint
+        corpora = {tuple(sorted(p.items())): (where(r), p) for r, p in zip(runs, prints)}
+        names = "; ".join(
+            sorted(
+                f"{d}, vocabulary {p['vocab_size']}, train.bin {p['train_sha256'][:12]}"
+                for d, p in corpora.values()
+            )
+        )
+    else:
+        corpora = {(where(r), r["settings"].get("vocab_size")) for r in runs}
         if len({v for _, v in corpora}) > 1:
             names = "; ".join(sorted(f"{d}, vocabulary {v}" for d, v in corpora))
         else:
             names = ", ".join(sorted(d for d, _ in corpora))
+    if len(corpora) > 1:
         fail(f"the runs were trained on other data ({names}); {verb} runs of one corpus")
+
+
+def data_fingerprint(settings):
+    """run.json's fingerprint of the data (vocabulary, sha256 of train.bin, val.bin and the tokenizer), or
+    None where it is missing or partial (an older run.json, data made without prepare_data.py)."""
+    data = settings.get("data")
+    return data if isinstance(data, dict) and data and None not in data.values() else None
 
 
 def read_points(path, key, window, batches=None):

@@ -3,12 +3,14 @@ The run folder's guarantees, for train.py: a folder holds one run, is locked whi
 it, is judged before anything in it is written, never mixes two runs' files, keeps log.csv in step with
 ckpt.pt, and a stop signal (on every DDP rank at the same batch) or a non-finite cost ends the run with a
 checkpoint kept. With them: the folder's default name, the settings a resumed run takes from its
-checkpoint, log.csv and the console line, and what ckpt.pt holds to continue bit for bit. train.py calls
+checkpoint, the step as the loop calls it (on CUDA captured in a CUDA graph), how the run computes
+(run.json), log.csv and the console line, and what ckpt.pt holds to continue bit for bit. train.py calls
 these, first of all run_folder(); a reader of the experiment can skip them.
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,7 +23,8 @@ from contextlib import contextmanager, suppress
 import torch
 import torch.distributed as dist
 
-from common import SYMBOLS, atomic_write, fail, fmt_time, peak_memory
+import fir
+from common import SYMBOLS, atomic_write, device_name, fail, fmt_time, peak_memory
 
 LOG_HEADER = ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png")  # what a run folder holds, beside train.lock
@@ -234,6 +237,75 @@ def check_log_reaches(out_dir, last_iter):
         )
 
 
+# ------------------------------------------------------------------------- the step: eager, or a CUDA graph
+
+
+def make_step(run, train_step, world):
+    """The loop's step(x, y) -> loss: train_step with the run's model, AdamW, scaler and autocast; on CUDA
+    captured in a CUDA graph and replayed (CapturedStep: the same numbers), eager where capture cannot
+    apply. Returns it and how it runs, in words for the console and run.json."""
+    args, device = run.args, run.device
+    step = functools.partial(
+        train_step, run.model, run.optimizer, run.scaler, run.ctx, grad_clip=args.grad_clip
+    )
+    cannot = {  # the reasons, in this order
+        "--no-cuda_graph": not args.cuda_graph,
+        f"no CUDA graphs on {device.type}": device.type != "cuda",
+        "DDP: not captured": world > 1,
+        "--dtype float16: its loss scaling is not captured": args.dtype == "float16",
+        "--compile: not captured": args.compile,
+    }
+    why = next((why for why, applies in cannot.items() if applies), None)
+    return (step, f"eager ({why})") if why else (CapturedStep(step), "captured in a CUDA graph")
+
+
+class CaptureError(RuntimeError):
+    """Recording the step in a CUDA graph failed: an operation in it cannot be captured."""
+
+
+class CapturedStep:
+    """step(x, y) -> loss as `step` (a whole training step: forward, loss, backward, clipping, AdamW)
+    computes it, replayed from a CUDA graph (PyTorch's whole-network capture, torch.cuda.graphs): Python
+    launches one graph instead of each of the step's 500-1000 kernels. The first `warmup` calls are real
+    steps, run eagerly on a side stream, so that cuBLAS, AdamW's state and the allocator set themselves up
+    outside the capture. The next call copies its batch into static buffers x, y, records one step (which
+    runs nothing) and replays it; every later call copies its batch in and replays. Parameters, gradients
+    and AdamW's state keep their places, so a replay computes what the eager step would, bit for bit
+    (tests.py checks it on a GPU). Dropout draws from the default CUDA generator, which each replay
+    advances as the eager step does: a checkpoint's RNG state continues the run. The loss returned is a
+    copy; the graph's own is overwritten by the next replay."""
+
+    def __init__(self, step, warmup=3):
+        self.step, self.warmup, self.graph = step, warmup, None
+        self.stream = torch.cuda.Stream()  # the warm-up's and the capture's
+
+    def __call__(self, x, y):
+        if self.graph is None and self.warmup > 0:  # a real step, eager, on the side stream
+            self.warmup -= 1
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                loss = self.step(x, y)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return loss
+        if self.graph is None:
+            self.capture(x, y)
+        self.x.copy_(x)
+        self.y.copy_(y)
+        self.graph.replay()
+        return self.loss.clone()
+
+    def capture(self, x, y):
+        graph, self.x, self.y = torch.cuda.CUDAGraph(), x.clone(), y.clone()  # the static inputs (b, l)
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                self.loss = self.step(self.x, self.y)  # recorded, not run; the static output
+        except Exception as e:
+            raise CaptureError(
+                f"capturing the step in a CUDA graph failed ({type(e).__name__}: {str(e)[:80]})"
+            )
+        self.graph = graph
+
+
 # ------------------------------------------------------------------------- the run's files: run.json, log.csv
 
 
@@ -250,6 +322,20 @@ def start_files(out_dir, run_info, start):
     atomic_write(os.path.join(out_dir, "run.json"), json.dumps(run_info, indent=1) + "\n")
     keep = [r for i, r in log_rows(log_path) if i <= start]
     atomic_write(log_path, "\n".join([",".join(LOG_HEADER)] + keep) + "\n")
+
+
+def computed(run, how):
+    """How the run computes, for run.json: the device and its model, torch, the precision of float32
+    matmuls (tf32 or ieee), autocast, whether the step is captured, and the precision of the FIR's own
+    products (SHE's complex ones among them: ieee unless fir.ALLOW_TF32 lets them follow TF32)."""
+    tf32 = run.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return {
+        "device": str(run.device), "device_name": device_name(run.device), "torch": torch.__version__,
+        "float32_matmul": "tf32" if tf32 else "ieee",
+        "autocast": None if run.args.dtype == "float32" else run.args.dtype,
+        "captured": how.startswith("captured"), "step": how,
+        "fir_matmul": "tf32" if tf32 and fir.ALLOW_TF32 else "ieee",
+    }  # fmt: skip
 
 
 def add_to_run_json(out_dir, **info):
@@ -364,7 +450,11 @@ def gather_rng(device, world):
 def restore(ckpt, model, optimizer, scaler, device, rank, world):
     """A resumed run's state: model, AdamW, loss scaler and this rank's RNG streams."""
     model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    saved, keys = ckpt["optimizer"], ("fused", "capturable", "foreach")  # AdamW's kind stays this device's
+    groups = [
+        dict(g, **{k: m[k] for k in keys}) for g, m in zip(saved["param_groups"], optimizer.param_groups)
+    ]
+    optimizer.load_state_dict(dict(saved, param_groups=groups))
     if ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     if len(ckpt["rng"]) == world:

@@ -2021,6 +2021,152 @@ def test_train_notes_that_half_precision_on_the_cpu_may_be_slower(tr_data, tmp_p
         assert len(notes) == (dtype != "float32") and all(f"--dtype {dtype} " in n for n in notes), notes
 
 
+def test_train_says_in_its_description_line_that_the_step_runs_eager_and_why(tr_data, tmp_path, capsys):
+    """The step is a CUDA graph only on CUDA: elsewhere the run's description line, and no other line,
+    says it runs eager and why; --no-cuda_graph is accepted and named. Where CUDA could capture it, each
+    setting that rules capture out is named (rundir.make_step on a stand-in run: nothing is built)."""
+    flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "2", "--device", "cpu"]
+    for name, extra, why in (
+        ("on", [], "no CUDA graphs on cpu"),
+        ("off", ["--no-cuda_graph"], "--no-cuda_graph"),
+    ):
+        out = str(tmp_path / name)
+        assert train.main(flags + extra + ["--out_dir", out]) == 0
+        said = [line for line in capsys.readouterr().out.splitlines() if "eager" in line or "graph" in line]
+        assert said == [f"on cpu (float32), step eager ({why}); {out}"]
+    table1 = train.build_parser().parse_args([])
+    for change, world, why in (
+        (dict(cuda_graph=False), 1, "--no-cuda_graph"),
+        ({}, 2, "DDP"),
+        (dict(dtype="float16"), 1, "--dtype float16"),
+        (dict(compile=True), 1, "--compile"),
+    ):
+        args = argparse.Namespace(**{**vars(table1), **change})
+        run = argparse.Namespace(args=args, device=torch.device("cuda"), model=None, optimizer=None)
+        run.scaler = run.ctx = None
+        assert rundir.make_step(run, train.train_step, world)[1].startswith(f"eager ({why}"), why
+
+
+def test_train_run_json_says_how_the_run_computed_and_on_which_data(tmp_path, monkeypatch):
+    """run.json: the device and its model, torch, the precision of float32 matmuls actually in effect (TF32
+    switched on for CUDA does not make the CPU's matmuls TF32), autocast, the step eager, the FIR's complex
+    products not in TF32, and the data's fingerprint as the checkpoint keeps it."""
+    data = _tr_add_checksums(_tr_make_data(tmp_path / "data"))
+    sha = lambda split: hashlib.sha256(open(os.path.join(data, f"{split}.bin"), "rb").read()).hexdigest()
+    fingerprint = dict(vocab_size=64, train_sha256=sha("train"), val_sha256=sha("val"), tokenizer_sha256=None)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # as after a CUDA run in this process
+    for dtype, autocast in (("float32", None), ("bfloat16", "bfloat16")):
+        out = tmp_path / dtype
+        flags = _TR_TINY + ["--data_dir", data, "--max_iters", "2", "--device", "cpu", "--out_dir", str(out)]
+        assert train.main(flags + ["--dtype", dtype]) == 0
+        info = json.load(open(out / "run.json"))
+        computed = dict(info["computed"])
+        name = computed.pop("device_name")
+        assert name and (not os.path.exists("/proc/cpuinfo") or name in open("/proc/cpuinfo").read())
+        assert computed == {
+            "device": "cpu", "torch": torch.__version__, "float32_matmul": "ieee", "autocast": autocast,
+            "captured": False, "step": "eager (no CUDA graphs on cpu)", "fir_matmul": "ieee",
+        }  # fmt: skip
+        assert info["data"] == fingerprint == torch.load(out / "ckpt.pt", weights_only=True)["data"]
+
+
+def test_plot_draws_one_data_fingerprint_from_two_folders_and_refuses_two_fingerprints(tmp_path, capsys):
+    """Runs whose run.json hold the data's fingerprint are one corpus if the fingerprints agree, wherever
+    the data was prepared (a GPU machine's folder, a laptop's), and two corpora if they differ, even in
+    one folder. A run without one (an older run.json) is judged by folder and vocabulary, as before."""
+
+    def run(name, mixer, data_dir, train_sha=None, tokenizer_sha="c" * 64):
+        folder = tmp_path / name
+        _plot_fake_run(str(folder), mixer, 1, [4.0] * 8, val_every=4, data_dir=data_dir, vocab_size=50)
+        if train_sha:
+            info = json.load(open(folder / "run.json"))
+            info["data"] = dict(vocab_size=50, train_sha256=train_sha, val_sha256="b" * 64)
+            info["data"]["tokenizer_sha256"] = tokenizer_sha  # None: data made without prepare_data.py
+            (folder / "run.json").write_text(json.dumps(info))
+        return str(folder)
+
+    gpu, laptop = run("gpu", "me", "/gpu/data", "a" * 64), run("laptop", "he", "/home/u/data", "a" * 64)
+    again, older = run("again", "we", "/gpu/data", "d" * 64), run("older", "sa", "/home/u/data")
+    partial = run("partial", "sa", "/home/u/data", "a" * 64, tokenizer_sha=None)
+    out = ["--window", "4", "-o", str(tmp_path / "f.png")]
+    assert plot.main([gpu, laptop] + out) == 0
+    assert error_line(capsys, plot.main, [gpu, again] + out) == (
+        "error: the runs were trained on other data (/gpu/data, vocabulary 50, train.bin aaaaaaaaaaaa; "
+        "/gpu/data, vocabulary 50, train.bin dddddddddddd); compare runs of one corpus"
+    )
+    for judged_by_folder in (older, partial):
+        assert plot.main([laptop, judged_by_folder] + out) == 0
+        assert error_line(capsys, plot.main, [gpu, judged_by_folder] + out) == (
+            "error: the runs were trained on other data (/gpu/data, /home/u/data); compare runs of one corpus"
+        )
+
+
+_CUDA_ONLY = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs: run with TEST_DEVICE=cuda")
+
+
+@_CUDA_ONLY
+@pytest.mark.parametrize("mixer", ["sa", "she", "he", "we", "me", "he-ext"])
+def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
+    """rundir.CapturedStep against train.train_step, with dropout and gradient clipping on, in float32 and
+    under bf16 autocast: 3 eager warm-up steps, the capture, 5 replays. The same losses, parameters and
+    AdamW moments, to the bit, and the CUDA generator left where the eager steps leave it (so a
+    checkpoint's RNG state continues the run)."""
+    cfg = Config(
+        vocab_size=50, block_size=16, n_embd=16, n_hidden=32, n_layer=2, n_head=4, dropout=0.1, mixer=mixer
+    )
+    batches = torch.randint(0, 50, (9, 4, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for dtype in ("float32", "bfloat16"):
+        ends = []
+        for captured in (False, True):
+            torch.manual_seed(0)  # the same initialisation, and the same dropout stream on the GPU
+            model = Transformer(cfg).to(DEVICE)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
+            ctx, scaler = train.precision(DEVICE, dtype)
+            step = functools.partial(train.train_step, model, opt, scaler, ctx, grad_clip=0.5)
+            step = rundir.CapturedStep(step) if captured else step
+            losses = torch.stack([step(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches])
+            moments = [st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+            ends.append((losses, list(model.parameters()) + moments, torch.cuda.get_rng_state(DEVICE)))
+            assert not captured or step.graph is not None  # the last 5 steps were replays
+        (eager, eager_tensors, eager_rng), (graph, graph_tensors, graph_rng) = ends
+        assert torch.equal(graph, eager), (dtype, graph - eager)
+        assert all(torch.equal(a, b) for a, b in zip(graph_tensors, eager_tensors)), dtype
+        assert torch.equal(graph_rng, eager_rng), dtype
+
+
+@_CUDA_ONLY
+def test_train_captured_run_resumed_continues_bit_for_bit_and_equals_the_eager_run(tr_data, tmp_path, capsys):
+    """train.py on CUDA: a captured run stopped at batch 20 and resumed (3 eager steps, a new capture) logs
+    what the run without a stop logs, to the bit, and so does the same run with --no-cuda_graph. run.json
+    and the description line say how each computed; --no-tf32 switches TF32 off."""
+    flags = (
+        _TR_TINY
+        + f"--mixer she --dropout 0.1 --grad_clip 0.5 --data_dir {tr_data} --ckpt_interval 10".split()
+    )
+    flags += ["--eval_interval", "10"]
+    runs = {name: str(tmp_path / name) for name in ("full", "part", "eager", "ieee")}
+    assert train.main(flags + ["--out_dir", runs["full"], "--max_iters", "30"]) == 0
+    assert train.main(flags + ["--out_dir", runs["part"], "--max_iters", "20"]) == 0
+    assert train.main(["--out_dir", runs["part"], "--max_iters", "30", "--resume"]) == 0
+    assert train.main(flags + ["--out_dir", runs["eager"], "--max_iters", "30", "--no-cuda_graph"]) == 0
+    assert train.main(flags + ["--out_dir", runs["ieee"], "--max_iters", "2", "--no-tf32"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("on cuda")]
+    precisions = [
+        line.split("(", 1)[1].split(")")[0] for line in said
+    ]  # full, part, part resumed, eager, ieee
+    assert precisions == ["float32, TF32 matmuls"] * 4 + ["float32"], said
+    steps = [line.split(", step ", 1)[1].split(";")[0] for line in said]
+    assert steps == ["captured in a CUDA graph"] * 3 + ["eager (--no-cuda_graph)", "captured in a CUDA graph"]
+    full = _tr_train_loss_column(runs["full"])  # train losses, val losses
+    assert len(full[0]) == 30 and _tr_train_loss_column(runs["part"]) == full
+    assert _tr_train_loss_column(runs["eager"]) == full
+    computed = {k: json.load(open(os.path.join(v, "run.json")))["computed"] for k, v in runs.items()}
+    assert computed["full"]["device_name"] == torch.cuda.get_device_name(DEVICE)
+    assert [computed[k]["captured"] for k in runs] == [True, True, False, True]
+    assert [computed[k]["float32_matmul"] for k in runs] == ["tf32", "tf32", "tf32", "ieee"]
+    assert computed["ieee"]["fir_matmul"] == "ieee"
+
+
 def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
     out = str(tmp_path / "run")
     flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
@@ -2098,6 +2244,7 @@ def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
 
     monkeypatch.setattr(train, "train_step", diverging)
     argv = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
+    argv += ["--no-cuda_graph"]  # (on CUDA a captured step replays without calling train_step again)
     assert "became nan at batch 15; ckpt.pt keeps batch 10" in error_line(capsys, train.main, argv)
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
 
@@ -2877,17 +3024,17 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
     assert titles[:6] == ["1.", "2.", "3.", "4.", "5.", "6."]
     for block in tables[:6]:
         rows = [line.split() for line in block.splitlines()[3:] if line.strip()]
-        if block.startswith("3."):  # one row per mixer and model size
-            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == sorted((mixers + ["none"]) * 2), (
-                block
-            )
+        if block.startswith("3."):  # one row per mixer and model size (on CUDA: and variant)
+            variants = 4 if bench.pick_device("auto").type == "cuda" else 1
+            want = sorted((mixers + ["none"]) * 2 * variants)
+            assert sorted(r[1] for r in rows if r[0].startswith("m=")) == want, block
         else:  # section 1 on cuda: a row per FIR path, a mixer's rows together
             assert list(dict.fromkeys(r[0] for r in rows if r[0] in mixers)) == mixers, block
     res = json.loads(out.read_text())
     assert set(res["sections"]) == {"sublayer", "sweep", "model", "generation", "flops", "memory"}
     cuda = res["settings"]["device"].startswith("cuda")
     for name, rows in res["sections"].items():
-        want = (mixers + ["none"]) * 2 if name == "model" else mixers
+        want = (mixers + ["none"]) * 2 * variants if name == "model" else mixers
         got = [r["mixer"] for r in rows]
         assert sorted(dict.fromkeys(got) if name == "sublayer" and cuda else got) == sorted(want), name
     for r in res["sections"]["sublayer"]:
@@ -2908,9 +3055,28 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
     for m, r in sweep.items():
         for key in (k for k in r if k.startswith("ms_t") and r[k] is not None):
             ratio(r[f"vs_sa_t{key[4:]}"], r[key] / sweep["sa"][key], "sweep", m, key)
-    sa_step = {r["model"]: r["step_ms"] for r in res["sections"]["model"] if r["mixer"] == "sa"}
-    for r in res["sections"]["model"]:
-        ratio(r["vs_sa"], sa_step[r["model"]] / r["step_ms"], "model", r["model"], r["mixer"])
+    # section 3 against its floor (on CUDA, and on the CPU with --floor): the floor and the ratio from the
+    # row's own counts and the rates it was measured against
+    floor = out.with_name("floor.json")
+    argv = f"--quick --sections 3 --floor --mixers me --device cpu --no_malloc_tune --json {floor}".split()
+    assert bench.main(argv) == 0
+    block = capsys.readouterr().out.split("\n\n")[1]
+    assert block.startswith("3.") and " vs_floor " in block.splitlines()[1], block
+    floor_rows = json.loads(floor.read_text())["sections"]["model"]
+    assert sorted((r["model"], r["mixer"]) for r in floor_rows) == sorted(
+        (m, x) for m in ("m=2", "m=1") for x in ("sa", "me", "none")
+    )
+    for rows in (res["sections"]["model"], floor_rows):
+        sa_step = {(r["model"], r.get("variant")): r["step_ms"] for r in rows if r["mixer"] == "sa"}
+        for r in rows:
+            where = ("model", r["model"], r["mixer"], r.get("variant"))
+            ratio(r["vs_sa"], sa_step[r["model"], r.get("variant")] / r["step_ms"], *where)
+            if "vs_floor" in r:
+                ratio(r["flop_ms"], 1e3 * r["flops"] / r["flop_rate"], *where)
+                ratio(r["byte_ms"], 1e3 * r["bytes"] / r["byte_rate"], *where)
+                assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]) and min(r["flops"], r["bytes"]) > 0
+                ratio(r["vs_floor"], r["step_ms"] / r["floor_ms"], *where)
+                ratio(r["tokens_per_s"], 1e3 * 4 * 32 / r["step_ms"], *where)  # --quick: batch 4 x 32
 
 
 def test_bench_bad_flags_give_one_line_and_exit_1(capsys):

@@ -89,15 +89,16 @@ def build_parser():
     g.add_argument("--allow_other_data", action="store_true", help="with --resume: go on with other data")
     g.add_argument("--eval_interval", type=int, default=1000, help="validation loss every this many batches")
     g.add_argument("--eval_batches", type=int, default=20, help="batches in the validation set; 0 = none")
-    g.add_argument(
-        "--ckpt_interval", type=int, default=1000, help="ckpt.pt every this many batches, and at 10"
-    )
+    g.add_argument("--ckpt_interval", type=int, default=1000, help="ckpt.pt each this many batches and at 10")
     g.add_argument("--log_interval", type=int, default=100, help="console line every this many batches")
 
     g = p.add_argument_group("system")
     g.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    on_off = argparse.BooleanOptionalAction
+    g.add_argument("--tf32", action=on_off, default=True, help="CUDA: float32 matmuls in TF32")
+    g.add_argument("--cuda_graph", action=on_off, default=True, help="CUDA: replay the step as a CUDA graph")
     return one_line_errors(p, "train.py")
 
 
@@ -178,16 +179,18 @@ def get_batch(data, starts, block_size, device):
 # ------------------------------------------------------------------------------------------------- model
 
 
-def precision(device, dtype):
-    """Autocast context and GradScaler: float32 unless --dtype asks for bf16 or fp16 (loss scaling)."""
-    if device.type == "cuda":  # TF32 matmuls: float32 range, every mixer alike
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+def precision(device, dtype, tf32=True):
+    """Autocast context and GradScaler: float32 unless --dtype asks for bf16 or fp16 (loss scaling). On
+    CUDA float32 matmuls in TF32 (float32's range, a 10-bit mantissa) unless --no-tf32."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if device.type == "cpu" and dtype != "float32":
         say(
             f"note: --dtype {dtype} on the CPU may run several times slower than float32, or a little "
             "faster, by CPU and mixer; time a few batches of each before a long run"
         )
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, dtype=getattr(torch, dtype))
+    cache, kind = device.type != "cuda", getattr(torch, dtype)  # CUDA graphs ask for no autocast cache
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(device.type, kind, cache_enabled=cache)
     return ctx, torch.amp.GradScaler(device.type, enabled=(dtype == "float16"))
 
 
@@ -197,9 +200,9 @@ def build_model(cfg, args, device):
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)  # then a dropout stream per rank
     random.seed(args.seed + RANK)
-    betas, fused = (args.beta1, args.beta2), device.type == "cuda"
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=betas, weight_decay=args.weight_decay, fused=fused
+    betas, cuda = (args.beta1, args.beta2), device.type == "cuda"
+    optimizer = torch.optim.AdamW(  # on CUDA fused, and capturable in a CUDA graph
+        model.parameters(), args.lr, betas, weight_decay=args.weight_decay, fused=cuda, capturable=cuda
     )
     return model, optimizer
 
@@ -239,6 +242,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     ctx: object  # autocast, or nothing for float32
+    step: object = None  # step(x, y) -> loss: train_step, or its CUDA graph (rundir.make_step)
 
 
 def train(argv):
@@ -272,7 +276,7 @@ def train(argv):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cpu" and sys.platform.startswith("linux"):
             keep_freed_memory()
-        ctx, scaler = precision(device, args.dtype)
+        ctx, scaler = precision(device, args.dtype, args.tf32)
         raw_model, optimizer = build_model(cfg, args, device)
         if ckpt:
             rundir.restore(ckpt, raw_model, optimizer, scaler, device, RANK, WORLD)
@@ -280,17 +284,21 @@ def train(argv):
         if WORLD > 1:
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         run = Run(args, device, train_data, val_data, data, raw_model, model, optimizer, scaler, ctx)
+        run.step, how = rundir.make_step(run, train_step, WORLD)  # on CUDA captured in a CUDA graph
 
-        # now the folder becomes this run's: run.json and a new (resuming: a cut back) log.csv
+        # now the folder becomes this run's: run.json (and how it computes), log.csv (resuming: cut back)
         if MASTER:
             counts, config = raw_model.param_counts(), dataclasses.asdict(cfg)
             info = {"config": config, "args": dict(vars(args)), "params": counts, "world_size": WORLD}
+            info.update(data=data, computed=rundir.computed(run, how))
             rundir.start_files(args.out_dir, info, start)
-            describe(run, start)
+            describe(run, start, info["computed"])
         log = rundir.RunLog(args, start, ckpt["elapsed_s"] if ckpt else 0.0, device, MASTER, WORLD)
         del ckpt
         try:
             return loop(run, log, start)
+        except rundir.CaptureError as e:
+            fail(f"{e}; train without it: --no-cuda_graph")
         except Exception as e:  # torch.compile compiles at the first step, and fails there if it cannot
             if args.compile:
                 fail(f"training with --compile failed ({type(e).__name__}: {str(e)[:80]}); try without it")
@@ -306,7 +314,7 @@ def loop(run, log, start):
         while it < args.max_iters:
             starts = batch_starts(it, n_starts, args.batch_size, args.data_seed)[RANK * b : (RANK + 1) * b]
             x, y = get_batch(run.train_data, starts, args.block_size, run.device)  # (b, l), (b, l)
-            log.add(train_step(run.model, run.optimizer, run.scaler, run.ctx, x, y, args.grad_clip))
+            log.add(run.step(x, y))  # train_step (on CUDA: its CUDA graph, replayed)
             it += 1
             eval_now, ckpt_now, log_now = due(it, start, args, stop["signal"] is not None)
             if not log_now:
@@ -376,11 +384,12 @@ def evaluate(run):
     return total.item() / args.eval_batches
 
 
-def describe(run, start):
-    """What the run is, on the console."""
+def describe(run, start, computed):
+    """What the run is and how it computes, on the console."""
     args, n_starts = run.args, len(run.train_data) - run.args.block_size
     processes = f" x {WORLD} processes" if WORLD > 1 else ""
-    say(f"{run.raw_model.cfg}\non {run.device} ({args.dtype}){processes}; {args.out_dir}")
+    how = f"{args.dtype}{', TF32 matmuls' * (computed['float32_matmul'] == 'tf32')}"
+    say(f"{run.raw_model.cfg}\non {run.device} ({how}){processes}, step {computed['step']}; {args.out_dir}")
     say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in run.raw_model.param_counts().items()))
     epochs = args.max_iters * args.batch_size / n_starts  # passes over the windows
     targets = epochs * args.block_size  # each window predicts l tokens: passes over the tokens
