@@ -432,7 +432,7 @@ def test_top_k_keeps_exactly_k_and_top_p_is_nucleus():
     assert extractor.sample_next(probs.log(), temperature=0).item() == 0
 
 
-def test_f35_12_generate_refuses_bad_settings_and_samples_in_eval_mode(monkeypatch):
+def test_generate_refuses_bad_settings_and_samples_in_eval_mode(monkeypatch):
     model = scrambled_model("sa")
     prompt = torch.tensor([[1, 2, 3]], device=DEVICE)
     for kw in ({"top_k": 0}, {"top_p": 0}, {"temperature": -1}, {"temperature": math.nan}):
@@ -1327,7 +1327,7 @@ def test_pd_decode_utf8_bom_and_cp1252():
     assert prepare_data.decode_book("caf\u00e9 \u201cx\u201d".encode("cp1252")) == "caf\u00e9 \u201cx\u201d"
 
 
-def test_f35_5_a_book_cut_short_is_used_with_a_warning_naming_it(pd_clean, tmp_path, capsys):
+def test_pd_book_cut_short_is_used_with_a_warning_naming_it(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     raw = _PD_RAW[9001]
     cut = raw[: raw.index(b"*** END")]  # a download cut short: no END marker, no licence
@@ -1660,7 +1660,7 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "data" / "train.bin")
 
 
-def test_f35_11_a_books_tsv_id_of_other_digits_is_one_line(tmp_path, capsys):
+def test_pd_books_tsv_id_of_other_digits_is_one_line(tmp_path, capsys):
     bad = tmp_path / "books.tsv"
     bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\t\u00b2\tSquare\tX\n", encoding="utf-8")
     err = error_line(capsys, prepare_data.read_books_tsv, str(bad))
@@ -1768,14 +1768,14 @@ def _tr_train_loss_column(run_dir):
     return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
 
 
-def _f35_argv(tmp_path, *argv, data, name="run"):
+def _tr_argv(tmp_path, *argv, data, name="run"):
     """train.py's arguments for the tiny settings into tmp_path/name."""
     return _TR_TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *argv]
 
 
-def _f35_train(tmp_path, *argv, data, name="run"):
+def _tr_train(tmp_path, *argv, data, name="run"):
     """train.main on the tiny settings into tmp_path/name; returns (exit status, folder)."""
-    return train.main(_f35_argv(tmp_path, *argv, data=data, name=name)), str(tmp_path / name)
+    return train.main(_tr_argv(tmp_path, *argv, data=data, name=name)), str(tmp_path / name)
 
 
 # ---- the batches: a seeded order per epoch, the same for every mixer
@@ -1920,9 +1920,9 @@ def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
         (["--seed", str(2**64)], "--seed"),
     ],
 )
-def test_f35_8_bad_optimizer_settings_and_huge_seeds_are_one_line(flags, needle, tr_data, tmp_path, capsys):
+def test_train_bad_optimizer_settings_and_huge_seeds_are_one_line(flags, needle, tr_data, tmp_path, capsys):
     assert needle in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "2", *flags, data=tr_data)
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "2", *flags, data=tr_data)
     )
     assert not os.path.exists(tmp_path / "run")  # no folder holding only train.lock
 
@@ -2144,23 +2144,23 @@ def test_train_folder_is_locked_before_it_is_judged(tr_data, tmp_path, monkeypat
     assert first["rc"] == 0 and torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 4
 
 
-def test_f35_1_a_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--mixer", "he", "--max_iters", "12", data=tr_data)
+def test_train_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--mixer", "he", "--max_iters", "12", data=tr_data)
     assert rc == 0
     os.remove(os.path.join(out, "ckpt.pt"))  # deleted to save disk: plots need only log.csv
     before = _tr_files(out)
     capsys.readouterr()
     assert "--overwrite" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--mixer", "me", "--max_iters", "4", data=tr_data)
+        capsys, train.main, _tr_argv(tmp_path, "--mixer", "me", "--max_iters", "4", data=tr_data)
     )
     assert _tr_files(out) == before  # the he run's 12 rows are still there
-    rc, _ = _f35_train(tmp_path, "--max_iters", "3", data=tr_data, name="short")  # ended before batch 10
+    rc, _ = _tr_train(tmp_path, "--max_iters", "3", data=tr_data, name="short")  # ended before batch 10
     os.remove(str(tmp_path / "short" / "ckpt.pt"))
     capsys.readouterr()
     assert "log.csv of a run" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "4", data=tr_data, name="short")
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "4", data=tr_data, name="short")
     )
-    rc, _ = _f35_train(tmp_path, "--mixer", "me", "--max_iters", "4", "--overwrite", data=tr_data)
+    rc, _ = _tr_train(tmp_path, "--mixer", "me", "--max_iters", "4", "--overwrite", data=tr_data)
     assert rc == 0 and len(_tr_log(out)) == 4
 
 
@@ -2283,8 +2283,8 @@ def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys)
     assert "not from this train.py" in error_line(capsys, train.main, argv)
 
 
-def test_f35_7_resume_refuses_a_log_that_does_not_reach_the_checkpoint(tr_data, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--max_iters", "12", data=tr_data)
+def test_train_resume_refuses_a_log_that_does_not_reach_the_checkpoint(tr_data, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--max_iters", "12", data=tr_data)
     assert rc == 0
     log = os.path.join(out, "log.csv")
     rows = open(log).read().splitlines()
@@ -2296,7 +2296,7 @@ def test_f35_7_resume_refuses_a_log_that_does_not_reach_the_checkpoint(tr_data, 
         before = _tr_files(out)
         capsys.readouterr()
         assert "ckpt.pt is at batch 12" in error_line(
-            capsys, train.main, _f35_argv(tmp_path, "--max_iters", "16", "--resume", data=tr_data)
+            capsys, train.main, _tr_argv(tmp_path, "--max_iters", "16", "--resume", data=tr_data)
         )
         assert _tr_files(out) == before
 
@@ -2552,7 +2552,7 @@ def test_train_default_run_folders_never_name_two_settings_alike():
     assert len(named) == len(MIXERS) * len(settings) > 50000
 
 
-def test_f35_2_default_run_folders_carry_exact_values():
+def test_train_default_run_folders_carry_exact_values():
     p = train.build_parser()
     folder = lambda *argv: rundir.default_out_dir(p.parse_args(["--mixer=me", *argv]), p.parse_args([]))
     for a, b in [
@@ -2675,8 +2675,8 @@ def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, 
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_f35_9_sample_a_tiny_temperature_is_greedy_and_a_huge_seed_is_one_line(tr_prepared, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--max_iters", "4", data=tr_prepared)
+def test_sample_a_tiny_temperature_is_greedy_and_a_huge_seed_is_one_line(tr_prepared, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--max_iters", "4", data=tr_prepared)
     assert rc == 0
     texts = []
     for temperature in ("0", "1e-38"):
@@ -2735,18 +2735,18 @@ def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, c
     assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", "out/nothing"])
 
 
-def test_f35_cosmetic_messages_say_what_to_do(tr_data, tr_prepared, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--max_iters", "4", data=tr_data)
+def test_train_sample_and_prepare_data_messages_say_what_to_do(tr_data, tr_prepared, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--max_iters", "4", data=tr_data)
     assert rc == 0
     capsys.readouterr()
     assert "pass one of them" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "6", "--resume", "--overwrite", data=tr_data)
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "6", "--resume", "--overwrite", data=tr_data)
     )
-    rc, _ = _f35_train(tmp_path, "--max_iters", "6", "--resume", "--dtype", "bfloat16", data=tr_data)
+    rc, _ = _tr_train(tmp_path, "--max_iters", "6", "--resume", "--dtype", "bfloat16", data=tr_data)
     assert rc == 0 and "trained with --dtype float32" in capsys.readouterr().out
     big = ["--eval_batches", "1", "--batch_size", "4096"]  # val.bin has fewer windows than one batch
     assert "--eval_batches 0" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "2", *big, data=tr_data, name="big")
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "2", *big, data=tr_data, name="big")
     )
     assert "its settings" in error_line(
         capsys, sample.main, ["--out_dir", str(tmp_path / "none"), "--data_dir", tr_prepared]
