@@ -652,7 +652,8 @@ def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkey
     """train.py turns TF32 on for CUDA's float32 matmuls; each Extractor's FIR on its default path for the
     test device must still compute at float32's accuracy, forward and both gradients. On a GPU where
     cuBLAS runs SHE's complex products in TF32 (fir.ALLOW_TF32 = True, as before) this is expected to
-    fail: issue 40's suspect. The CPU has no TF32: there it passes either way."""
+    fail: the suspected cause of SHE's GPU run falling behind its CPU run (results/logs/table1/ against
+    results/logs/table1-cpu/). The CPU has no TF32: there it passes either way."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     errors = fir_float32_errors(name)
     assert max(errors) < FIR_FLOAT32_BOUND, f"relative errors of y, dx, dw: {errors}"
@@ -2908,9 +2909,9 @@ def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, 
 
 
 def test_plot_seeds_csv_keeps_the_rows_of_runs_whose_logs_are_gone(tmp_path, capsys):
-    """A seeds.csv among --seeds (issue 32): its rows stay where no run gives the same mixer, seed and
-    data seed, a run that does replaces its row, and the data seed is a column of its own; a CSV at
-    another length or with another header is one line."""
+    """A seeds.csv among --seeds: its rows stay where no run gives the same mixer, seed and data seed, a
+    run that does replaces its row, and the data seed is a column of its own; a CSV at another length or
+    with another header is one line."""
     rng = random.Random(4)
     spec = {"he": (1337, 1337), "he-s1338": (1338, 1337), "he-d1338": (1337, 1338)}
     losses = {n: [rng.uniform(3, 6) for _ in range(1200)] for n in spec}
@@ -4239,8 +4240,8 @@ def test_results_fig7_csv_is_what_plot_makes_of_the_committed_logs(tmp_path):
 
 
 def test_results_table1_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path):
-    """results/table1/'s 2000-batch medians, validation losses and summary (issue 33) come from the
-    six logs in results/logs/table1/: drawn again from the repository alone, each CSV is the same."""
+    """results/table1/'s 2000-batch medians, validation losses and summary come from the six logs in
+    results/logs/table1/: drawn again from the repository alone, each CSV is the same."""
     folder = os.path.join(ROOT, "results", "logs", "table1")
     runs = [os.path.join(folder, name) for name in ("sa-1", "sa-32", "she", "he", "we", "me")]
     out = tmp_path / "fig8_w2000.png"
@@ -4252,8 +4253,8 @@ def test_results_table1_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path)
 
 
 def test_results_data_order_seeds_csv_is_what_plot_makes_of_the_committed_files(tmp_path):
-    """results/data-order/seeds.csv (issue 32) comes from the data-order logs, SA-32's Figure 7 log and
-    the rows of results/30000/seeds.csv whose logs are gone: drawn again, it is the same."""
+    """results/data-order/seeds.csv comes from the data-order logs, SA-32's Figure 7 log and the rows of
+    results/30000/seeds.csv whose logs are gone: drawn again, it is the same."""
     logs = os.path.join(ROOT, "results", "logs")
     runs = sorted(glob.glob(os.path.join(logs, "data-order", "*")))
     seeds = [os.path.join(ROOT, "results", "30000", "seeds.csv"), os.path.join(logs, "fig7", "sa-32")]
