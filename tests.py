@@ -78,8 +78,14 @@ def _test_device_is_there():
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the scripts run here in subprocesses
+
+
 DEVICE, _NO_DEVICE = _test_device()
+
+
 FLOAT = torch.float32 if DEVICE.type == "mps" else torch.float64  # MPS has no float64
+
+
 TOL = 1e-9 if FLOAT == torch.float64 else 1e-4
 
 
@@ -131,6 +137,11 @@ def scrambled(module, std):
         for p in list(module.parameters()) + list(module.buffers()):
             p.normal_(0, std)
     return module
+
+
+def scrambled_model(name, l=16):
+    """tiny_model on the test device, scrambled to N(0, 0.3²): distinct logits."""
+    return dev(scrambled(tiny_model(name, l=l), 0.3))
 
 
 @pytest.mark.slow
@@ -214,7 +225,240 @@ def test_mixer_equals_literal_equations(name):
         assert torch.allclose(y, literal_mixer(name, m, x), atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_mixer_is_causal(name):
+    m = dev(random_mixer(name, d=8, l=12, n=2))
+    x = dev(torch.randn(2, 12, 8)).requires_grad_()
+    y = m(x)
+    for i in (0, 5, 11):
+        (g,) = torch.autograd.grad(y[:, i].sum(), x, retain_graph=True)
+        past, future = g[:, : i + 1].abs().max(), g[:, i + 1 :].abs().amax(dim=(0, 2)).sum()
+        assert past > 0, f"output {i} ignores its inputs"
+        # exactly zero for direct sums; FFT paths leave float64 round-off (~1e-16) only
+        assert future <= TOL * 1e-3 * past, f"output {i} depends on later positions"
+
+
+def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
+    """extractor.causal_fir_reference, the few lines a reader checks against Eq. (23), tested as a filter
+    rather than against another copy of its sum: a unit impulse in channel c at position j gives the
+    taps back from j on (w_1 at j: Eq. 23's k = i - j + 1), nothing before j, and the output is linear
+    in the input, so these impulse responses are the whole map."""
+    torch.manual_seed(5)
+    fir = lambda x, w: cpu64(extractor.causal_fir_reference(dev(x), dev(w)))[0]
+    for shape in ((9,), (9, 4), (9, 4, 4)):
+        w = torch.randn(*shape, dtype=torch.float64)
+        for j, c in itertools.product(range(9), range(4)):
+            x = torch.zeros(1, 9, 4, dtype=torch.float64)
+            x[0, j, c] = 1.0
+            want = torch.zeros(9, 4, dtype=torch.float64)
+            for k in range(9 - j):  # the impulse read through tap k + 1: row c of a matrix, else e_c scaled
+                want[j + k] = w[k][c] if w.dim() == 3 else w[k] * x[0, j]
+            assert torch.allclose(fir(x, w)[0], want, atol=TOL, rtol=0), (shape, j, c)
+        x1, x2 = torch.randn(2, 2, 9, 4, dtype=torch.float64)
+        assert torch.allclose(fir(2 * x1 - x2, w), 2 * fir(x1, w) - fir(x2, w), atol=TOL, rtol=0)
+
+
+# ---- initialisation (Section 6) and the loss (Eq. 3)
+def _ks_distance_from_normal(v, sigma):
+    """Kolmogorov-Smirnov distance sup |F_n - F| of the sample v from N(0, sigma^2)."""
+    v = v.detach().double().flatten().sort().values
+    n = v.numel()
+    cdf = 0.5 * (1 + torch.erf(v / (sigma * math.sqrt(2))))
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    return max((i / n - cdf).max().item(), (cdf - (i - 1) / n).max().item())
+
+
+@pytest.mark.parametrize("mixer", PAPER_MIXERS)
+def test_initialisation_follows_section6(mixer):
+    """Section 6: biases 0, weights ~ N(0, 0.01^2), here every weight tensor on its own. The bands come
+    from the sample size n of each tensor, each wide enough to pass a true N(0, 0.01^2) sample with
+    probability 1 - 1e-6: the sample std has standard error 0.01 / sqrt(2(n-1)) and the mean
+    0.01 / sqrt(n), 5 of them each; the Kolmogorov-Smirnov distance from N(0, 0.01^2) stays below
+    sqrt(ln(2 / 1e-6) / 2n) (the DKW inequality), which checks the shape (a uniform draw of std 0.01 is
+    0.058 away) and the scale at once. n = 8192 (w_ext, emb_pos): std within +-0.00039, distance
+    below 0.030; std 0.0115 is 0.034 away and 19 standard errors off."""
+    model = tiny_model(mixer, l=64, d=128, n_hidden=256, vocab=500)
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if name.endswith("bias"):
+            assert (p == 0).all(), name
+        elif ".ln" in name or name.startswith("ln_f"):
+            assert (p == 1).all(), name  # LayerNorm gain starts at 1
+        else:
+            assert abs(p.std().item() - 0.01) < 5 * 0.01 / math.sqrt(2 * (n - 1)), (name, p.std().item())
+            assert abs(p.mean().item()) < 5 * 0.01 / math.sqrt(n), (name, p.mean().item())
+            distance, band = _ks_distance_from_normal(p, 0.01), math.sqrt(math.log(2 / 1e-6) / (2 * n))
+            assert distance < band, (name, distance, band)
+
+
+def test_forward_loss_is_eq3():
+    model = tiny_model("we", l=8, vocab=30, seed=3)
+    idx, targets = torch.randint(0, 30, (2, 8)), torch.randint(0, 30, (2, 8))
+    logits, loss = model(idx, targets)
+    p_hat = logits.softmax(-1)  # Eq. (21), (22)
+    nll = -torch.log(p_hat.gather(-1, targets[..., None])).mean()  # Eq. (3)
+    assert torch.allclose(loss, nll, atol=1e-6)
+
+
+# ---- parameter counts: each mixer's against Tables 3 and 4, the whole model's
+def param_formula(name, d, l):
+    """Tables 3 and 4 (ERRATA: no biases)."""
+    return {
+        "sa": 4 * d * d,
+        "she": l * d * d + 2 * d * d,
+        "he": l * d + 3 * d * d,
+        "we": l * d + 2 * d * d,
+        "me": l,
+        "he-ext": l * d + d * d,
+    }[name]
+
+
+@pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)])
+def test_parameter_counts_equal_formulas(d, l, n):
+    for name in PAPER_MIXERS:
+        assert bench.mixer_param_count(name, d, l, n) == param_formula(name, d, l)
+        if name != "he-ext":
+            assert bench.complexity_training(d, l, n)[name]["params"] == param_formula(name, d, l)
+
+
+def test_whole_model_parameter_count_closed_form():
+    for name in PAPER_MIXERS:
+        cfg = Config(vocab_size=97, block_size=16, n_embd=24, n_hidden=40, n_layer=3, n_head=4, mixer=name)
+        u, l, d, c, m = 97, 16, 24, 40, 3
+        expect = (
+            u * d
+            + l * d  # Eq. (4), (5)
+            + m
+            * (
+                param_formula(name, d, l)  # first sublayer
+                + d * c
+                + c
+                + c * d
+                + d  # Eq. (19)
+                + 2 * 2 * d
+            )  # two layer norms, Eq. (8)
+            + 2 * d
+            + d * u
+            + u
+        )  # final layer norm and Eq. (21)
+        model = Transformer(cfg)
+        counts = model.param_counts()
+        assert counts["total"] == expect == sum(p.numel() for p in model.parameters())
+        assert counts["mixers"] == m * param_formula(name, d, l)
+
+
+# ---- bad configurations and inputs
+def test_bad_config_gives_clear_value_errors():
+    with pytest.raises(ValueError, match="unknown mixer 'xx'.*sa.*she.*he.*we.*me"):
+        Config(mixer="xx")
+    with pytest.raises(ValueError, match="n_head=3 must divide n_embd=128"):
+        Config(n_head=3, mixer="sa")
+    Config(n_head=3, mixer="me")  # heads are irrelevant to ME
+    for field in ("n_layer", "n_embd", "block_size", "vocab_size", "n_hidden"):
+        with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+            Config(**{field: -1})
+    with pytest.raises(ValueError, match="dropout"):
+        Config(dropout=1.5)
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = scrambled_model("me", l=8)
+    with pytest.raises(ValueError, match="exceeds block_size l=8"):
+        model(torch.zeros(1, 9, dtype=torch.long, device=DEVICE))
+
+
+def test_empty_sequence_is_refused_with_a_value_error():
+    """t = 0 is one clear ValueError for every mixer, with or without a cache, and the FFT's length
+    refuses it too (fft_size(0) used to loop forever). sa is checked first: it ran t = 0 quietly."""
+    empty = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    for name in MIXERS:
+        model = tiny_model(name).to(DEVICE)
+        for cache in (None, model.new_cache()):
+            with pytest.raises(ValueError, match=r"idx \(2, 0\) holds no tokens"):
+                model(empty, cache=cache)
+    for t in (0, -3):
+        with pytest.raises(ValueError, match="at least one"):
+            fir.fft_size(t)
+    for w in (torch.randn(8, 4), torch.randn(8, 4, 4)):  # the tap shapes that take the FFT
+        with pytest.raises(ValueError, match="at least one"):
+            fir.fir_full(torch.zeros(2, 0, 4), w)
+
+
+# ---- generation and sampling
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_cached_generation_equals_uncached(name):
+    model = scrambled_model(name)
+    idx = torch.randint(0, 50, (2, 5), device=DEVICE)
+    cached = model.generate(idx, 11, temperature=0, use_cache=True)  # fills l = 16 exactly
+    uncached = model.generate(idx, 11, temperature=0, use_cache=False)
+    assert torch.equal(cached, uncached)
+    # logits: prefill plus one token at a time equals one full forward
+    cache = model.new_cache()
+    steps = [model(cached[:, :5], cache=cache)[0]]
+    steps += [model(cached[:, i : i + 1], cache=cache)[0] for i in range(5, 16)]
+    full = model(cached)[0]
+    assert torch.allclose(torch.cat(steps, 1), full, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
+    """Eq. (2): every token beyond l is predicted from exactly the l tokens before it."""
+    l = 16
+    model = scrambled_model(name, l=l)
+    prompt = torch.randint(0, 50, (2, 9), device=DEVICE)
+    out = model.generate(prompt, 30, temperature=0)  # the default: cached, then sliding
+    idx = prompt
+    for _ in range(30):  # the plain sliding-window loop
+        nxt = model(idx[:, -l:])[0][:, -1].argmax(-1, keepdim=True)
+        idx = torch.cat([idx, nxt], dim=1)
+    assert torch.equal(out, idx)
+    long_prompt = torch.randint(0, 50, (1, 23), device=DEVICE)  # a prompt longer than l
+    assert torch.equal(
+        model.generate(long_prompt, 5, temperature=0),
+        model.generate(long_prompt, 5, temperature=0, use_cache=False),
+    )
+
+
+def test_top_k_keeps_exactly_k_and_top_p_is_nucleus():
+    torch.manual_seed(4)
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0, -1.0]])
+    seen = {extractor.sample_next(logits, top_k=2).item() for _ in range(300)}
+    assert len(seen) == 2 and 0 in seen  # a tie at the boundary still keeps exactly 2
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    seen = {extractor.sample_next(probs.log(), top_p=0.6).item() for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.6 needs the second token; 0.7 >= 0.6 stops there
+    seen = {extractor.sample_next(probs.log(), top_p=0.5).item() for _ in range(100)}
+    assert seen == {0}
+    assert extractor.sample_next(probs.log(), temperature=0).item() == 0
+
+
+def test_generate_refuses_bad_settings_and_samples_in_eval_mode(monkeypatch):
+    model = scrambled_model("sa")
+    prompt = torch.tensor([[1, 2, 3]], device=DEVICE)
+    for kw in ({"top_k": 0}, {"top_p": 0}, {"temperature": -1}, {"temperature": math.nan}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            model.generate(prompt, 4, **kw)
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate(prompt[:, :0], 4)
+    greedy = model.generate(prompt, 6, temperature=0)
+    assert torch.equal(model.generate(prompt, 6, temperature=1e-38), greedy)  # a tiny T is greedy
+    model.cfg.dropout = 0.5
+    for block in model.modules():
+        if isinstance(block, torch.nn.Dropout):
+            block.p = 0.9  # in training mode this would change every logit
+    model.train()
+    assert torch.equal(model.generate(prompt, 6, temperature=0), greedy) and model.training
+    monkeypatch.delitem(sys.modules, "synthesizer")
+    with pytest.raises(ValueError, match="import synthesizer"):
+        Config(mixer="no-such-mixer")
+
+
+# ======== the FIR's fast paths (fir.py): each against the literal sum, forward and backward ========
+
+
 FIR_TAPS = {1: (12,), 2: (12, 5), 3: (12, 5, 5)}  # w.dim() -> taps of l = 12 for 5 features
+
+
 FIR_CASES = [(FIR_TAPS[dim], path) for path, dims in fir.PATHS.items() for dim in dims]
 
 
@@ -240,6 +484,7 @@ def fir_and_grads(fir, x, w, g):
     return cpu64(y, *torch.autograd.grad(y, (x, w), g))
 
 
+# ---- which path runs: the device's default, a named path, a forced one
 def test_fir_default_path_by_device_type_taps_and_length(monkeypatch):
     """The CPU and MPS keep the paths measured on the CPU. CUDA takes its own for scalar and matrix taps,
     and the FFT for vector taps until a GPU measures the batched Toeplitz product faster (then
@@ -302,6 +547,38 @@ def test_fir_full_refuses_a_path_that_does_not_compute_the_taps():
         pass
 
 
+# ---- the FFT's length
+def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch):
+    smooth = lambda n: all(p in (2, 3, 5) for p in _prime_factors(n))
+    for t in range(1, 300):
+        n = fir.fft_size(t)
+        assert n >= 2 * t - 1 and smooth(n) and not any(smooth(m) for m in range(2 * t - 1, n)), t
+    assert fir.fft_size(127) == 256 and fir.fft_size(129) == 270 and fir.fft_size(32) == 64
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)  # every tap shape through the FFT
+    torch.manual_seed(6)
+    for t in (5, 13, 27):  # n = 9, 25, 54: padding short of 2t, still no wrap-around
+        for shape in ((t,), (t, 3), (t, 3, 3)):
+            x, w, g = (
+                torch.randn(2, t, 3).double(),
+                torch.randn(*shape).double(),
+                torch.randn(2, t, 3).double(),
+            )
+            got = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
+            ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
+            assert all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(got, ref)), (t, shape)
+
+
+def _prime_factors(n):
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+# ---- precision: the GEMMs in IEEE float32 while TF32 is on, and under autocast
 GEMM_CASES = [
     (shape, path) for shape, path in FIR_CASES if path in ("toeplitz-strided", "fft-cuda") or len(shape) == 3
 ]
@@ -375,7 +652,8 @@ def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkey
     """train.py turns TF32 on for CUDA's float32 matmuls; each Extractor's FIR on its default path for the
     test device must still compute at float32's accuracy, forward and both gradients. On a GPU where
     cuBLAS runs SHE's complex products in TF32 (fir.ALLOW_TF32 = True, as before) this is expected to
-    fail: issue 40's suspect. The CPU has no TF32: there it passes either way."""
+    fail: the suspected cause of SHE's GPU run falling behind its CPU run (results/logs/table1/ against
+    results/logs/table1-cpu/). The CPU has no TF32: there it passes either way."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     errors = fir_float32_errors(name)
     assert max(errors) < FIR_FLOAT32_BOUND, f"relative errors of y, dx, dw: {errors}"
@@ -403,56 +681,6 @@ def test_tf32_rounded_gemm_inputs_exceed_the_float32_fir_bound(name, path, monke
     assert min(errors) > FIR_FLOAT32_BOUND, f"relative errors of y, dx, dw: {errors}"
 
 
-def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
-    """extractor.causal_fir_reference, the few lines a reader checks against Eq. (23), tested as a filter
-    rather than against another copy of its sum: a unit impulse in channel c at position j gives the
-    taps back from j on (w_1 at j: Eq. 23's k = i - j + 1), nothing before j, and the output is linear
-    in the input, so these impulse responses are the whole map."""
-    torch.manual_seed(5)
-    fir = lambda x, w: cpu64(extractor.causal_fir_reference(dev(x), dev(w)))[0]
-    for shape in ((9,), (9, 4), (9, 4, 4)):
-        w = torch.randn(*shape, dtype=torch.float64)
-        for j, c in itertools.product(range(9), range(4)):
-            x = torch.zeros(1, 9, 4, dtype=torch.float64)
-            x[0, j, c] = 1.0
-            want = torch.zeros(9, 4, dtype=torch.float64)
-            for k in range(9 - j):  # the impulse read through tap k + 1: row c of a matrix, else e_c scaled
-                want[j + k] = w[k][c] if w.dim() == 3 else w[k] * x[0, j]
-            assert torch.allclose(fir(x, w)[0], want, atol=TOL, rtol=0), (shape, j, c)
-        x1, x2 = torch.randn(2, 2, 9, 4, dtype=torch.float64)
-        assert torch.allclose(fir(2 * x1 - x2, w), 2 * fir(x1, w) - fir(x2, w), atol=TOL, rtol=0)
-
-
-def test_fft_size_is_the_smallest_5_smooth_length_for_odd_and_even_t(monkeypatch):
-    smooth = lambda n: all(p in (2, 3, 5) for p in _prime_factors(n))
-    for t in range(1, 300):
-        n = fir.fft_size(t)
-        assert n >= 2 * t - 1 and smooth(n) and not any(smooth(m) for m in range(2 * t - 1, n)), t
-    assert fir.fft_size(127) == 256 and fir.fft_size(129) == 270 and fir.fft_size(32) == 64
-    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)  # every tap shape through the FFT
-    torch.manual_seed(6)
-    for t in (5, 13, 27):  # n = 9, 25, 54: padding short of 2t, still no wrap-around
-        for shape in ((t,), (t, 3), (t, 3, 3)):
-            x, w, g = (
-                torch.randn(2, t, 3).double(),
-                torch.randn(*shape).double(),
-                torch.randn(2, t, 3).double(),
-            )
-            got = fir_and_grads(fir.fir_full, dev(x), dev(w), dev(g))
-            ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
-            assert all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(got, ref)), (t, shape)
-
-
-def _prime_factors(n):
-    out, p = [], 2
-    while n > 1:
-        while n % p == 0:
-            out.append(p)
-            n //= p
-        p += 1
-    return out
-
-
 @pytest.mark.parametrize("shape", [(16,), (16, 8), (16, 8, 8)], ids=["scalar", "vector", "matrix"])
 def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype(shape, monkeypatch):
     monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 1)
@@ -470,69 +698,10 @@ def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype(shap
     assert (err <= bound).all(), f"error up to {(err / bound).max().item():.3g} times the bound"
 
 
-@pytest.mark.parametrize("name", sorted(MIXERS))
-def test_mixer_is_causal(name):
-    m = dev(random_mixer(name, d=8, l=12, n=2))
-    x = dev(torch.randn(2, 12, 8)).requires_grad_()
-    y = m(x)
-    for i in (0, 5, 11):
-        (g,) = torch.autograd.grad(y[:, i].sum(), x, retain_graph=True)
-        past, future = g[:, : i + 1].abs().max(), g[:, i + 1 :].abs().amax(dim=(0, 2)).sum()
-        assert past > 0, f"output {i} ignores its inputs"
-        # exactly zero for direct sums; FFT paths leave float64 round-off (~1e-16) only
-        assert future <= TOL * 1e-3 * past, f"output {i} depends on later positions"
+# ======== computational complexity (Section 7, Tables 3-7): bench.py's counts against the paper's ========
 
 
-# ---- parameter counts and the complexity tables
-def param_formula(name, d, l):
-    """Tables 3 and 4 (ERRATA: no biases)."""
-    return {
-        "sa": 4 * d * d,
-        "she": l * d * d + 2 * d * d,
-        "he": l * d + 3 * d * d,
-        "we": l * d + 2 * d * d,
-        "me": l,
-        "he-ext": l * d + d * d,
-    }[name]
-
-
-@pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (24, 7, 3), (16, 256, 16)])
-def test_parameter_counts_equal_formulas(d, l, n):
-    for name in PAPER_MIXERS:
-        assert bench.mixer_param_count(name, d, l, n) == param_formula(name, d, l)
-        if name != "he-ext":
-            assert bench.complexity_training(d, l, n)[name]["params"] == param_formula(name, d, l)
-
-
-# The paper's Table 7 (d = l = 128), as printed in the paper.
-TABLE7 = {
-    "1-head SA": (10502144, 10420096, 16512, 8256, 65536, 20947008),
-    "32-head SA": (10502144, 10416128, 528384, 264192, 65536, 21710848),
-    "SHE": (139476992, 139411456, 0, 0, 2129920, 278888448),
-    "HE": (7364608, 7282688, 0, 0, 65536, 14647296),
-    "WE": (5267456, 5201920, 0, 0, 49152, 10469376),
-    "ME": (1056768, 1040384, 0, 0, 128, 2097152),
-}
-
-
-def test_complexity_reproduces_table7():
-    got = bench.table7(128, 128)
-    for label, numbers in TABLE7.items():
-        mixer, n, c = got[label]
-        assert tuple(c[k] for k in ("mult", "add", "div", "exp", "params", "total")) == numbers
-        assert bench.mixer_param_count(mixer, 128, 128, n) == numbers[4]
-
-
-def test_bench_table7_prints_the_papers_table_and_the_modules_counts(capsys):
-    assert bench.main(["--table7"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == "1-head SA 32-head SA SHE HE WE ME".split()
-    rows = {line.split()[0]: [int(v.replace(",", "")) for v in line.split()[1:]] for line in lines[2:]}
-    for i, row in enumerate(("mult", "add", "div", "exp", "params", "total")):
-        assert rows[row] == [numbers[i] for numbers in TABLE7.values()], row
-    assert rows["modules"] == [numbers[4] for numbers in TABLE7.values()]
-
-
+# ---- Tables 3-6: the closed forms against the sums they stand for
 def literal_training_counts(d, l, n):
     """The left-hand sums of Tables 3 and 4, term by term (with ERRATA's SHE summand)."""
     h = d // n
@@ -619,164 +788,38 @@ def test_table5_per_token_counts_add_up_to_table3(d, l, n):
     assert misprint == bench.complexity_training(d, l, n)["sa"]["add"] - (n - 1) * (l - 1) * l // 2
 
 
-def test_whole_model_parameter_count_closed_form():
-    for name in PAPER_MIXERS:
-        cfg = Config(vocab_size=97, block_size=16, n_embd=24, n_hidden=40, n_layer=3, n_head=4, mixer=name)
-        u, l, d, c, m = 97, 16, 24, 40, 3
-        expect = (
-            u * d
-            + l * d  # Eq. (4), (5)
-            + m
-            * (
-                param_formula(name, d, l)  # first sublayer
-                + d * c
-                + c
-                + c * d
-                + d  # Eq. (19)
-                + 2 * 2 * d
-            )  # two layer norms, Eq. (8)
-            + 2 * d
-            + d * u
-            + u
-        )  # final layer norm and Eq. (21)
-        model = Transformer(cfg)
-        counts = model.param_counts()
-        assert counts["total"] == expect == sum(p.numel() for p in model.parameters())
-        assert counts["mixers"] == m * param_formula(name, d, l)
+# ---- Table 7: d = l = 128
+# The paper's Table 7 (d = l = 128), as printed in the paper.
+TABLE7 = {
+    "1-head SA": (10502144, 10420096, 16512, 8256, 65536, 20947008),
+    "32-head SA": (10502144, 10416128, 528384, 264192, 65536, 21710848),
+    "SHE": (139476992, 139411456, 0, 0, 2129920, 278888448),
+    "HE": (7364608, 7282688, 0, 0, 65536, 14647296),
+    "WE": (5267456, 5201920, 0, 0, 49152, 10469376),
+    "ME": (1056768, 1040384, 0, 0, 128, 2097152),
+}
 
 
-def _ks_distance_from_normal(v, sigma):
-    """Kolmogorov-Smirnov distance sup |F_n - F| of the sample v from N(0, sigma^2)."""
-    v = v.detach().double().flatten().sort().values
-    n = v.numel()
-    cdf = 0.5 * (1 + torch.erf(v / (sigma * math.sqrt(2))))
-    i = torch.arange(1, n + 1, dtype=torch.float64)
-    return max((i / n - cdf).max().item(), (cdf - (i - 1) / n).max().item())
+def test_complexity_reproduces_table7():
+    got = bench.table7(128, 128)
+    for label, numbers in TABLE7.items():
+        mixer, n, c = got[label]
+        assert tuple(c[k] for k in ("mult", "add", "div", "exp", "params", "total")) == numbers
+        assert bench.mixer_param_count(mixer, 128, 128, n) == numbers[4]
 
 
-@pytest.mark.parametrize("mixer", PAPER_MIXERS)
-def test_initialisation_follows_section6(mixer):
-    """Section 6: biases 0, weights ~ N(0, 0.01^2), here every weight tensor on its own. The bands come
-    from the sample size n of each tensor, each wide enough to pass a true N(0, 0.01^2) sample with
-    probability 1 - 1e-6: the sample std has standard error 0.01 / sqrt(2(n-1)) and the mean
-    0.01 / sqrt(n), 5 of them each; the Kolmogorov-Smirnov distance from N(0, 0.01^2) stays below
-    sqrt(ln(2 / 1e-6) / 2n) (the DKW inequality), which checks the shape (a uniform draw of std 0.01 is
-    0.058 away) and the scale at once. n = 8192 (w_ext, emb_pos): std within +-0.00039, distance
-    below 0.030; std 0.0115 is 0.034 away and 19 standard errors off."""
-    model = tiny_model(mixer, l=64, d=128, n_hidden=256, vocab=500)
-    for name, p in model.named_parameters():
-        n = p.numel()
-        if name.endswith("bias"):
-            assert (p == 0).all(), name
-        elif ".ln" in name or name.startswith("ln_f"):
-            assert (p == 1).all(), name  # LayerNorm gain starts at 1
-        else:
-            assert abs(p.std().item() - 0.01) < 5 * 0.01 / math.sqrt(2 * (n - 1)), (name, p.std().item())
-            assert abs(p.mean().item()) < 5 * 0.01 / math.sqrt(n), (name, p.mean().item())
-            distance, band = _ks_distance_from_normal(p, 0.01), math.sqrt(math.log(2 / 1e-6) / (2 * n))
-            assert distance < band, (name, distance, band)
-
-
-def test_forward_loss_is_eq3():
-    model = tiny_model("we", l=8, vocab=30, seed=3)
-    idx, targets = torch.randint(0, 30, (2, 8)), torch.randint(0, 30, (2, 8))
-    logits, loss = model(idx, targets)
-    p_hat = logits.softmax(-1)  # Eq. (21), (22)
-    nll = -torch.log(p_hat.gather(-1, targets[..., None])).mean()  # Eq. (3)
-    assert torch.allclose(loss, nll, atol=1e-6)
-
-
-# ---- generation
-def scrambled_model(name, l=16):
-    """tiny_model on the test device, scrambled to N(0, 0.3²): distinct logits."""
-    return dev(scrambled(tiny_model(name, l=l), 0.3))
-
-
-@pytest.mark.parametrize("name", sorted(MIXERS))
-def test_cached_generation_equals_uncached(name):
-    model = scrambled_model(name)
-    idx = torch.randint(0, 50, (2, 5), device=DEVICE)
-    cached = model.generate(idx, 11, temperature=0, use_cache=True)  # fills l = 16 exactly
-    uncached = model.generate(idx, 11, temperature=0, use_cache=False)
-    assert torch.equal(cached, uncached)
-    # logits: prefill plus one token at a time equals one full forward
-    cache = model.new_cache()
-    steps = [model(cached[:, :5], cache=cache)[0]]
-    steps += [model(cached[:, i : i + 1], cache=cache)[0] for i in range(5, 16)]
-    full = model(cached)[0]
-    assert torch.allclose(torch.cat(steps, 1), full, atol=TOL, rtol=0)
-
-
-@pytest.mark.parametrize("name", sorted(MIXERS))
-def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
-    """Eq. (2): every token beyond l is predicted from exactly the l tokens before it."""
-    l = 16
-    model = scrambled_model(name, l=l)
-    prompt = torch.randint(0, 50, (2, 9), device=DEVICE)
-    out = model.generate(prompt, 30, temperature=0)  # the default: cached, then sliding
-    idx = prompt
-    for _ in range(30):  # the plain sliding-window loop
-        nxt = model(idx[:, -l:])[0][:, -1].argmax(-1, keepdim=True)
-        idx = torch.cat([idx, nxt], dim=1)
-    assert torch.equal(out, idx)
-    long_prompt = torch.randint(0, 50, (1, 23), device=DEVICE)  # a prompt longer than l
-    assert torch.equal(
-        model.generate(long_prompt, 5, temperature=0),
-        model.generate(long_prompt, 5, temperature=0, use_cache=False),
-    )
-
-
-def test_top_k_keeps_exactly_k_and_top_p_is_nucleus():
-    torch.manual_seed(4)
-    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0, -1.0]])
-    seen = {extractor.sample_next(logits, top_k=2).item() for _ in range(300)}
-    assert len(seen) == 2 and 0 in seen  # a tie at the boundary still keeps exactly 2
-    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
-    seen = {extractor.sample_next(probs.log(), top_p=0.6).item() for _ in range(300)}
-    assert seen == {0, 1}  # 0.5 < 0.6 needs the second token; 0.7 >= 0.6 stops there
-    seen = {extractor.sample_next(probs.log(), top_p=0.5).item() for _ in range(100)}
-    assert seen == {0}
-    assert extractor.sample_next(probs.log(), temperature=0).item() == 0
-
-
-# ---- bad inputs
-def test_bad_config_gives_clear_value_errors():
-    with pytest.raises(ValueError, match="unknown mixer 'xx'.*sa.*she.*he.*we.*me"):
-        Config(mixer="xx")
-    with pytest.raises(ValueError, match="n_head=3 must divide n_embd=128"):
-        Config(n_head=3, mixer="sa")
-    Config(n_head=3, mixer="me")  # heads are irrelevant to ME
-    for field in ("n_layer", "n_embd", "block_size", "vocab_size", "n_hidden"):
-        with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
-            Config(**{field: -1})
-    with pytest.raises(ValueError, match="dropout"):
-        Config(dropout=1.5)
-
-
-def test_sequence_longer_than_block_size_is_refused():
-    model = scrambled_model("me", l=8)
-    with pytest.raises(ValueError, match="exceeds block_size l=8"):
-        model(torch.zeros(1, 9, dtype=torch.long, device=DEVICE))
-
-
-def test_empty_sequence_is_refused_with_a_value_error():
-    """t = 0 is one clear ValueError for every mixer, with or without a cache, and the FFT's length
-    refuses it too (fft_size(0) used to loop forever). sa is checked first: it ran t = 0 quietly."""
-    empty = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
-    for name in MIXERS:
-        model = tiny_model(name).to(DEVICE)
-        for cache in (None, model.new_cache()):
-            with pytest.raises(ValueError, match=r"idx \(2, 0\) holds no tokens"):
-                model(empty, cache=cache)
-    for t in (0, -3):
-        with pytest.raises(ValueError, match="at least one"):
-            fir.fft_size(t)
-    for w in (torch.randn(8, 4), torch.randn(8, 4, 4)):  # the tap shapes that take the FFT
-        with pytest.raises(ValueError, match="at least one"):
-            fir.fir_full(torch.zeros(2, 0, 4), w)
+def test_bench_table7_prints_the_papers_table_and_the_modules_counts(capsys):
+    assert bench.main(["--table7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == "1-head SA 32-head SA SHE HE WE ME".split()
+    rows = {line.split()[0]: [int(v.replace(",", "")) for v in line.split()[1:]] for line in lines[2:]}
+    for i, row in enumerate(("mult", "add", "div", "exp", "params", "total")):
+        assert rows[row] == [numbers[i] for numbers in TABLE7.values()], row
+    assert rows["modules"] == [numbers[4] for numbers in TABLE7.values()]
 
 
 # ======== Synthesizers (synthesizer.py) against their equations as literal loops ========
+
 
 SYNTHS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
 
@@ -1030,9 +1073,12 @@ def test_synth_trains_under_bfloat16_autocast(name):
 
 # ======== data (prepare_data.py) ========
 
+
 # Fixture books are made-up text in real-shaped Project Gutenberg wrappers, served by a loopback
 # HTTP server on a free port; no network.
 _PD_VOCAB = 400  # small, so that training on the fixture books takes a moment
+
+
 _PD_SYLLABLES = "ka lo mi ren tho va quil sa ne dor bri el fen u ya zo pe gra ish om tü ça wy har".split()
 
 
@@ -1140,7 +1186,11 @@ _PD_BOOKS = [
     (9006, "Lark Rise", "the"),
     (9007, "Tin Fern", "this"),
 ]
+
+
 _PD_BODIES = {i: fake_book(i) for i, _, _ in _PD_BOOKS}
+
+
 _PD_RAW = {i: _pd_wrap(kind, i, title, _PD_BODIES[i]) for i, title, kind in _PD_BOOKS}
 
 
@@ -1256,6 +1306,7 @@ def pd_clean(tmp_path_factory):
     return root / "data", tsv, url
 
 
+# ---- a book's text: Project Gutenberg's wrappers and the encodings
 def test_pd_strip_keeps_body_and_drops_licence():
     for book_id, title, kind in _PD_BOOKS:
         body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(_PD_RAW[book_id]))
@@ -1277,6 +1328,21 @@ def test_pd_decode_utf8_bom_and_cp1252():
     assert prepare_data.decode_book("caf\u00e9 \u201cx\u201d".encode("cp1252")) == "caf\u00e9 \u201cx\u201d"
 
 
+def test_pd_book_cut_short_is_used_with_a_warning_naming_it(pd_clean, tmp_path, capsys):
+    _, tsv, _ = pd_clean
+    raw = _PD_RAW[9001]
+    cut = raw[: raw.index(b"*** END")]  # a download cut short: no END marker, no licence
+    body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(cut))
+    assert warning is not None and "cut short" in warning
+    assert prepare_data.strip_gutenberg(prepare_data.decode_book(raw))[1] is None
+    src = _pd_source(tmp_path / "src", {**_PD_RAW, 9001: cut})
+    capsys.readouterr()
+    assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
+    out = capsys.readouterr().out
+    assert "ebook 9001" in out and "cut short" in out and str(src / "9001.txt") in out
+
+
+# ---- a run: its outputs, faults and retries, the cache, --source
 def test_pd_clean_run_outputs(pd_clean):
     data_dir, _, url = pd_clean
     meta = json.load(open(data_dir / "meta.json"))
@@ -1415,6 +1481,21 @@ def test_pd_missing_book_is_reported_and_resumed(pd_clean, tmp_path, capsys):
         assert [p for p, _ in srv.log[n_requests:]] == [prepare_data.URL_PATTERNS[0].format(id=9003)]
 
 
+def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
+    """On an ASCII terminal (PYTHONIOENCODING=ascii) a title such as "The N\u00fcrnberg Stove" prints
+    as "The N?rnberg Stove" instead of ending the run with UnicodeEncodeError."""
+    tsv = _pd_books_tsv(tmp_path / "books.tsv", [(9001, "The N\u00fcrnberg Stove", "the"), *_PD_BOOKS[1:]])
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with _pd_serve(_PD_RAW) as srv:
+        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
+    out.flush()
+    assert "ebook 9001" in out.buffer.getvalue().decode("ascii")
+    assert "The N?rnberg Stove" in out.buffer.getvalue().decode("ascii")
+
+
+# ---- the tokenizer and the BPE
 def test_pd_encoded_books_round_trip_arbitrary_unicode(pd_clean):
     enc = prepare_data.load_tokenizer(pd_clean[0])
     rng = random.Random(0)
@@ -1507,6 +1588,7 @@ def test_pd_incremental_bpe_matches_full_recount():
     assert fast == reference
 
 
+# ---- the split and the book list
 def test_pd_split_is_whole_books_deterministic_and_about_the_fraction():
     rng = random.Random(1)
     ids = rng.sample(range(1, 60000), 100)
@@ -1548,6 +1630,7 @@ def test_pd_default_book_list_is_the_100_ranked_books_in_the_repository():
     assert {55, 146, 51, 2726, 2557, 1154} <= {i for i, _, _ in books}
 
 
+# ---- bad input: one clear line, nothing half-written
 def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     _, tsv, _ = pd_clean
     bad = tmp_path / "bad.tsv"
@@ -1578,6 +1661,13 @@ def test_pd_bad_input_gives_one_clear_line(pd_clean, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "data" / "train.bin")
 
 
+def test_pd_books_tsv_id_of_other_digits_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "books.tsv"
+    bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\t\u00b2\tSquare\tX\n", encoding="utf-8")
+    err = error_line(capsys, prepare_data.read_books_tsv, str(bad))
+    assert "line 3" in err and len(err.strip().splitlines()) == 1
+
+
 def test_pd_read_only_data_dir_is_refused_before_any_work(pd_clean, tmp_path, monkeypatch, capsys):
     """A --data_dir it may not write to is one line before the books are read and the BPE trained,
     not after (as root, chmod would not stop it: the refusal is simulated)."""
@@ -1596,20 +1686,6 @@ def test_pd_read_only_data_dir_is_refused_before_any_work(pd_clean, tmp_path, mo
     err = error_line(capsys, _pd_run, data, "--source", str(src), books_tsv=tsv)
     assert f"cannot write to --data_dir {data} (Permission denied)" in err
     assert os.listdir(data) == []
-
-
-def test_pd_non_utf8_terminal_prints_titles_with_a_replacement_character(pd_clean, tmp_path, monkeypatch):
-    """On an ASCII terminal (PYTHONIOENCODING=ascii) a title such as "The N\u00fcrnberg Stove" prints
-    as "The N?rnberg Stove" instead of ending the run with UnicodeEncodeError."""
-    tsv = _pd_books_tsv(tmp_path / "books.tsv", [(9001, "The N\u00fcrnberg Stove", "the"), *_PD_BOOKS[1:]])
-    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
-    monkeypatch.setattr(sys, "stdout", out)
-    monkeypatch.setattr(sys, "stderr", err)
-    with _pd_serve(_PD_RAW) as srv:
-        assert _pd_run(tmp_path / "data", books_tsv=tsv, mirror=srv.url) == 0
-    out.flush()
-    assert "ebook 9001" in out.buffer.getvalue().decode("ascii")
-    assert "The N?rnberg Stove" in out.buffer.getvalue().decode("ascii")
 
 
 def test_pd_refuses_short_empty_and_binary_books_naming_the_file(pd_clean, tmp_path, capsys):
@@ -1636,9 +1712,12 @@ def test_pd_too_small_corpus_for_the_vocab_is_a_clear_error(pd_clean, tmp_path, 
     assert "smaller --vocab_size" in err
 
 
-# ======== training (train.py): data order, resume, the run folder, logging, bad inputs, DDP ========
+# ======== training (train.py): the batches, settings, precision, the step eager or captured, DDP ========
+
 
 _TR_TINY = "--n_layer 2 --n_embd 32 --n_hidden 64 --block_size 16 --batch_size 8 --n_head 4".split()
+
+
 _TR_TINY += f"--eval_batches 2 --log_interval 5 --device {DEVICE}".split()
 
 
@@ -1690,6 +1769,17 @@ def _tr_train_loss_column(run_dir):
     return [r["train_loss"] for r in rows], {r["iter"]: r["val_loss"] for r in rows if r["val_loss"]}
 
 
+def _tr_argv(tmp_path, *argv, data, name="run"):
+    """train.py's arguments for the tiny settings into tmp_path/name."""
+    return _TR_TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *argv]
+
+
+def _tr_train(tmp_path, *argv, data, name="run"):
+    """train.main on the tiny settings into tmp_path/name; returns (exit status, folder)."""
+    return train.main(_tr_argv(tmp_path, *argv, data=data, name=name)), str(tmp_path / name)
+
+
+# ---- the batches: a seeded order per epoch, the same for every mixer
 def test_train_batch_order_is_a_seeded_permutation_per_epoch():
     starts = train.batch_starts  # (i, n_starts, batch_size, data_seed) -> the starts of batch i
     n, b = 50, 8
@@ -1736,81 +1826,22 @@ def test_train_two_mixers_see_identical_batches(tr_data, tmp_path, monkeypatch):
     assert torch.equal(seen["sa"][3][0], seen["sa"][8][0])
 
 
-def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
-    flags = (
-        _TR_TINY
-        + f"--mixer sa --dropout 0.1 --data_dir {tr_data} --eval_interval 4 --ckpt_interval 3".split()
-    )
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
-    assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
-    with open(os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
-        f.write("7,1.0,,0.001,1.0,1.0\n8,2.")
-    # resumed with only --out_dir and --max_iters: every other setting comes from the checkpoint
-    assert train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
-    loss_full, val_full = _tr_train_loss_column(full)
-    loss_part, val_part = _tr_train_loss_column(part)
-    assert len(loss_full) == 14 and loss_part == loss_full  # the same strings: the same floats, to the bit
-    assert val_part["4"] == val_full["4"] and val_part["12"] == val_full["12"]
-    ckpt = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
-    assert ckpt["iter"] == 14 and ckpt["config"]["mixer"] == "sa" and ckpt["args"]["data_seed"] == 1337
+# ---- settings and bad input
+def test_train_help_gives_every_setting_its_symbol(capsys):
+    assert train.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    import dataclasses
 
-
-def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
-    flags = (
-        _TR_TINY
-        + f"--mixer me --dropout 0.1 --data_dir {tr_data} --eval_interval 100 --ckpt_interval 100".split()
-    )
-    flags += ["--max_iters", "10"]
-    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    assert train.main(flags + ["--out_dir", full]) == 0
-    real_get_batch, calls = train.get_batch, []
-
-    def interrupting(data, starts, block_size, device):
-        calls.append(1)
-        if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_get_batch(data, starts, block_size, device)
-
-    monkeypatch.setattr(train, "get_batch", interrupting)
-    assert train.main(flags + ["--out_dir", cut]) == 130
-    assert torch.load(os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
-    monkeypatch.setattr(train, "get_batch", real_get_batch)
-    assert train.main(flags + ["--out_dir", cut, "--resume"]) == 0
-    assert _tr_train_loss_column(cut)[0] == _tr_train_loss_column(full)[0]
-
-
-def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
-    runs = []
-    for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
-        run = str(tmp_path / f"{m} {layers}")  # a space in the path: the printed hint quotes it
-        flags = (
-            f"--mixer {m} --n_layer {layers} --data_dir {tr_data} --max_iters 12 --eval_interval 6".split()
-        )
-        assert train.main(_TR_TINY + flags + ["--out_dir", run]) == 0
-        runs.append(run)
-    out = capsys.readouterr().out
-    assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
-    hint = next(line for line in out.splitlines() if line.startswith("sample from it: "))
-    assert shlex.split(hint.split(": ", 1)[1]) == ["python", "sample.py", "--out_dir", runs[0]]
-    rows = _tr_log(runs[0])
-    assert list(rows[0]) == ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
-    assert len(rows) == 12 and [r["val_loss"] != "" for r in rows].count(True) == 2
-    assert all(float(r["lr"]) == 1e-3 and float(r["tokens_per_s"]) > 0 for r in rows)
-    ckpt = torch.load(os.path.join(runs[0], "ckpt.pt"), weights_only=True)
-    assert {"model", "optimizer", "config", "args", "iter", "rng", "scaler"} <= set(ckpt)
-    for path in [os.path.join(r, "loss.png") for r in runs]:
-        assert_png(path)
-    outs = {k: str(tmp_path / f"{k}.png") for k in ("medians", "raw", "sweep")}
-    assert plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
-    assert plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
-    assert plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
-    for path in outs.values():
-        assert_png(path)
-    table = capsys.readouterr().out
-    assert all(os.path.basename(r) in table for r in runs)
-    # the printed median is the median of the last 1000 (here all 12) logged costs
-    assert f"{np.median([float(r['train_loss']) for r in rows]):.4f}" in table
+    for f in dataclasses.fields(train.Config):
+        if f.name != "vocab_size":
+            assert f"--{f.name}" in text, f.name
+    # written here, not read from common.py: the paper's letters (Table 1's l, d, c, m, p and Section 4's
+    # n heads), then the short names the other settings carry in run folders (README: out/me-m2-l64-b32)
+    symbols = dict(block_size="l", n_embd="d", n_hidden="c", n_layer="m", n_head="n", dropout="p")
+    symbols |= dict(batch_size="b", lr="lr", weight_decay="wd", grad_clip="clip", seed="seed")
+    symbols |= dict(data_seed="dseed", beta1="bm", beta2="bv")
+    for name, symbol in symbols.items():  # the flag's own help starts with its symbol
+        assert re.search(rf"--{name} \S+\s+{re.escape(symbol)}: ", text), (name, symbol)
 
 
 @pytest.mark.parametrize(
@@ -1880,139 +1911,39 @@ def test_train_bad_input_from_the_command_line_has_no_traceback(tmp_path):
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_train_help_gives_every_setting_its_symbol(capsys):
-    assert train.main(["--help"]) == 0
-    text = capsys.readouterr().out
-    import dataclasses
-
-    for f in dataclasses.fields(train.Config):
-        if f.name != "vocab_size":
-            assert f"--{f.name}" in text, f.name
-    # written here, not read from common.py: the paper's letters (Table 1's l, d, c, m, p and Section 4's
-    # n heads), then the short names the other settings carry in run folders (README: out/me-m2-l64-b32)
-    symbols = dict(block_size="l", n_embd="d", n_hidden="c", n_layer="m", n_head="n", dropout="p")
-    symbols |= dict(batch_size="b", lr="lr", weight_decay="wd", grad_clip="clip", seed="seed")
-    symbols |= dict(data_seed="dseed", beta1="bm", beta2="bv")
-    for name, symbol in symbols.items():  # the flag's own help starts with its symbol
-        assert re.search(rf"--{name} \S+\s+{re.escape(symbol)}: ", text), (name, symbol)
-
-
-@pytest.mark.slow
-def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
-    """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
-    whole global batch, as in one process."""
-    flags = _TR_TINY + f"--mixer sa --dropout 0 --data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
-    flags += "--ckpt_interval 3 --device cpu".split()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
-        + flags
-        + ["--out_dir", str(tmp_path / "ddp")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--beta1", "1.5"], "--beta1"),
+        (["--beta2", "-0.5"], "--beta2"),
+        (["--weight_decay", "nan"], "--weight_decay"),
+        (["--grad_clip", "inf"], "--grad_clip"),
+        (["--seed", str(2**64)], "--seed"),
+    ],
+)
+def test_train_bad_optimizer_settings_and_huge_seeds_are_one_line(flags, needle, tr_data, tmp_path, capsys):
+    assert needle in error_line(
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "2", *flags, data=tr_data)
     )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("iter 6/6") == 1 and r.stdout.count("parameters:") == 1  # rank 0 only
-    assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
-    ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
-    assert len(ddp) == len(one) == 6
-    for a, b in zip(ddp, one):
-        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-5
-        assert (a["val_loss"] == "") == (b["val_loss"] == "")
-        if a["val_loss"]:
-            assert abs(float(a["val_loss"]) - float(b["val_loss"])) < 1e-5
-    ckpt = torch.load(str(tmp_path / "ddp" / "ckpt.pt"), weights_only=True)
-    assert len(ckpt["rng"]) == 2  # each rank's dropout stream, for resuming
+    assert not os.path.exists(tmp_path / "run")  # no folder holding only train.lock
 
 
-def test_train_default_run_folders_differ_for_different_settings():
-    p = train.build_parser()
-    folder = lambda *argv: rundir.default_out_dir(p.parse_args(list(argv)), p.parse_args([]))
-    assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
-    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
-        "--mixer=sa", "--n_head=1"
-    ).endswith("sa-1")
-    quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
-    assert quick == os.path.join(
-        "out", "me-m2-l64-b32"
-    )  # max_iters does not name the run: extend with --resume
-    assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
+def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, capsys):
+    for case in ("odd size", "changed"):
+        data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
+        raw = open(os.path.join(data, "train.bin"), "rb").read()
+        open(os.path.join(data, "train.bin"), "wb").write(
+            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
+        )
+        out = str(tmp_path / "run")
+        argv = _TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"]
+        assert ("odd number of bytes" if case == "odd size" else "sha256") in error_line(
+            capsys, train.main, argv
+        )
+        assert not os.path.exists(out)
 
 
-def test_train_default_run_folders_never_name_two_settings_alike():
-    """Every mixer, with no, one or two settings changed from Table 1 to typical values of their type:
-    no two of these get the same default folder (compared without case, as macOS and Windows do)."""
-    p = train.build_parser()
-    table1 = p.parse_args([])
-    values = {
-        int: [0, 1, 2, 3, 10, 20, 64, 100, 128, 12345678],
-        float: [0.0, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0, 2.0, 10.0, 20.0, 1e-05, 3e-4, 0.00030000001],
-    }
-    changes = [
-        (key, v)
-        for key in common.SYMBOLS
-        for v in values[type(getattr(table1, key))]
-        if v != getattr(table1, key)
-    ]
-    settings = (
-        [()]
-        + [(c,) for c in changes]
-        + [(a, b) for a, b in itertools.combinations(changes, 2) if a[0] != b[0]]
-    )
-    named = {}
-    for mixer in sorted(MIXERS):
-        for setting in settings:
-            args = argparse.Namespace(**{**vars(table1), "mixer": mixer, **dict(setting)})
-            name = rundir.default_out_dir(args, table1).lower()
-            assert named.setdefault(name, (mixer, setting)) == (mixer, setting), name
-    assert len(named) == len(MIXERS) * len(settings) > 50000
-
-
-def test_train_killed_while_writing_its_first_checkpoint_starts_again_with_the_plain_command(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    """kill -9 while the first ckpt.pt is written (log.csv already at batch 10): no checkpoint was ever
-    written, so the same command starts the run again (gpu.py never passes --overwrite). A run that had
-    written one, even if killed later, keeps its log.csv when its ckpt.pt is deleted."""
-    real_save, saves = torch.save, []
-
-    def killed_at_save(n):
-        def save(obj, f, *a, **k):
-            saves.append(1)
-            if len(saves) == n:
-                f.write(b"half a checkpoint")
-                raise _Killed()
-            return real_save(obj, f, *a, **k)
-
-        return save
-
-    def killed_run(name, n_save, *argv):
-        flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(tmp_path / name), "--log_interval", "10"]
-        flags += ["--max_iters", "30", *argv]
-        saves.clear()
-        monkeypatch.setattr(torch, "save", killed_at_save(n_save))
-        with pytest.raises(_Killed):
-            train.main(flags)
-        monkeypatch.setattr(torch, "save", real_save)
-        (tmp_path / name / ".ckpt.ptq7x2k.tmp").write_bytes(b"half a checkpoint")  # what kill -9 leaves
-        return flags, str(tmp_path / name)
-
-    flags, out = killed_run("first", 1)
-    assert _tr_log(out)[-1]["iter"] == "10" and not os.path.exists(os.path.join(out, "ckpt.pt"))
-    assert "no checkpoint" in error_line(capsys, train.main, flags + ["--resume"])
-    assert train.main(flags) == 0  # the plain command starts the run again
-    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 31))
-
-    flags, out = killed_run("second", 2, "--ckpt_interval", "20")  # killed at batch 20's checkpoint
-    os.remove(os.path.join(out, "ckpt.pt"))  # batch 10's, deleted to save disk
-    capsys.readouterr()
-    assert "log.csv of a run" in error_line(capsys, train.main, flags)
-    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 21))  # kept
-
-
+# ---- precision and the step: eager or captured in a CUDA graph, and what run.json says
 def test_train_notes_that_half_precision_on_the_cpu_may_be_slower(tr_data, tmp_path, capsys):
     flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "2", "--device", "cpu"]
     for dtype in ("float32", "bfloat16", "float16"):
@@ -2068,37 +1999,6 @@ def test_train_run_json_says_how_the_run_computed_and_on_which_data(tmp_path, mo
             "captured": False, "step": "eager (no CUDA graphs on cpu)", "fir_matmul": "ieee",
         }  # fmt: skip
         assert info["data"] == fingerprint == torch.load(out / "ckpt.pt", weights_only=True)["data"]
-
-
-def test_plot_draws_one_data_fingerprint_from_two_folders_and_refuses_two_fingerprints(tmp_path, capsys):
-    """Runs whose run.json hold the data's fingerprint are one corpus if the fingerprints agree, wherever
-    the data was prepared (a GPU machine's folder, a laptop's), and two corpora if they differ, even in
-    one folder. A run without one (an older run.json) is judged by folder and vocabulary, as before."""
-
-    def run(name, mixer, data_dir, train_sha=None, tokenizer_sha="c" * 64):
-        folder = tmp_path / name
-        _plot_fake_run(str(folder), mixer, 1, [4.0] * 8, val_every=4, data_dir=data_dir, vocab_size=50)
-        if train_sha:
-            info = json.load(open(folder / "run.json"))
-            info["data"] = dict(vocab_size=50, train_sha256=train_sha, val_sha256="b" * 64)
-            info["data"]["tokenizer_sha256"] = tokenizer_sha  # None: data made without prepare_data.py
-            (folder / "run.json").write_text(json.dumps(info))
-        return str(folder)
-
-    gpu, laptop = run("gpu", "me", "/gpu/data", "a" * 64), run("laptop", "he", "/home/u/data", "a" * 64)
-    again, older = run("again", "we", "/gpu/data", "d" * 64), run("older", "sa", "/home/u/data")
-    partial = run("partial", "sa", "/home/u/data", "a" * 64, tokenizer_sha=None)
-    out = ["--window", "4", "-o", str(tmp_path / "f.png")]
-    assert plot.main([gpu, laptop] + out) == 0
-    assert error_line(capsys, plot.main, [gpu, again] + out) == (
-        "error: the runs were trained on other data (/gpu/data, vocabulary 50, train.bin aaaaaaaaaaaa; "
-        "/gpu/data, vocabulary 50, train.bin dddddddddddd); compare runs of one corpus"
-    )
-    for judged_by_folder in (older, partial):
-        assert plot.main([laptop, judged_by_folder] + out) == 0
-        assert error_line(capsys, plot.main, [gpu, judged_by_folder] + out) == (
-            "error: the runs were trained on other data (/gpu/data, /home/u/data); compare runs of one corpus"
-        )
 
 
 _CUDA_ONLY = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs: run with TEST_DEVICE=cuda")
@@ -2167,20 +2067,42 @@ def test_train_captured_run_resumed_continues_bit_for_bit_and_equals_the_eager_r
     assert computed["ieee"]["fir_matmul"] == "ieee"
 
 
-def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
-    out = str(tmp_path / "run")
-    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
-    assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
-    os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
-    open(os.path.join(out, "log.csv"), "w").write(
-        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
+# ---- DDP
+@pytest.mark.slow
+def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
+    """torchrun with 2 CPU processes (gloo) splits each global batch; the logged loss is the loss of the
+    whole global batch, as in one process."""
+    flags = _TR_TINY + f"--mixer sa --dropout 0 --data_dir {tr_data} --max_iters 6 --eval_interval 3".split()
+    flags += "--ckpt_interval 3 --device cpu".split()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+        + flags
+        + ["--out_dir", str(tmp_path / "ddp")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
-    open(os.path.join(out, "run.json"), "w").write("{}")
-    assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
-    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
-    assert "iter 10/12" in capsys.readouterr().out  # the first console line comes at batch 10
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("iter 6/6") == 1 and r.stdout.count("parameters:") == 1  # rank 0 only
+    assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
+    ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
+    assert len(ddp) == len(one) == 6
+    for a, b in zip(ddp, one):
+        assert abs(float(a["train_loss"]) - float(b["train_loss"])) < 1e-5
+        assert (a["val_loss"] == "") == (b["val_loss"] == "")
+        if a["val_loss"]:
+            assert abs(float(a["val_loss"]) - float(b["val_loss"])) < 1e-5
+    ckpt = torch.load(str(tmp_path / "ddp" / "ckpt.pt"), weights_only=True)
+    assert len(ckpt["rng"]) == 2  # each rank's dropout stream, for resuming
 
 
+# ======== run folders (rundir.py): lock, judgement, resume, checkpoints, signals, logs, names ========
+
+
+# ---- the lock and the judgement: a folder holds one run
 def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_data, tmp_path, capsys):
     out = str(tmp_path / "run")
     flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "4"]
@@ -2193,91 +2115,6 @@ def test_train_second_run_on_a_locked_folder_is_refused_and_touches_nothing(tr_d
         assert _tr_files(out) == before
     held.close()  # the other process ends: its lock goes with it
     assert train.main(flags[:-1] + ["8", "--resume"]) == 0
-
-
-def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys):
-    data = _tr_add_checksums(_tr_make_data(tmp_path / "a", seed=0))
-    other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
-    out = str(tmp_path / "run")
-    assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
-    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"]
-    assert saved == os.path.abspath(data)
-    capsys.readouterr()
-    before = _tr_files(out)
-    resume = f"--out_dir {out} --max_iters 8 --resume --data_dir {other}".split()
-    assert "other data (train, val differ)" in error_line(capsys, train.main, resume)
-    assert _tr_files(out) == before
-    assert train.main(resume + ["--allow_other_data"]) == 0
-    # a checkpoint without the data's checksums is not one of this train.py's
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    del ckpt["data"]
-    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
-    argv = f"--out_dir {out} --max_iters 10 --resume".split()
-    assert "not from this train.py" in error_line(capsys, train.main, argv)
-
-
-def test_train_refuses_data_files_that_do_not_match_meta(tr_data, tmp_path, capsys):
-    for case in ("odd size", "changed"):
-        data = _tr_add_checksums(_tr_make_data(tmp_path / case.replace(" ", "_")))
-        raw = open(os.path.join(data, "train.bin"), "rb").read()
-        open(os.path.join(data, "train.bin"), "wb").write(
-            raw[:-1] if case == "odd size" else raw[:-2] + b"\0\0"
-        )
-        out = str(tmp_path / "run")
-        argv = _TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "2"]
-        assert ("odd number of bytes" if case == "odd size" else "sha256") in error_line(
-            capsys, train.main, argv
-        )
-        assert not os.path.exists(out)
-
-
-def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
-    tr_data, tmp_path, capsys, monkeypatch
-):
-    out = str(tmp_path / "run")
-    assert "--lr" in error_line(capsys, train.main, _TR_TINY + ["--data_dir", tr_data, "--lr", "inf"])
-    real, calls = train.train_step, []
-
-    def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
-        calls.append(1)
-        return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
-
-    monkeypatch.setattr(train, "train_step", diverging)
-    argv = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
-    argv += ["--no-cuda_graph"]  # (on CUDA a captured step replays without calling train_step again)
-    assert "became nan at batch 15; ckpt.pt keeps batch 10" in error_line(capsys, train.main, argv)
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
-
-
-def _tr_signal_run(tmp_path, data, sig):
-    """train.py in a subprocess whose output goes to a pipe (as under nohup), stopped by `sig` once its
-    first console line, at batch 10, has come through."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
-    out = str(tmp_path / f"run-{sig}")
-    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
-    p = subprocess.Popen(
-        [sys.executable, "train.py"] + argv,
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 120
-    while "iter 10/" not in p.stdout.readline():
-        assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
-    p.send_signal(sig)
-    rest, err = p.communicate(timeout=120)
-    return p.returncode, rest, err, out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_train_kill_and_hangup_checkpoint_and_stop_like_ctrl_c(tr_data, tmp_path, sig):
-    rc, rest, err, out = _tr_signal_run(tmp_path, tr_data, sig)
-    assert rc == 128 + sig and "Traceback" not in err and "stopped at batch" in rest
-    it = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
-    assert it > 10 and [int(r["iter"]) for r in _tr_log(out)] == list(range(1, it + 1))
 
 
 class _Killed(BaseException):
@@ -2308,6 +2145,40 @@ def test_train_folder_is_locked_before_it_is_judged(tr_data, tmp_path, monkeypat
     assert first["rc"] == 0 and torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 4
 
 
+def test_train_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--mixer", "he", "--max_iters", "12", data=tr_data)
+    assert rc == 0
+    os.remove(os.path.join(out, "ckpt.pt"))  # deleted to save disk: plots need only log.csv
+    before = _tr_files(out)
+    capsys.readouterr()
+    assert "--overwrite" in error_line(
+        capsys, train.main, _tr_argv(tmp_path, "--mixer", "me", "--max_iters", "4", data=tr_data)
+    )
+    assert _tr_files(out) == before  # the he run's 12 rows are still there
+    rc, _ = _tr_train(tmp_path, "--max_iters", "3", data=tr_data, name="short")  # ended before batch 10
+    os.remove(str(tmp_path / "short" / "ckpt.pt"))
+    capsys.readouterr()
+    assert "log.csv of a run" in error_line(
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "4", data=tr_data, name="short")
+    )
+    rc, _ = _tr_train(tmp_path, "--mixer", "me", "--max_iters", "4", "--overwrite", data=tr_data)
+    assert rc == 0 and len(_tr_log(out)) == 4
+
+
+def test_train_run_without_checkpoint_restarts_and_max_iters_0_writes_nothing(tr_data, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out]
+    assert train.main(flags + ["--max_iters", "0"]) == 0 and not os.path.exists(out)
+    os.makedirs(out)  # a run killed before its first checkpoint leaves a log and run.json
+    open(os.path.join(out, "log.csv"), "w").write(
+        "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n1,5.0,,"
+    )
+    open(os.path.join(out, "run.json"), "w").write("{}")
+    assert train.main(flags + ["--max_iters", "12", "--log_interval", "1000"]) == 0  # no --overwrite needed
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 13))
+    assert "iter 10/12" in capsys.readouterr().out  # the first console line comes at batch 10
+
+
 def test_train_overwrite_killed_before_its_first_checkpoint_leaves_no_old_model(
     tr_data, tmp_path, monkeypatch, capsys
 ):
@@ -2329,6 +2200,109 @@ def test_train_overwrite_killed_before_its_first_checkpoint_leaves_no_old_model(
     assert [int(r["iter"]) for r in _tr_log(out)] == [1, 2, 3, 4]
 
 
+def test_train_killed_while_writing_its_first_checkpoint_starts_again_with_the_plain_command(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """kill -9 while the first ckpt.pt is written (log.csv already at batch 10): no checkpoint was ever
+    written, so the same command starts the run again (gpu.py never passes --overwrite). A run that had
+    written one, even if killed later, keeps its log.csv when its ckpt.pt is deleted."""
+    real_save, saves = torch.save, []
+
+    def killed_at_save(n):
+        def save(obj, f, *a, **k):
+            saves.append(1)
+            if len(saves) == n:
+                f.write(b"half a checkpoint")
+                raise _Killed()
+            return real_save(obj, f, *a, **k)
+
+        return save
+
+    def killed_run(name, n_save, *argv):
+        flags = _TR_TINY + ["--data_dir", tr_data, "--out_dir", str(tmp_path / name), "--log_interval", "10"]
+        flags += ["--max_iters", "30", *argv]
+        saves.clear()
+        monkeypatch.setattr(torch, "save", killed_at_save(n_save))
+        with pytest.raises(_Killed):
+            train.main(flags)
+        monkeypatch.setattr(torch, "save", real_save)
+        (tmp_path / name / ".ckpt.ptq7x2k.tmp").write_bytes(b"half a checkpoint")  # what kill -9 leaves
+        return flags, str(tmp_path / name)
+
+    flags, out = killed_run("first", 1)
+    assert _tr_log(out)[-1]["iter"] == "10" and not os.path.exists(os.path.join(out, "ckpt.pt"))
+    assert "no checkpoint" in error_line(capsys, train.main, flags + ["--resume"])
+    assert train.main(flags) == 0  # the plain command starts the run again
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 31))
+
+    flags, out = killed_run("second", 2, "--ckpt_interval", "20")  # killed at batch 20's checkpoint
+    os.remove(os.path.join(out, "ckpt.pt"))  # batch 10's, deleted to save disk
+    capsys.readouterr()
+    assert "log.csv of a run" in error_line(capsys, train.main, flags)
+    assert [int(r["iter"]) for r in _tr_log(out)] == list(range(1, 21))  # kept
+
+
+# ---- resume: bit for bit, on the same data, from a log that reaches the checkpoint
+def test_train_resume_equals_uninterrupted_run_bit_for_bit(tr_data, tmp_path):
+    flags = (
+        _TR_TINY
+        + f"--mixer sa --dropout 0.1 --data_dir {tr_data} --eval_interval 4 --ckpt_interval 3".split()
+    )
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert train.main(flags + ["--out_dir", full, "--max_iters", "14"]) == 0
+    assert train.main(flags + ["--out_dir", part, "--max_iters", "6"]) == 0
+    with open(os.path.join(part, "log.csv"), "a") as f:  # a crash after the checkpoint logged more rows
+        f.write("7,1.0,,0.001,1.0,1.0\n8,2.")
+    # resumed with only --out_dir and --max_iters: every other setting comes from the checkpoint
+    assert train.main(["--out_dir", part, "--max_iters", "14", "--resume"]) == 0
+    loss_full, val_full = _tr_train_loss_column(full)
+    loss_part, val_part = _tr_train_loss_column(part)
+    assert len(loss_full) == 14 and loss_part == loss_full  # the same strings: the same floats, to the bit
+    assert val_part["4"] == val_full["4"] and val_part["12"] == val_full["12"]
+    ckpt = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
+    assert ckpt["iter"] == 14 and ckpt["config"]["mixer"] == "sa" and ckpt["args"]["data_seed"] == 1337
+
+
+def test_train_resume_refuses_other_data_unless_asked(tr_data, tmp_path, capsys):
+    data = _tr_add_checksums(_tr_make_data(tmp_path / "a", seed=0))
+    other = _tr_add_checksums(_tr_make_data(tmp_path / "b", seed=1))
+    out = str(tmp_path / "run")
+    assert train.main(_TR_TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "4"]) == 0
+    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["args"]["data_dir"]
+    assert saved == os.path.abspath(data)
+    capsys.readouterr()
+    before = _tr_files(out)
+    resume = f"--out_dir {out} --max_iters 8 --resume --data_dir {other}".split()
+    assert "other data (train, val differ)" in error_line(capsys, train.main, resume)
+    assert _tr_files(out) == before
+    assert train.main(resume + ["--allow_other_data"]) == 0
+    # a checkpoint without the data's checksums is not one of this train.py's
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    del ckpt["data"]
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    argv = f"--out_dir {out} --max_iters 10 --resume".split()
+    assert "not from this train.py" in error_line(capsys, train.main, argv)
+
+
+def test_train_resume_refuses_a_log_that_does_not_reach_the_checkpoint(tr_data, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--max_iters", "12", data=tr_data)
+    assert rc == 0
+    log = os.path.join(out, "log.csv")
+    rows = open(log).read().splitlines()
+    for kept in ([], rows[:6]):  # log.csv deleted, or cut back to batch 5
+        if kept:
+            open(log, "w").write("\n".join(kept) + "\n")
+        else:
+            os.remove(log)
+        before = _tr_files(out)
+        capsys.readouterr()
+        assert "ckpt.pt is at batch 12" in error_line(
+            capsys, train.main, _tr_argv(tmp_path, "--max_iters", "16", "--resume", data=tr_data)
+        )
+        assert _tr_files(out) == before
+
+
+# ---- checkpoints and file errors: what is kept
 def test_train_file_errors_are_one_line_saying_what_was_kept(tr_data, tmp_path, monkeypatch, capsys):
     flags = _TR_TINY + ["--data_dir", tr_data, "--max_iters", "30", "--ckpt_interval", "20"]
     a_file = tmp_path / "a_file"
@@ -2375,6 +2349,114 @@ def test_train_removes_the_temp_files_of_a_killed_write(tr_data, tmp_path, capsy
     assert train.main(flags + ["--max_iters", "8", "--resume"]) == 0
     assert not (out / ".ckpt.ptx8k2_q.tmp").exists() and (out / "notes.tmp").exists()
     assert "removed 1 temp file(s) of a killed write" in capsys.readouterr().out
+
+
+def test_train_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
+    tr_data, tmp_path, capsys, monkeypatch
+):
+    out = str(tmp_path / "run")
+    assert "--lr" in error_line(capsys, train.main, _TR_TINY + ["--data_dir", tr_data, "--lr", "inf"])
+    real, calls = train.train_step, []
+
+    def diverging(*a, **k):  # the 15th batch blows up, as a too-large --lr does
+        calls.append(1)
+        return real(*a, **k) * (math.nan if len(calls) >= 15 else 1.0)
+
+    monkeypatch.setattr(train, "train_step", diverging)
+    argv = _TR_TINY + ["--data_dir", tr_data, "--out_dir", out, "--max_iters", "50", "--log_interval", "20"]
+    argv += ["--no-cuda_graph"]  # (on CUDA a captured step replays without calling train_step again)
+    assert "became nan at batch 15; ckpt.pt keeps batch 10" in error_line(capsys, train.main, argv)
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"] == 10  # the last good state
+
+
+# ---- stop signals: Ctrl-C, SIGTERM, SIGHUP
+def test_train_ctrl_c_checkpoints_then_resume_continues_exactly(tr_data, tmp_path, monkeypatch):
+    flags = (
+        _TR_TINY
+        + f"--mixer me --dropout 0.1 --data_dir {tr_data} --eval_interval 100 --ckpt_interval 100".split()
+    )
+    flags += ["--max_iters", "10"]
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    assert train.main(flags + ["--out_dir", full]) == 0
+    real_get_batch, calls = train.get_batch, []
+
+    def interrupting(data, starts, block_size, device):
+        calls.append(1)
+        if len(calls) == 4:  # Ctrl-C while batch 4 is being prepared
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_get_batch(data, starts, block_size, device)
+
+    monkeypatch.setattr(train, "get_batch", interrupting)
+    assert train.main(flags + ["--out_dir", cut]) == 130
+    assert torch.load(os.path.join(cut, "ckpt.pt"), weights_only=True)["iter"] == 4
+    monkeypatch.setattr(train, "get_batch", real_get_batch)
+    assert train.main(flags + ["--out_dir", cut, "--resume"]) == 0
+    assert _tr_train_loss_column(cut)[0] == _tr_train_loss_column(full)[0]
+
+
+def _tr_signal_run(tmp_path, data, sig):
+    """train.py in a subprocess whose output goes to a pipe (as under nohup), stopped by `sig` once its
+    first console line, at batch 10, has come through."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
+    out = str(tmp_path / f"run-{sig}")
+    argv = _TR_TINY + f"--data_dir {data} --out_dir {out} --max_iters 1000000 --log_interval 500".split()
+    p = subprocess.Popen(
+        [sys.executable, "train.py"] + argv,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while "iter 10/" not in p.stdout.readline():
+        assert time.time() < deadline and p.poll() is None, "no console line at batch 10"
+    p.send_signal(sig)
+    rest, err = p.communicate(timeout=120)
+    return p.returncode, rest, err, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_train_kill_and_hangup_checkpoint_and_stop_like_ctrl_c(tr_data, tmp_path, sig):
+    rc, rest, err, out = _tr_signal_run(tmp_path, tr_data, sig)
+    assert rc == 128 + sig and "Traceback" not in err and "stopped at batch" in rest
+    it = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
+    assert it > 10 and [int(r["iter"]) for r in _tr_log(out)] == list(range(1, it + 1))
+
+
+# ---- log.csv, the console, the peak memory
+def test_train_writes_log_checkpoint_and_plots(tr_data, tmp_path, capsys):
+    runs = []
+    for m, layers in (("sa", "1"), ("me", "1"), ("me", "2")):
+        run = str(tmp_path / f"{m} {layers}")  # a space in the path: the printed hint quotes it
+        flags = (
+            f"--mixer {m} --n_layer {layers} --data_dir {tr_data} --max_iters 12 --eval_interval 6".split()
+        )
+        assert train.main(_TR_TINY + flags + ["--out_dir", run]) == 0
+        runs.append(run)
+    out = capsys.readouterr().out
+    assert "parameters:" in out and "embeddings" in out and "mixers" in out and "ffns" in out and "ETA" in out
+    hint = next(line for line in out.splitlines() if line.startswith("sample from it: "))
+    assert shlex.split(hint.split(": ", 1)[1]) == ["python", "sample.py", "--out_dir", runs[0]]
+    rows = _tr_log(runs[0])
+    assert list(rows[0]) == ["iter", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s"]
+    assert len(rows) == 12 and [r["val_loss"] != "" for r in rows].count(True) == 2
+    assert all(float(r["lr"]) == 1e-3 and float(r["tokens_per_s"]) > 0 for r in rows)
+    ckpt = torch.load(os.path.join(runs[0], "ckpt.pt"), weights_only=True)
+    assert {"model", "optimizer", "config", "args", "iter", "rng", "scaler"} <= set(ckpt)
+    for path in [os.path.join(r, "loss.png") for r in runs]:
+        assert_png(path)
+    outs = {k: str(tmp_path / f"{k}.png") for k in ("medians", "raw", "sweep")}
+    assert plot.main(runs + ["--window", "4", "-o", outs["medians"]]) == 0
+    assert plot.main(runs[:2] + ["--raw", "-o", outs["raw"]]) == 0
+    assert plot.main(runs + ["--sweep", "n_layer", "--window", "4", "-o", outs["sweep"]]) == 0
+    for path in outs.values():
+        assert_png(path)
+    table = capsys.readouterr().out
+    assert all(os.path.basename(r) in table for r in runs)
+    # the printed median is the median of the last 1000 (here all 12) logged costs
+    assert f"{np.median([float(r['train_loss']) for r in rows]):.4f}" in table
 
 
 def test_train_reports_its_peak_memory_last(tr_data, tmp_path, capsys):
@@ -2427,7 +2509,68 @@ def test_train_resident_memory_stays_flat_with_a_long_log_interval(tmp_path):
     assert end < after_20 + 150, f"resident memory grew from {after_20:.0f} MB to {end:.0f} MB"
 
 
+# ---- default folder names
+def test_train_default_run_folders_differ_for_different_settings():
+    p = train.build_parser()
+    folder = lambda *argv: rundir.default_out_dir(p.parse_args(list(argv)), p.parse_args([]))
+    assert folder("--mixer=me") == os.path.join("out", "me")  # Table 1
+    assert folder("--mixer=sa") == os.path.join("out", "sa-32") and folder(
+        "--mixer=sa", "--n_head=1"
+    ).endswith("sa-1")
+    quick = folder("--mixer=me", "--n_layer=2", "--block_size=64", "--batch_size=32", "--max_iters=2000")
+    assert quick == os.path.join(
+        "out", "me-m2-l64-b32"
+    )  # max_iters does not name the run: extend with --resume
+    assert folder("--mixer=he", "--lr=3e-4", "--seed=2") == os.path.join("out", "he-lr0.0003-seed2")
+
+
+def test_train_default_run_folders_never_name_two_settings_alike():
+    """Every mixer, with no, one or two settings changed from Table 1 to typical values of their type:
+    no two of these get the same default folder (compared without case, as macOS and Windows do)."""
+    p = train.build_parser()
+    table1 = p.parse_args([])
+    values = {
+        int: [0, 1, 2, 3, 10, 20, 64, 100, 128, 12345678],
+        float: [0.0, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0, 2.0, 10.0, 20.0, 1e-05, 3e-4, 0.00030000001],
+    }
+    changes = [
+        (key, v)
+        for key in common.SYMBOLS
+        for v in values[type(getattr(table1, key))]
+        if v != getattr(table1, key)
+    ]
+    settings = (
+        [()]
+        + [(c,) for c in changes]
+        + [(a, b) for a, b in itertools.combinations(changes, 2) if a[0] != b[0]]
+    )
+    named = {}
+    for mixer in sorted(MIXERS):
+        for setting in settings:
+            args = argparse.Namespace(**{**vars(table1), "mixer": mixer, **dict(setting)})
+            name = rundir.default_out_dir(args, table1).lower()
+            assert named.setdefault(name, (mixer, setting)) == (mixer, setting), name
+    assert len(named) == len(MIXERS) * len(settings) > 50000
+
+
+def test_train_default_run_folders_carry_exact_values():
+    p = train.build_parser()
+    folder = lambda *argv: rundir.default_out_dir(p.parse_args(["--mixer=me", *argv]), p.parse_args([]))
+    for a, b in [
+        ("--seed=12345678", "--seed=12345679"),
+        ("--seed=1000001", "--seed=1000002"),
+        ("--data_seed=20240101", "--data_seed=20240102"),
+        ("--lr=0.00030000001", "--lr=0.0003"),
+    ]:
+        assert folder(a) != folder(b), (a, b)
+    assert folder("--seed=12345678", "--lr=0.00030000001") == os.path.join(
+        "out", "me-lr0.00030000001-seed12345678"
+    )
+    assert folder("--dropout=0", "--lr=3e-4") == os.path.join("out", "me-p0-lr0.0003")  # short names stay
+
+
 # ======== sampling (sample.py), and end to end: fixture books -> prepare_data -> train -> sample ========
+
 
 # English words, so that the prompts of the sampling tests are made of the books' own words
 _TR_WORDS = (
@@ -2466,34 +2609,6 @@ def test_sample_streams_characters_split_over_tokens(tr_prepared, capsys):
     args = sample.build_parser().parse_args(["--max_new_tokens", str(len(ids))])
     sample.stream(FakeModel(), None, enc, args)
     assert capsys.readouterr().out == text + "\n"
-
-
-@pytest.mark.slow
-def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, capsys, monkeypatch):
-    data = tr_prepared
-    monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
-    for mixer in ("sa", "me"):
-        flags = f"--mixer {mixer} --data_dir {data} --n_layer 2 --n_embd 32 --n_hidden 64 --block_size 32"
-        flags += " --batch_size 16 --n_head 4 --max_iters 40 --eval_interval 20 --eval_batches 2 --lr 3e-3"
-        flags += f" --device {DEVICE} --out_dir out/{'sa-4' if mixer == 'sa' else 'me'}"
-        assert train.main(flags.split()) == 0
-        loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
-        assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
-    capsys.readouterr()
-    prompt = "Once upon a time there was"
-    assert sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
-    first = capsys.readouterr()
-    assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
-    assert (
-        sample.main(["--out_dir", "out/me", "--prompt", prompt, *"--max_new_tokens 30 --seed 7".split()]) == 0
-    )
-    assert capsys.readouterr().out == first.out  # the seed makes it reproducible
-    long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
-    argv = ["--out_dir", "out/sa-4", "--prompt", long_prompt, *"--max_new_tokens 5 --num_samples 2".split()]
-    assert sample.main(argv) == 0
-    res = capsys.readouterr()
-    assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
-    assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", "out/nothing"])
 
 
 def test_sample_continues_a_prompt_longer_than_l_from_its_last_l_tokens(tr_prepared, tmp_path, capsys):
@@ -2561,7 +2676,91 @@ def test_sample_greedy_quiet_ctrl_c_and_other_tokenizers(tr_prepared, tmp_path, 
     assert "Traceback" not in capsys.readouterr().err
 
 
-# ======== plots and results (plot.py) ========
+def test_sample_a_tiny_temperature_is_greedy_and_a_huge_seed_is_one_line(tr_prepared, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--max_iters", "4", data=tr_prepared)
+    assert rc == 0
+    texts = []
+    for temperature in ("0", "1e-38"):
+        capsys.readouterr()
+        assert sample.main(["--out_dir", out, "--temperature", temperature, "--max_new_tokens", "8"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    assert "--seed" in error_line(capsys, sample.main, ["--out_dir", out, "--seed", str(2**64)])
+
+
+def test_sample_a_checkpoint_of_only_model_and_config_is_one_line_or_samples_with_data_dir(
+    tr_prepared, tmp_path, capsys
+):
+    from prepare_data import load_tokenizer
+
+    model = tiny_model("me", l=8, d=8, n_head=1, vocab=load_tokenizer(tr_prepared).n_vocab)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": model.state_dict(), "config": vars(model.cfg)}, run / "ckpt.pt")  # saved by hand
+    argv = ["--out_dir", str(run), "--max_new_tokens", "3", "--device", "cpu", "--prompt", "Once"]
+    assert error_line(capsys, sample.main, argv) == (
+        f"error: {run}/ckpt.pt does not name the run's data folder; "
+        "pass --data_dir, the folder with its tokenizer"
+    )
+    assert sample.main(argv + ["--data_dir", tr_prepared]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Once") and err.startswith(f"# {run}, seed 1337\n"), (out, err)
+
+
+# ---- end to end, and what the three scripts say when a command cannot go on
+@pytest.mark.slow
+def test_end_to_end_prepare_train_sa_and_me_then_sample(tr_prepared, tmp_path, capsys, monkeypatch):
+    data = tr_prepared
+    monkeypatch.chdir(tmp_path)  # default out_dir out/<mixer> lands in tmp_path
+    for mixer in ("sa", "me"):
+        flags = f"--mixer {mixer} --data_dir {data} --n_layer 2 --n_embd 32 --n_hidden 64 --block_size 32"
+        flags += " --batch_size 16 --n_head 4 --max_iters 40 --eval_interval 20 --eval_batches 2 --lr 3e-3"
+        flags += f" --device {DEVICE} --out_dir out/{'sa-4' if mixer == 'sa' else 'me'}"
+        assert train.main(flags.split()) == 0
+        loss = [float(r["train_loss"]) for r in _tr_log(f"out/{'sa-4' if mixer == 'sa' else mixer}")]
+        assert len(loss) == 40 and np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5  # the loss falls
+    capsys.readouterr()
+    prompt = "Once upon a time there was"
+    assert sample.main(["--prompt", prompt, "--max_new_tokens", "30", "--seed", "7"]) == 0  # out/me
+    first = capsys.readouterr()
+    assert first.out.startswith(prompt) and len(first.out.strip()) > len(prompt) + 10
+    assert (
+        sample.main(["--out_dir", "out/me", "--prompt", prompt, *"--max_new_tokens 30 --seed 7".split()]) == 0
+    )
+    assert capsys.readouterr().out == first.out  # the seed makes it reproducible
+    long_prompt = "the little fox sang over the river " * 20  # more than l = 32 tokens
+    argv = ["--out_dir", "out/sa-4", "--prompt", long_prompt, *"--max_new_tokens 5 --num_samples 2".split()]
+    assert sample.main(argv) == 0
+    res = capsys.readouterr()
+    assert "keeping its last 32" in res.err and res.out.count(long_prompt) == 2
+    assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", "out/nothing"])
+
+
+def test_train_sample_and_prepare_data_messages_say_what_to_do(tr_data, tr_prepared, tmp_path, capsys):
+    rc, out = _tr_train(tmp_path, "--max_iters", "4", data=tr_data)
+    assert rc == 0
+    capsys.readouterr()
+    assert "pass one of them" in error_line(
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "6", "--resume", "--overwrite", data=tr_data)
+    )
+    rc, _ = _tr_train(tmp_path, "--max_iters", "6", "--resume", "--dtype", "bfloat16", data=tr_data)
+    assert rc == 0 and "trained with --dtype float32" in capsys.readouterr().out
+    big = ["--eval_batches", "1", "--batch_size", "4096"]  # val.bin has fewer windows than one batch
+    assert "--eval_batches 0" in error_line(
+        capsys, train.main, _tr_argv(tmp_path, "--max_iters", "2", *big, data=tr_data, name="big")
+    )
+    assert "its settings" in error_line(
+        capsys, sample.main, ["--out_dir", str(tmp_path / "none"), "--data_dir", tr_prepared]
+    )
+    not_a_folder = tmp_path / "README.md"
+    not_a_folder.write_text("a file\n")
+    src = _pd_source(tmp_path / "src")
+    tsv = _pd_books_tsv(tmp_path / "books.tsv")
+    err = error_line(capsys, _pd_run, not_a_folder, "--source", str(src), books_tsv=tsv)
+    assert "is a file" in err
+
+
+# ======== tools: plots and their CSVs (plot.py) ========
 
 
 def test_plot_window_medians():
@@ -2588,6 +2787,13 @@ def _plot_fake_run(
         f.write("7")  # a half-written last row, as in a run that is still going
 
 
+def test_plot_imports_without_torch():
+    code = "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0
+
+
+# ---- the results' CSVs, the summary, the paths it prints
 def test_plot_results_csvs_are_the_window_medians_of_the_logs(tmp_path):
     rng = random.Random(0)
     logs = {"sa-32": [rng.uniform(3, 6) for _ in range(23)], "she": [rng.uniform(3, 6) for _ in range(21)]}
@@ -2635,65 +2841,6 @@ def test_plot_default_window_fits_a_short_run(tmp_path):
     assert plot.auto_window(60000) == 2000 and plot.auto_window(90) == 3 and plot.auto_window(5) == 1
 
 
-def test_plot_bad_input_gives_one_line(tmp_path, capsys):
-    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0] * 10, val_every=5)
-    cases = [
-        [str(tmp_path / "nope")],
-        [str(tmp_path / "run"), "--window", "50"],
-        [str(tmp_path / "run"), "--sweep", "colour"],
-        [str(tmp_path / "run"), "--window", "0"],
-    ]
-    for argv in cases:
-        error_line(capsys, plot.main, argv + ["-o", str(tmp_path / "x.png")])
-    assert not os.path.exists(tmp_path / "x.png")
-
-
-def test_plot_one_run_without_o_redraws_its_own_loss_png(tmp_path, capsys, monkeypatch):
-    run = str(tmp_path / "me-m2")
-    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
-    monkeypatch.chdir(tmp_path)
-    assert plot.main([run]) == 0
-    assert os.listdir(tmp_path) == ["me-m2"]  # nothing in the working folder
-    plot.plot_run(run, str(tmp_path / "by_train.png"))  # what train.py draws at the end
-    with open(os.path.join(run, "loss.png"), "rb") as a, open(tmp_path / "by_train.png", "rb") as b:
-        assert a.read() == b.read()
-    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run}/loss.png"
-    other = str(tmp_path / "other")
-    _plot_fake_run(other, "he", 1, [5.0] * 90, val_every=30)
-    assert "name it with -o" in error_line(capsys, plot.main, [run, other])  # several runs: no default file
-
-
-def test_plot_unknown_image_extension_is_one_line_naming_the_formats(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    err = error_line(capsys, plot.main, [run, "-o", str(tmp_path / "x.xyz")])
-    assert "cannot write a .xyz image" in err and ".png" in err and ".svg" in err and ".pdf" in err
-    assert sorted(os.listdir(tmp_path)) == ["run"]
-
-
-def test_plot_batches_errors_are_plain_sentences(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    argv = [run, "-o", str(tmp_path / "x.png")]
-    assert (
-        error_line(capsys, plot.main, argv + ["--batches", "0"])
-        == "error: --batches must be at least 1, got 0"
-    )
-    err = error_line(capsys, plot.main, argv + ["--batches", "11"])
-    assert err == f"error: --batches 11: {run} has only 10 batches; pass --batches 10 or less"
-
-
-def test_plot_printed_paths_paste_back_as_the_same_paths(tmp_path, capsys):
-    run = str(tmp_path / "my runs" / "me")
-    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(40)], val_every=10)
-    out, res = str(tmp_path / "my figs" / "a b.png"), str(tmp_path / "my results")
-    assert plot.main([run, "-o", out, "--results", res]) == 0
-    last = capsys.readouterr().out.splitlines()[-1]
-    csvs = [os.path.join(res, f) for f in ("medians.csv", "val_loss.csv", "summary.csv")]
-    assert shlex.split(last) == ["wrote", out] + csvs
-    assert all(os.path.isfile(p) for p in [out] + csvs)
-
-
 def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path):
     rng = random.Random(1)
     losses = [rng.uniform(3, 6) for _ in range(2500)]
@@ -2703,6 +2850,20 @@ def test_plot_summary_has_the_medians_of_the_last_1000_and_2000_batches(tmp_path
     assert float(row["median_last_1000"]) == float(np.median(losses[-1000:]))
     assert float(row["median_last_2000"]) == float(np.median(losses[-2000:]))
     assert row["batches"] == "2500" and float(row["val_loss"]) == losses[2499] - 0.5
+
+
+def test_plot_two_runs_of_one_label_and_folder_name_keep_a_column_each(tmp_path, capsys):
+    runs = [str(tmp_path / "x" / "r"), str(tmp_path / "y" / "r")]  # one run from two machines
+    for run, loss in zip(runs, (5.0, 4.0)):
+        _plot_fake_run(run, "me", 1, [loss] * 8, val_every=4)
+    res = tmp_path / "res"
+    assert plot.main(runs + ["--window", "4", "--results", str(res), "-o", str(res / "f.png")]) == 0
+    medians = list(csv.reader(open(res / "medians.csv")))
+    assert medians == [["batches", "x/r", "y/r"], ["4", "5.0", "4.0"], ["8", "5.0", "4.0"]]
+    assert next(csv.reader(open(res / "val_loss.csv"))) == ["batches", "x/r", "y/r"]
+    assert [r["run"] for r in csv.DictReader(open(res / "summary.csv"))] == ["x/r", "y/r"]
+    err = error_line(capsys, plot.main, [runs[0], runs[0] + "/", "-o", str(tmp_path / "f.png")])
+    assert err == f"error: {runs[0]} and {runs[0]}/ are one run folder; pass each run once"
 
 
 def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, capsys):
@@ -2748,9 +2909,9 @@ def test_plot_seeds_csv_has_a_row_per_run_at_the_shortest_runs_length(tmp_path, 
 
 
 def test_plot_seeds_csv_keeps_the_rows_of_runs_whose_logs_are_gone(tmp_path, capsys):
-    """A seeds.csv among --seeds (issue 32): its rows stay where no run gives the same mixer, seed and
-    data seed, a run that does replaces its row, and the data seed is a column of its own; a CSV at
-    another length or with another header is one line."""
+    """A seeds.csv among --seeds: its rows stay where no run gives the same mixer, seed and data seed, a
+    run that does replaces its row, and the data seed is a column of its own; a CSV at another length or
+    with another header is one line."""
     rng = random.Random(4)
     spec = {"he": (1337, 1337), "he-s1338": (1338, 1337), "he-d1338": (1337, 1338)}
     losses = {n: [rng.uniform(3, 6) for _ in range(1200)] for n in spec}
@@ -2792,6 +2953,101 @@ def test_plot_seeds_csv_keeps_the_rows_of_runs_whose_logs_are_gone(tmp_path, cap
     )
 
 
+def test_plot_reads_each_log_and_run_json_once_per_command(tmp_path, monkeypatch):
+    runs = {n: str(tmp_path / n) for n in ("sa-32", "she", "she-s2")}
+    for name, run in runs.items():
+        _plot_fake_run(
+            run, name[:3].rstrip("-"), 32 if name == "sa-32" else 1, [5.0] * 30, 10, seed=len(name)
+        )
+    reads = collections.Counter()
+    for f in ("read_log", "read_settings"):
+        real = getattr(plot, f)
+        monkeypatch.setattr(plot, f, lambda d, *a, real=real, f=f: reads.update([(f, d)]) or real(d, *a))
+    res = str(tmp_path / "res")
+    argv = [runs["sa-32"], runs["she"], "--seeds", runs["she-s2"], "--results", res, "--batches", "20"]
+    assert plot.main(argv + ["-o", str(tmp_path / "f.png")]) == 0
+    assert reads == {(f, d): 1 for f in ("read_log", "read_settings") for d in runs.values()}
+
+
+def test_plot_printed_paths_paste_back_as_the_same_paths(tmp_path, capsys):
+    run = str(tmp_path / "my runs" / "me")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(40)], val_every=10)
+    out, res = str(tmp_path / "my figs" / "a b.png"), str(tmp_path / "my results")
+    assert plot.main([run, "-o", out, "--results", res]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    csvs = [os.path.join(res, f) for f in ("medians.csv", "val_loss.csv", "summary.csv")]
+    assert shlex.split(last) == ["wrote", out] + csvs
+    assert all(os.path.isfile(p) for p in [out] + csvs)
+
+
+# ---- the figures: a run's own loss.png, raw logs, the gap panel
+def test_plot_one_run_without_o_redraws_its_own_loss_png(tmp_path, capsys, monkeypatch):
+    run = str(tmp_path / "me-m2")
+    _plot_fake_run(run, "me", 1, [5.0 - i / 100 for i in range(90)], val_every=30)
+    monkeypatch.chdir(tmp_path)
+    assert plot.main([run]) == 0
+    assert os.listdir(tmp_path) == ["me-m2"]  # nothing in the working folder
+    plot.plot_run(run, str(tmp_path / "by_train.png"))  # what train.py draws at the end
+    with open(os.path.join(run, "loss.png"), "rb") as a, open(tmp_path / "by_train.png", "rb") as b:
+        assert a.read() == b.read()
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run}/loss.png"
+    other = str(tmp_path / "other")
+    _plot_fake_run(other, "he", 1, [5.0] * 90, val_every=30)
+    assert "name it with -o" in error_line(capsys, plot.main, [run, other])  # several runs: no default file
+
+
+def test_plot_raw_draws_a_resumed_logs_batches_at_their_batch_numbers(tmp_path, monkeypatch):
+    run = str(tmp_path / "resumed")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    rows = open(os.path.join(run, "log.csv")).read().splitlines()
+    log = [rows[0]] + [f"{30 + int(r.split(',', 1)[0])},{r.split(',', 1)[1]}" for r in rows[1:-1]]
+    open(os.path.join(run, "log.csv"), "w").write("\n".join(log) + "\n")  # batches 31-40 only
+    _plot_fake_run(str(tmp_path / "full"), "he", 1, [5.0] * 40, val_every=5)
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
+    assert plot.main([run, str(tmp_path / "full"), "--raw", "-o", str(tmp_path / "f.png")]) == 0
+    lines = {line.get_label(): line.get_xdata().tolist() for line in figures[0].axes[0].lines}
+    assert lines == {"he": list(range(1, 41)), "me": list(range(31, 41))}
+    plot.plt.close(figures[0])
+
+
+def test_plot_gap_panel_is_each_runs_window_medians_minus_the_references(tmp_path, monkeypatch, capsys):
+    rng = random.Random(7)
+    logs = {name: [rng.uniform(3, 6) for _ in range(n)] for name, n in (("sa-32", 12), ("me", 12), ("he", 8))}
+    runs = []
+    for name, losses in logs.items():
+        runs.append(str(tmp_path / name))
+        _plot_fake_run(runs[-1], name[:2], 32, losses, val_every=4, n_layer=2, block_size=32, seed=1337)
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
+    assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
+    medians_ax, gaps_ax = figures[0].axes
+    assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337"
+    assert gaps_ax.get_title() == "gap to sa-32, window by window"
+    gaps = {
+        line.get_label(): ([*map(float, line.get_xdata())], [*map(float, line.get_ydata())])
+        for line in gaps_ax.lines
+    }
+    med = lambda losses: [float(np.median(losses[i : i + 4])) for i in range(0, len(losses) - 3, 4)]
+    for name, ends in (("me", [4, 8, 12]), ("he", [4, 8])):  # he has two windows, so two gaps
+        assert gaps[name][0] == ends
+        expect = [a - b for a, b in zip(med(logs[name]), med(logs["sa-32"]))]
+        np.testing.assert_allclose(gaps[name][1], expect, rtol=0, atol=1e-12)
+    assert gaps["sa-32"][1] == [0, 0]  # the reference's own line at 0
+    assert plot.main(runs + ["--window", "4", "--reference", "me", "-o", str(tmp_path / "f.png")]) == 0
+    gaps = {line.get_label(): [*map(float, line.get_ydata())] for line in figures[1].axes[1].lines}
+    np.testing.assert_allclose(gaps["sa-32"], [b - a for a, b in zip(med(logs["me"]), med(logs["sa-32"]))])
+    assert "--reference mixer is none of the runs" in error_line(
+        capsys, plot.main, runs + ["--reference", "mixer", "-o", str(tmp_path / "f.png")]
+    )
+    _plot_fake_run(str(tmp_path / "he-d2"), "he", 32, logs["he"], val_every=4, data_seed=2)  # the title
+    assert plot.main(runs + [str(tmp_path / "he-d2"), "--window", "4", "-o", str(tmp_path / "f.png")]) == 0
+    assert figures[-1]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337, data seeds 2, 1337"
+    for fig in figures:
+        plot.plt.close(fig)
+
+
+# ---- sweeps: a setting along the x axis
 def test_plot_sweep_writes_its_points_as_a_csv_named_after_the_figure(tmp_path):
     rng = random.Random(3)
     runs, losses = [], {}
@@ -2894,6 +3150,222 @@ def test_plot_sweep_keeps_the_points_of_a_csv_it_wrote_where_no_run_replaces_the
     with open(table, "a") as f:
         f.write("we,32,2100,low,3.9\n")
     assert "fig10.csv, line 5: not a number" in error_line(capsys, plot.main, [table] + sweep)
+
+
+def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monkeypatch):
+    rng = random.Random(8)
+    runs, losses = [], {}
+    for n in (8, 1, 32):
+        runs.append(str(tmp_path / f"sa-{n}"))
+        losses[n] = [rng.uniform(3, 6) for _ in range(2100)]
+        _plot_fake_run(runs[-1], "sa", n, losses[n], val_every=700)
+    figures, save = [], plot.save
+    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
+    res = tmp_path / "results"
+    argv = runs + [
+        "--sweep",
+        "n_head",
+        "--batches",
+        "2000",
+        "--results",
+        str(res),
+        "-o",
+        str(res / "fig7_heads.png"),
+    ]
+    assert plot.main(argv) == 0
+    lines = open(res / "fig7_heads.csv").read().splitlines()
+    assert lines[0] == "n_head,batches,median_last_2000,val_loss"
+    assert [line.split(",")[:2] for line in lines[1:]] == [["1", "2000"], ["8", "2000"], ["32", "2000"]]
+    for line, n in zip(lines[1:], (1, 8, 32)):
+        assert float(line.split(",")[2]) == float(np.median(losses[n][:2000]))
+        assert float(line.split(",")[3]) == losses[n][1399] - 0.5
+    left = figures[0].axes[0]
+    assert [line.get_label() for line in left.lines] == ["sa"] and left.get_xscale() == "log"
+    assert list(left.lines[0].get_xdata()) == [1, 8, 32]
+    assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 2000 batches, seed 1337, one run per point"
+    # Figure 7's curves: the window medians, a line per head count, in head order
+    assert plot.main(runs + ["--window", "500", "-o", str(tmp_path / "fig7.png")]) == 0
+    assert [line.get_label() for line in figures[-1].axes[0].lines] == ["sa-1", "sa-8", "sa-32"]
+    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses[1], val_every=700)
+    assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
+
+
+def test_plot_sweep_refuses_other_corpora_other_lengths_and_two_runs_at_one_point(tmp_path, capsys):
+    def run(name, n=60, l=32, data="data"):
+        _plot_fake_run(str(tmp_path / name), "me", 1, [4.0] * n, val_every=10, block_size=l, data_dir=data)
+        return str(tmp_path / name)
+
+    sweep = ["--sweep", "block_size", "-o", str(tmp_path / "f.png")]
+    l32, l64 = run("l32"), run("l64", l=64)
+    err = error_line(capsys, plot.main, [l32, l64, run("l128", l=128, data="other")] + sweep)
+    assert err == "error: the runs were trained on other data (data, other); sweep runs of one corpus"
+    short = run("l256", n=2, l=256)
+    err = error_line(capsys, plot.main, [l32, l64, short] + sweep)
+    assert err == f"error: the runs have 2 to 60 batches ({short}: 2); pass --batches 2 to compare"
+    assert plot.main([l32, l64, short, "--batches", "2"] + sweep) == 0
+    again = run("l64-again", l=64)
+    assert error_line(capsys, plot.main, [l32, l64, again] + sweep) == (
+        f"error: {l64} and {again} are both me at l = 64; pass one per point"
+    )
+    assert not os.path.exists(tmp_path / "f.csv")
+
+
+# ---- runs of one corpus side by side
+def test_plot_refuses_runs_of_other_corpora_or_vocabularies_side_by_side(tmp_path, capsys):
+    def run(name, mixer, data, vocab):
+        _plot_fake_run(
+            str(tmp_path / name), mixer, 1, [4.0] * 8, val_every=4, data_dir=data, vocab_size=vocab
+        )
+        return str(tmp_path / name)
+
+    me, he = run("me", "me", "data", 50), run("he", "he", "data", 50)
+    other, vocab = run("other", "he", "other", 50), run("vocab", "he", "data", 60)
+    res, out = str(tmp_path / "res"), ["-o", str(tmp_path / "res" / "f.png")]
+    corpora = "error: the runs were trained on other data (data, other); compare runs of one corpus"
+    assert error_line(capsys, plot.main, [me, other, "--window", "4", "--results", res] + out) == corpora
+    assert error_line(capsys, plot.main, [me, he, "--results", res, "--seeds", other] + out) == corpora
+    assert error_line(capsys, plot.main, [me, other, "--raw"] + out) == corpora
+    assert error_line(capsys, plot.main, [me, vocab, "--results", res] + out) == (
+        "error: the runs were trained on other data (data, vocabulary 50; data, vocabulary 60); "
+        "compare runs of one corpus"
+    )
+    assert not os.path.exists(res)
+    assert plot.main([me, he, "--window", "4", "--results", res] + out) == 0
+
+
+def test_plot_draws_one_data_fingerprint_from_two_folders_and_refuses_two_fingerprints(tmp_path, capsys):
+    """Runs whose run.json hold the data's fingerprint are one corpus if the fingerprints agree, wherever
+    the data was prepared (a GPU machine's folder, a laptop's), and two corpora if they differ, even in
+    one folder. A run without one (an older run.json) is judged by folder and vocabulary, as before."""
+
+    def run(name, mixer, data_dir, train_sha=None, tokenizer_sha="c" * 64):
+        folder = tmp_path / name
+        _plot_fake_run(str(folder), mixer, 1, [4.0] * 8, val_every=4, data_dir=data_dir, vocab_size=50)
+        if train_sha:
+            info = json.load(open(folder / "run.json"))
+            info["data"] = dict(vocab_size=50, train_sha256=train_sha, val_sha256="b" * 64)
+            info["data"]["tokenizer_sha256"] = tokenizer_sha  # None: data made without prepare_data.py
+            (folder / "run.json").write_text(json.dumps(info))
+        return str(folder)
+
+    gpu, laptop = run("gpu", "me", "/gpu/data", "a" * 64), run("laptop", "he", "/home/u/data", "a" * 64)
+    again, older = run("again", "we", "/gpu/data", "d" * 64), run("older", "sa", "/home/u/data")
+    partial = run("partial", "sa", "/home/u/data", "a" * 64, tokenizer_sha=None)
+    out = ["--window", "4", "-o", str(tmp_path / "f.png")]
+    assert plot.main([gpu, laptop] + out) == 0
+    assert error_line(capsys, plot.main, [gpu, again] + out) == (
+        "error: the runs were trained on other data (/gpu/data, vocabulary 50, train.bin aaaaaaaaaaaa; "
+        "/gpu/data, vocabulary 50, train.bin dddddddddddd); compare runs of one corpus"
+    )
+    for judged_by_folder in (older, partial):
+        assert plot.main([laptop, judged_by_folder] + out) == 0
+        assert error_line(capsys, plot.main, [gpu, judged_by_folder] + out) == (
+            "error: the runs were trained on other data (/gpu/data, /home/u/data); compare runs of one corpus"
+        )
+
+
+# ---- bad input and file errors: one line
+def test_plot_bad_input_gives_one_line(tmp_path, capsys):
+    _plot_fake_run(str(tmp_path / "run"), "me", 1, [5.0] * 10, val_every=5)
+    cases = [
+        [str(tmp_path / "nope")],
+        [str(tmp_path / "run"), "--window", "50"],
+        [str(tmp_path / "run"), "--sweep", "colour"],
+        [str(tmp_path / "run"), "--window", "0"],
+    ]
+    for argv in cases:
+        error_line(capsys, plot.main, argv + ["-o", str(tmp_path / "x.png")])
+    assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_plot_unknown_image_extension_is_one_line_naming_the_formats(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    err = error_line(capsys, plot.main, [run, "-o", str(tmp_path / "x.xyz")])
+    assert "cannot write a .xyz image" in err and ".png" in err and ".svg" in err and ".pdf" in err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_plot_batches_errors_are_plain_sentences(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    argv = [run, "-o", str(tmp_path / "x.png")]
+    assert (
+        error_line(capsys, plot.main, argv + ["--batches", "0"])
+        == "error: --batches must be at least 1, got 0"
+    )
+    err = error_line(capsys, plot.main, argv + ["--batches", "11"])
+    assert err == f"error: --batches 11: {run} has only 10 batches; pass --batches 10 or less"
+
+
+def test_plot_damaged_run_json_and_a_setting_that_is_no_number_are_one_line(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    out = ["-o", str(tmp_path / "f.png")]
+    assert "one of batch_size, block_size, data_seed, mixer, n_head" in error_line(
+        capsys, plot.main, [run, "--sweep", "params"] + out
+    )
+    assert "has no single number for 'params'" in error_line(
+        capsys, plot.main, [run, "--sweep", "params"] + out
+    )
+    open(os.path.join(run, "run.json"), "w").write('{"config": {"mixer"')  # cut short
+    assert error_line(capsys, plot.main, [run] + out).startswith(
+        f"error: {run}/run.json is damaged (JSONDecodeError"
+    )
+    open(os.path.join(run, "run.json"), "w").write("{}")
+    assert "run.json is damaged (KeyError" in error_line(capsys, plot.main, [run] + out)
+
+
+def test_plot_o_naming_a_folder_is_one_line_naming_the_folder(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
+    err = error_line(capsys, plot.main, [run, "-o", str(tmp_path)])
+    assert err == f"error: -o {tmp_path} is a folder; name an image file, e.g. -o {tmp_path}/fig.png"
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no temp file left
+
+
+def test_plot_a_cut_or_garbage_log_is_one_line_naming_the_log(tmp_path, capsys):
+    run = tmp_path / "run"
+    _plot_fake_run(str(run), "me", 1, [random.Random(0).uniform(3, 6) for _ in range(400)], val_every=50)
+    log = gzip.compress((run / "log.csv").read_bytes())
+    (run / "log.csv").unlink()
+    assert len(log) > 1000
+    garbage = (
+        log[:300],
+        bytes(range(256)) * 4,
+        gzip.compress(bytes(range(128, 256)) * 8),
+        gzip.compress(b"a\nb\n"),
+    )
+    for content in garbage:  # cut, not gzip, gzip of bytes, gzip of text
+        (run / "log.csv.gz").write_bytes(content)
+        err = error_line(
+            capsys, plot.main, [str(run), "--results", str(tmp_path / "r"), "-o", str(tmp_path / "f.png")]
+        )
+        assert err.startswith(f"error: {run}/log.csv.gz is damaged (") and "write" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_atomic_write_errors_name_the_target_not_the_temp_file(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    _plot_fake_run(run, "me", 1, [4.0] * 8, val_every=4)
+    res = tmp_path / "res"
+    (res / "medians.csv").mkdir(parents=True)  # a folder where the CSV goes
+    err = error_line(
+        capsys, plot.main, [run, "--window", "4", "--results", str(res), "-o", str(res / "f.png")]
+    )
+    assert err == f"error: cannot write {res}/medians.csv: Is a directory; pick another -o or --results"
+
+    def disk_full(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        common.atomic_write(str(tmp_path / "t.png"), disk_full)
+    assert e.value.filename == str(tmp_path / "t.png") and e.value.errno == 28
+    assert sorted(os.listdir(tmp_path)) == ["res", "run"]  # no temp file left
+
+
+# ======== tools: the taps and attention by distance (taps.py) ========
 
 
 def test_plot_tap_profile_is_each_taps_norm_per_layer():
@@ -3011,7 +3483,23 @@ def test_plot_taps_draws_a_panel_per_run_with_a_line_per_layer(tmp_path, capsys,
     )
 
 
-# ======== bench (bench.py): the quick mode runs every section, a row per mixer (no timings asserted) ========
+def test_taps_refuses_a_val_bin_that_is_not_the_runs(tmp_path, capsys):
+    run, data, other = str(tmp_path / "sa"), tmp_path / "data", tmp_path / "other"
+    for folder, tokens in ((data, np.arange(300) % 16), (other, np.arange(300) % 15)):
+        folder.mkdir()
+        tokens.astype(np.uint16).tofile(folder / "val.bin")
+    _plot_fake_ckpt_run(run, tiny_model("sa", l=4, d=8, n_head=1, vocab=16), str(data))
+    ckpt = torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)
+    ckpt["data"] = {"val_sha256": hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()}
+    torch.save(ckpt, os.path.join(run, "ckpt.pt"))
+    argv = [run, "-o", str(tmp_path / "t.png")]
+    err = error_line(capsys, taps.main, argv + ["--data_dir", str(other)])
+    assert err == f"error: {other}/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
+    assert not os.path.exists(tmp_path / "t.png")
+    assert taps.main(argv) == 0 and taps.main(argv + ["--data_dir", str(data)]) == 0
+
+
+# ======== tools: the benchmark (bench.py): every section in quick mode, no timings asserted ========
 
 
 def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
@@ -3077,75 +3565,6 @@ def test_bench_quick_prints_a_row_per_mixer_in_every_section(tmp_path, capsys):
                 assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]) and min(r["flops"], r["bytes"]) > 0
                 ratio(r["vs_floor"], r["step_ms"] / r["floor_ms"], *where)
                 ratio(r["tokens_per_s"], 1e3 * 4 * 32 / r["step_ms"], *where)  # --quick: batch 4 x 32
-
-
-def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
-    bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
-    for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
-        error_line(capsys, bench.main, argv + ["--no_malloc_tune"])
-
-
-def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
-    """fir_path reads the taps' shape and device; check it against the code that actually runs."""
-    taken = spy_fir_paths(monkeypatch)
-    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 8)
-    for name in extractor.MIXERS:
-        cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
-        module = dev(extractor.MIXERS[name](cfg))
-        for t in (4, 12):  # both sides of the scalar-tap threshold
-            taken.clear()
-            module(dev(torch.randn(1, t, 4)))
-            want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
-            assert bench.fir_path(module, t) == want, (name, t)
-
-
-def test_bench_sublayer_section_times_every_fir_path_on_cuda(monkeypatch, tmp_path):
-    """On CUDA section 1 has a row per FIR path that computes a mixer's taps, its default first, and each
-    row's calls take that path (bench.forced); elsewhere a row per mixer, as before. Run here with
-    sublayer_paths told that the device is CUDA: the paths themselves run on any device."""
-    on_cuda = {
-        "sa": ["sdpa"], "she": ["fft-cuda", "fft"], "he": ["fft", "toeplitz-strided"],
-        "we": ["fft", "toeplitz-strided"], "me": ["toeplitz-strided", "toeplitz", "fft"],
-        "he-ext": ["fft", "toeplitz-strided"], "dense": ["matmul"],
-    }  # fmt: skip
-    on_cpu = {
-        "sa": "sdpa",
-        "she": "fft",
-        "he": "fft",
-        "we": "fft",
-        "me": "toeplitz",
-        "he-ext": "fft",
-        "dense": "matmul",
-    }
-    for name, paths in on_cuda.items():
-        module = MIXERS[name](Config(n_embd=8, block_size=16, n_head=2, mixer=name))
-        assert bench.sublayer_paths(module, 16, torch.device("cuda")) == paths, name
-        assert bench.sublayer_paths(module, 16, torch.device("cpu")) == [on_cpu[name]], name
-    taken, sublayer_paths = spy_fir_paths(monkeypatch), bench.sublayer_paths
-    for path in fir.PATHS:  # forced: the path runs whatever the default
-        taken.clear()
-        w = torch.randn(*FIR_TAPS[fir.PATHS[path][-1]])
-        bench.forced(path, lambda: fir.fir_full(torch.randn(2, 12, 5), w))()
-        assert taken == [path], (path, taken)
-    monkeypatch.setattr(
-        bench, "sublayer_paths", lambda m, t, device: sublayer_paths(m, t, torch.device("cuda"))
-    )
-    out = tmp_path / "bench.json"
-    argv = [
-        "--quick",
-        "--sections",
-        "1",
-        "--mixers",
-        ",".join(on_cuda),
-        "--no_malloc_tune",
-        "--json",
-        str(out),
-    ]
-    taken.clear()
-    assert bench.main(argv) == 0
-    rows = json.loads(out.read_text())["sections"]["sublayer"]
-    assert [(r["mixer"], r["path"]) for r in rows] == [(m, p) for m, paths in on_cuda.items() for p in paths]
-    assert set(taken) == set(fir.PATHS) and all(r["ms"] > 0 for r in rows)
 
 
 def test_bench_loglog_slope_recovers_a_power_law():
@@ -3220,256 +3639,75 @@ def test_bench_generation_stamps_wait_for_the_device(monkeypatch):
     assert len(stamps) == 3 and events == ["sync", "stamp"] * 4, events
 
 
-# ---- plot.py (issues 35, 34, 32)
+# ---- the FIR paths it names and times
+def test_bench_fir_path_names_the_path_causal_fir_takes(monkeypatch):
+    """fir_path reads the taps' shape and device; check it against the code that actually runs."""
+    taken = spy_fir_paths(monkeypatch)
+    monkeypatch.setattr(fir, "FFT_MIN_T_SCALAR", 8)
+    for name in extractor.MIXERS:
+        cfg = extractor.Config(vocab_size=10, block_size=12, n_embd=4, n_head=2, n_layer=1, mixer=name)
+        module = dev(extractor.MIXERS[name](cfg))
+        for t in (4, 12):  # both sides of the scalar-tap threshold
+            taken.clear()
+            module(dev(torch.randn(1, t, 4)))
+            want = taken[0] if taken else "sdpa" if name == "sa" else "matmul"
+            assert bench.fir_path(module, t) == want, (name, t)
 
 
-def test_plot_two_runs_of_one_label_and_folder_name_keep_a_column_each(tmp_path, capsys):
-    runs = [str(tmp_path / "x" / "r"), str(tmp_path / "y" / "r")]  # one run from two machines
-    for run, loss in zip(runs, (5.0, 4.0)):
-        _plot_fake_run(run, "me", 1, [loss] * 8, val_every=4)
-    res = tmp_path / "res"
-    assert plot.main(runs + ["--window", "4", "--results", str(res), "-o", str(res / "f.png")]) == 0
-    medians = list(csv.reader(open(res / "medians.csv")))
-    assert medians == [["batches", "x/r", "y/r"], ["4", "5.0", "4.0"], ["8", "5.0", "4.0"]]
-    assert next(csv.reader(open(res / "val_loss.csv"))) == ["batches", "x/r", "y/r"]
-    assert [r["run"] for r in csv.DictReader(open(res / "summary.csv"))] == ["x/r", "y/r"]
-    err = error_line(capsys, plot.main, [runs[0], runs[0] + "/", "-o", str(tmp_path / "f.png")])
-    assert err == f"error: {runs[0]} and {runs[0]}/ are one run folder; pass each run once"
-
-
-def test_taps_refuses_a_val_bin_that_is_not_the_runs(tmp_path, capsys):
-    run, data, other = str(tmp_path / "sa"), tmp_path / "data", tmp_path / "other"
-    for folder, tokens in ((data, np.arange(300) % 16), (other, np.arange(300) % 15)):
-        folder.mkdir()
-        tokens.astype(np.uint16).tofile(folder / "val.bin")
-    _plot_fake_ckpt_run(run, tiny_model("sa", l=4, d=8, n_head=1, vocab=16), str(data))
-    ckpt = torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)
-    ckpt["data"] = {"val_sha256": hashlib.sha256((data / "val.bin").read_bytes()).hexdigest()}
-    torch.save(ckpt, os.path.join(run, "ckpt.pt"))
-    argv = [run, "-o", str(tmp_path / "t.png")]
-    err = error_line(capsys, taps.main, argv + ["--data_dir", str(other)])
-    assert err == f"error: {other}/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
-    assert not os.path.exists(tmp_path / "t.png")
-    assert taps.main(argv) == 0 and taps.main(argv + ["--data_dir", str(data)]) == 0
-
-
-def test_plot_sweep_refuses_other_corpora_other_lengths_and_two_runs_at_one_point(tmp_path, capsys):
-    def run(name, n=60, l=32, data="data"):
-        _plot_fake_run(str(tmp_path / name), "me", 1, [4.0] * n, val_every=10, block_size=l, data_dir=data)
-        return str(tmp_path / name)
-
-    sweep = ["--sweep", "block_size", "-o", str(tmp_path / "f.png")]
-    l32, l64 = run("l32"), run("l64", l=64)
-    err = error_line(capsys, plot.main, [l32, l64, run("l128", l=128, data="other")] + sweep)
-    assert err == "error: the runs were trained on other data (data, other); sweep runs of one corpus"
-    short = run("l256", n=2, l=256)
-    err = error_line(capsys, plot.main, [l32, l64, short] + sweep)
-    assert err == f"error: the runs have 2 to 60 batches ({short}: 2); pass --batches 2 to compare"
-    assert plot.main([l32, l64, short, "--batches", "2"] + sweep) == 0
-    again = run("l64-again", l=64)
-    assert error_line(capsys, plot.main, [l32, l64, again] + sweep) == (
-        f"error: {l64} and {again} are both me at l = 64; pass one per point"
-    )
-    assert not os.path.exists(tmp_path / "f.csv")
-
-
-def test_plot_raw_draws_a_resumed_logs_batches_at_their_batch_numbers(tmp_path, monkeypatch):
-    run = str(tmp_path / "resumed")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    rows = open(os.path.join(run, "log.csv")).read().splitlines()
-    log = [rows[0]] + [f"{30 + int(r.split(',', 1)[0])},{r.split(',', 1)[1]}" for r in rows[1:-1]]
-    open(os.path.join(run, "log.csv"), "w").write("\n".join(log) + "\n")  # batches 31-40 only
-    _plot_fake_run(str(tmp_path / "full"), "he", 1, [5.0] * 40, val_every=5)
-    figures = []
-    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
-    assert plot.main([run, str(tmp_path / "full"), "--raw", "-o", str(tmp_path / "f.png")]) == 0
-    lines = {line.get_label(): line.get_xdata().tolist() for line in figures[0].axes[0].lines}
-    assert lines == {"he": list(range(1, 41)), "me": list(range(31, 41))}
-    plot.plt.close(figures[0])
-
-
-def test_plot_damaged_run_json_and_a_setting_that_is_no_number_are_one_line(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    out = ["-o", str(tmp_path / "f.png")]
-    assert "one of batch_size, block_size, data_seed, mixer, n_head" in error_line(
-        capsys, plot.main, [run, "--sweep", "params"] + out
-    )
-    assert "has no single number for 'params'" in error_line(
-        capsys, plot.main, [run, "--sweep", "params"] + out
-    )
-    open(os.path.join(run, "run.json"), "w").write('{"config": {"mixer"')  # cut short
-    assert error_line(capsys, plot.main, [run] + out).startswith(
-        f"error: {run}/run.json is damaged (JSONDecodeError"
-    )
-    open(os.path.join(run, "run.json"), "w").write("{}")
-    assert "run.json is damaged (KeyError" in error_line(capsys, plot.main, [run] + out)
-
-
-def test_plot_o_naming_a_folder_is_one_line_naming_the_folder(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [5.0] * 10, val_every=5)
-    err = error_line(capsys, plot.main, [run, "-o", str(tmp_path)])
-    assert err == f"error: -o {tmp_path} is a folder; name an image file, e.g. -o {tmp_path}/fig.png"
-    assert sorted(os.listdir(tmp_path)) == ["run"]  # no temp file left
-
-
-def test_plot_imports_without_torch():
-    code = "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
-    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert done.returncode == 0
-
-
-def test_plot_reads_each_log_and_run_json_once_per_command(tmp_path, monkeypatch):
-    runs = {n: str(tmp_path / n) for n in ("sa-32", "she", "she-s2")}
-    for name, run in runs.items():
-        _plot_fake_run(
-            run, name[:3].rstrip("-"), 32 if name == "sa-32" else 1, [5.0] * 30, 10, seed=len(name)
-        )
-    reads = collections.Counter()
-    for f in ("read_log", "read_settings"):
-        real = getattr(plot, f)
-        monkeypatch.setattr(plot, f, lambda d, *a, real=real, f=f: reads.update([(f, d)]) or real(d, *a))
-    res = str(tmp_path / "res")
-    argv = [runs["sa-32"], runs["she"], "--seeds", runs["she-s2"], "--results", res, "--batches", "20"]
-    assert plot.main(argv + ["-o", str(tmp_path / "f.png")]) == 0
-    assert reads == {(f, d): 1 for f in ("read_log", "read_settings") for d in runs.values()}
-
-
-def test_plot_gap_panel_is_each_runs_window_medians_minus_the_references(tmp_path, monkeypatch, capsys):
-    rng = random.Random(7)
-    logs = {name: [rng.uniform(3, 6) for _ in range(n)] for name, n in (("sa-32", 12), ("me", 12), ("he", 8))}
-    runs = []
-    for name, losses in logs.items():
-        runs.append(str(tmp_path / name))
-        _plot_fake_run(runs[-1], name[:2], 32, losses, val_every=4, n_layer=2, block_size=32, seed=1337)
-    figures = []
-    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig))
-    assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
-    medians_ax, gaps_ax = figures[0].axes
-    assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337"
-    assert gaps_ax.get_title() == "gap to sa-32, window by window"
-    gaps = {
-        line.get_label(): ([*map(float, line.get_xdata())], [*map(float, line.get_ydata())])
-        for line in gaps_ax.lines
+def test_bench_sublayer_section_times_every_fir_path_on_cuda(monkeypatch, tmp_path):
+    """On CUDA section 1 has a row per FIR path that computes a mixer's taps, its default first, and each
+    row's calls take that path (bench.forced); elsewhere a row per mixer, as before. Run here with
+    sublayer_paths told that the device is CUDA: the paths themselves run on any device."""
+    on_cuda = {
+        "sa": ["sdpa"], "she": ["fft-cuda", "fft"], "he": ["fft", "toeplitz-strided"],
+        "we": ["fft", "toeplitz-strided"], "me": ["toeplitz-strided", "toeplitz", "fft"],
+        "he-ext": ["fft", "toeplitz-strided"], "dense": ["matmul"],
+    }  # fmt: skip
+    on_cpu = {
+        "sa": "sdpa",
+        "she": "fft",
+        "he": "fft",
+        "we": "fft",
+        "me": "toeplitz",
+        "he-ext": "fft",
+        "dense": "matmul",
     }
-    med = lambda losses: [float(np.median(losses[i : i + 4])) for i in range(0, len(losses) - 3, 4)]
-    for name, ends in (("me", [4, 8, 12]), ("he", [4, 8])):  # he has two windows, so two gaps
-        assert gaps[name][0] == ends
-        expect = [a - b for a, b in zip(med(logs[name]), med(logs["sa-32"]))]
-        np.testing.assert_allclose(gaps[name][1], expect, rtol=0, atol=1e-12)
-    assert gaps["sa-32"][1] == [0, 0]  # the reference's own line at 0
-    assert plot.main(runs + ["--window", "4", "--reference", "me", "-o", str(tmp_path / "f.png")]) == 0
-    gaps = {line.get_label(): [*map(float, line.get_ydata())] for line in figures[1].axes[1].lines}
-    np.testing.assert_allclose(gaps["sa-32"], [b - a for a, b in zip(med(logs["me"]), med(logs["sa-32"]))])
-    assert "--reference mixer is none of the runs" in error_line(
-        capsys, plot.main, runs + ["--reference", "mixer", "-o", str(tmp_path / "f.png")]
+    for name, paths in on_cuda.items():
+        module = MIXERS[name](Config(n_embd=8, block_size=16, n_head=2, mixer=name))
+        assert bench.sublayer_paths(module, 16, torch.device("cuda")) == paths, name
+        assert bench.sublayer_paths(module, 16, torch.device("cpu")) == [on_cpu[name]], name
+    taken, sublayer_paths = spy_fir_paths(monkeypatch), bench.sublayer_paths
+    for path in fir.PATHS:  # forced: the path runs whatever the default
+        taken.clear()
+        w = torch.randn(*FIR_TAPS[fir.PATHS[path][-1]])
+        bench.forced(path, lambda: fir.fir_full(torch.randn(2, 12, 5), w))()
+        assert taken == [path], (path, taken)
+    monkeypatch.setattr(
+        bench, "sublayer_paths", lambda m, t, device: sublayer_paths(m, t, torch.device("cuda"))
     )
-    _plot_fake_run(str(tmp_path / "he-d2"), "he", 32, logs["he"], val_every=4, data_seed=2)  # the title
-    assert plot.main(runs + [str(tmp_path / "he-d2"), "--window", "4", "-o", str(tmp_path / "f.png")]) == 0
-    assert figures[-1]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337, data seeds 2, 1337"
-    for fig in figures:
-        plot.plt.close(fig)
-
-
-def test_plot_sweep_n_head_writes_the_fig7_csv_one_line_against_n(tmp_path, monkeypatch):
-    rng = random.Random(8)
-    runs, losses = [], {}
-    for n in (8, 1, 32):
-        runs.append(str(tmp_path / f"sa-{n}"))
-        losses[n] = [rng.uniform(3, 6) for _ in range(2100)]
-        _plot_fake_run(runs[-1], "sa", n, losses[n], val_every=700)
-    figures, save = [], plot.save
-    monkeypatch.setattr(plot, "save", lambda fig, path: figures.append(fig) or save(fig, path))
-    res = tmp_path / "results"
-    argv = runs + [
-        "--sweep",
-        "n_head",
-        "--batches",
-        "2000",
-        "--results",
-        str(res),
-        "-o",
-        str(res / "fig7_heads.png"),
+    out = tmp_path / "bench.json"
+    argv = [
+        "--quick",
+        "--sections",
+        "1",
+        "--mixers",
+        ",".join(on_cuda),
+        "--no_malloc_tune",
+        "--json",
+        str(out),
     ]
-    assert plot.main(argv) == 0
-    lines = open(res / "fig7_heads.csv").read().splitlines()
-    assert lines[0] == "n_head,batches,median_last_2000,val_loss"
-    assert [line.split(",")[:2] for line in lines[1:]] == [["1", "2000"], ["8", "2000"], ["32", "2000"]]
-    for line, n in zip(lines[1:], (1, 8, 32)):
-        assert float(line.split(",")[2]) == float(np.median(losses[n][:2000]))
-        assert float(line.split(",")[3]) == losses[n][1399] - 0.5
-    left = figures[0].axes[0]
-    assert [line.get_label() for line in left.lines] == ["sa"] and left.get_xscale() == "log"
-    assert list(left.lines[0].get_xdata()) == [1, 8, 32]
-    assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 2000 batches, seed 1337, one run per point"
-    # Figure 7's curves: the window medians, a line per head count, in head order
-    assert plot.main(runs + ["--window", "500", "-o", str(tmp_path / "fig7.png")]) == 0
-    assert [line.get_label() for line in figures[-1].axes[0].lines] == ["sa-1", "sa-8", "sa-32"]
-    _plot_fake_run(str(tmp_path / "he"), "he", 1, losses[1], val_every=700)
-    assert plot.main(runs + [str(tmp_path / "he")] + argv[3:]) == 1  # one mixer's head counts only
+    taken.clear()
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["sections"]["sublayer"]
+    assert [(r["mixer"], r["path"]) for r in rows] == [(m, p) for m, paths in on_cuda.items() for p in paths]
+    assert set(taken) == set(fir.PATHS) and all(r["ms"] > 0 for r in rows)
 
 
-def test_plot_a_cut_or_garbage_log_is_one_line_naming_the_log(tmp_path, capsys):
-    run = tmp_path / "run"
-    _plot_fake_run(str(run), "me", 1, [random.Random(0).uniform(3, 6) for _ in range(400)], val_every=50)
-    log = gzip.compress((run / "log.csv").read_bytes())
-    (run / "log.csv").unlink()
-    assert len(log) > 1000
-    garbage = (
-        log[:300],
-        bytes(range(256)) * 4,
-        gzip.compress(bytes(range(128, 256)) * 8),
-        gzip.compress(b"a\nb\n"),
-    )
-    for content in garbage:  # cut, not gzip, gzip of bytes, gzip of text
-        (run / "log.csv.gz").write_bytes(content)
-        err = error_line(
-            capsys, plot.main, [str(run), "--results", str(tmp_path / "r"), "-o", str(tmp_path / "f.png")]
-        )
-        assert err.startswith(f"error: {run}/log.csv.gz is damaged (") and "write" not in err, err
-    assert sorted(os.listdir(tmp_path)) == ["run"]
-
-
-def test_plot_refuses_runs_of_other_corpora_or_vocabularies_side_by_side(tmp_path, capsys):
-    def run(name, mixer, data, vocab):
-        _plot_fake_run(
-            str(tmp_path / name), mixer, 1, [4.0] * 8, val_every=4, data_dir=data, vocab_size=vocab
-        )
-        return str(tmp_path / name)
-
-    me, he = run("me", "me", "data", 50), run("he", "he", "data", 50)
-    other, vocab = run("other", "he", "other", 50), run("vocab", "he", "data", 60)
-    res, out = str(tmp_path / "res"), ["-o", str(tmp_path / "res" / "f.png")]
-    corpora = "error: the runs were trained on other data (data, other); compare runs of one corpus"
-    assert error_line(capsys, plot.main, [me, other, "--window", "4", "--results", res] + out) == corpora
-    assert error_line(capsys, plot.main, [me, he, "--results", res, "--seeds", other] + out) == corpora
-    assert error_line(capsys, plot.main, [me, other, "--raw"] + out) == corpora
-    assert error_line(capsys, plot.main, [me, vocab, "--results", res] + out) == (
-        "error: the runs were trained on other data (data, vocabulary 50; data, vocabulary 60); "
-        "compare runs of one corpus"
-    )
-    assert not os.path.exists(res)
-    assert plot.main([me, he, "--window", "4", "--results", res] + out) == 0
-
-
-def test_sample_a_checkpoint_of_only_model_and_config_is_one_line_or_samples_with_data_dir(
-    tr_prepared, tmp_path, capsys
-):
-    from prepare_data import load_tokenizer
-
-    model = tiny_model("me", l=8, d=8, n_head=1, vocab=load_tokenizer(tr_prepared).n_vocab)
-    run = tmp_path / "run"
-    run.mkdir()
-    torch.save({"model": model.state_dict(), "config": vars(model.cfg)}, run / "ckpt.pt")  # saved by hand
-    argv = ["--out_dir", str(run), "--max_new_tokens", "3", "--device", "cpu", "--prompt", "Once"]
-    assert error_line(capsys, sample.main, argv) == (
-        f"error: {run}/ckpt.pt does not name the run's data folder; "
-        "pass --data_dir, the folder with its tokenizer"
-    )
-    assert sample.main(argv + ["--data_dir", tr_prepared]) == 0
-    out, err = capsys.readouterr()
-    assert out.startswith("Once") and err.startswith(f"# {run}, seed 1337\n"), (out, err)
+# ---- bad input and a loaded machine
+def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
+    bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
+    for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
+        error_line(capsys, bench.main, argv + ["--no_malloc_tune"])
 
 
 def test_bench_json_it_cannot_write_is_one_line_before_the_benchmark_and_after_it(
@@ -3510,189 +3748,7 @@ def test_bench_load_warning_suggests_one_thread_only_to_more_threads(monkeypatch
         torch.set_num_threads(threads)
 
 
-def test_atomic_write_errors_name_the_target_not_the_temp_file(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    _plot_fake_run(run, "me", 1, [4.0] * 8, val_every=4)
-    res = tmp_path / "res"
-    (res / "medians.csv").mkdir(parents=True)  # a folder where the CSV goes
-    err = error_line(
-        capsys, plot.main, [run, "--window", "4", "--results", str(res), "-o", str(res / "f.png")]
-    )
-    assert err == f"error: cannot write {res}/medians.csv: Is a directory; pick another -o or --results"
-
-    def disk_full(f):
-        f.write(b"half")
-        raise OSError(28, "No space left on device")
-
-    with pytest.raises(OSError) as e:
-        common.atomic_write(str(tmp_path / "t.png"), disk_full)
-    assert e.value.filename == str(tmp_path / "t.png") and e.value.errno == 28
-    assert sorted(os.listdir(tmp_path)) == ["res", "run"]  # no temp file left
-
-
-# ---- faults a new user met (issue 35)
-
-
-def _f35_argv(tmp_path, *argv, data, name="run"):
-    """train.py's arguments for the tiny settings into tmp_path/name."""
-    return _TR_TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *argv]
-
-
-def _f35_train(tmp_path, *argv, data, name="run"):
-    """train.main on the tiny settings into tmp_path/name; returns (exit status, folder)."""
-    return train.main(_f35_argv(tmp_path, *argv, data=data, name=name)), str(tmp_path / name)
-
-
-def test_f35_1_a_fresh_run_refuses_a_folder_whose_log_holds_a_run(tr_data, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--mixer", "he", "--max_iters", "12", data=tr_data)
-    assert rc == 0
-    os.remove(os.path.join(out, "ckpt.pt"))  # deleted to save disk: plots need only log.csv
-    before = _tr_files(out)
-    capsys.readouterr()
-    assert "--overwrite" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--mixer", "me", "--max_iters", "4", data=tr_data)
-    )
-    assert _tr_files(out) == before  # the he run's 12 rows are still there
-    rc, _ = _f35_train(tmp_path, "--max_iters", "3", data=tr_data, name="short")  # ended before batch 10
-    os.remove(str(tmp_path / "short" / "ckpt.pt"))
-    capsys.readouterr()
-    assert "log.csv of a run" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "4", data=tr_data, name="short")
-    )
-    rc, _ = _f35_train(tmp_path, "--mixer", "me", "--max_iters", "4", "--overwrite", data=tr_data)
-    assert rc == 0 and len(_tr_log(out)) == 4
-
-
-def test_f35_2_default_run_folders_carry_exact_values():
-    p = train.build_parser()
-    folder = lambda *argv: rundir.default_out_dir(p.parse_args(["--mixer=me", *argv]), p.parse_args([]))
-    for a, b in [
-        ("--seed=12345678", "--seed=12345679"),
-        ("--seed=1000001", "--seed=1000002"),
-        ("--data_seed=20240101", "--data_seed=20240102"),
-        ("--lr=0.00030000001", "--lr=0.0003"),
-    ]:
-        assert folder(a) != folder(b), (a, b)
-    assert folder("--seed=12345678", "--lr=0.00030000001") == os.path.join(
-        "out", "me-lr0.00030000001-seed12345678"
-    )
-    assert folder("--dropout=0", "--lr=3e-4") == os.path.join("out", "me-p0-lr0.0003")  # short names stay
-
-
-def test_f35_5_a_book_cut_short_is_used_with_a_warning_naming_it(pd_clean, tmp_path, capsys):
-    _, tsv, _ = pd_clean
-    raw = _PD_RAW[9001]
-    cut = raw[: raw.index(b"*** END")]  # a download cut short: no END marker, no licence
-    body, warning = prepare_data.strip_gutenberg(prepare_data.decode_book(cut))
-    assert warning is not None and "cut short" in warning
-    assert prepare_data.strip_gutenberg(prepare_data.decode_book(raw))[1] is None
-    src = _pd_source(tmp_path / "src", {**_PD_RAW, 9001: cut})
-    capsys.readouterr()
-    assert _pd_run(tmp_path / "data", "--source", str(src), books_tsv=tsv) == 0
-    out = capsys.readouterr().out
-    assert "ebook 9001" in out and "cut short" in out and str(src / "9001.txt") in out
-
-
-def test_f35_7_resume_refuses_a_log_that_does_not_reach_the_checkpoint(tr_data, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--max_iters", "12", data=tr_data)
-    assert rc == 0
-    log = os.path.join(out, "log.csv")
-    rows = open(log).read().splitlines()
-    for kept in ([], rows[:6]):  # log.csv deleted, or cut back to batch 5
-        if kept:
-            open(log, "w").write("\n".join(kept) + "\n")
-        else:
-            os.remove(log)
-        before = _tr_files(out)
-        capsys.readouterr()
-        assert "ckpt.pt is at batch 12" in error_line(
-            capsys, train.main, _f35_argv(tmp_path, "--max_iters", "16", "--resume", data=tr_data)
-        )
-        assert _tr_files(out) == before
-
-
-@pytest.mark.parametrize(
-    "flags, needle",
-    [
-        (["--beta1", "1.5"], "--beta1"),
-        (["--beta2", "-0.5"], "--beta2"),
-        (["--weight_decay", "nan"], "--weight_decay"),
-        (["--grad_clip", "inf"], "--grad_clip"),
-        (["--seed", str(2**64)], "--seed"),
-    ],
-)
-def test_f35_8_bad_optimizer_settings_and_huge_seeds_are_one_line(flags, needle, tr_data, tmp_path, capsys):
-    assert needle in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "2", *flags, data=tr_data)
-    )
-    assert not os.path.exists(tmp_path / "run")  # no folder holding only train.lock
-
-
-def test_f35_9_sample_a_tiny_temperature_is_greedy_and_a_huge_seed_is_one_line(tr_prepared, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--max_iters", "4", data=tr_prepared)
-    assert rc == 0
-    texts = []
-    for temperature in ("0", "1e-38"):
-        capsys.readouterr()
-        assert sample.main(["--out_dir", out, "--temperature", temperature, "--max_new_tokens", "8"]) == 0
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1]
-    assert "--seed" in error_line(capsys, sample.main, ["--out_dir", out, "--seed", str(2**64)])
-
-
-def test_f35_11_a_books_tsv_id_of_other_digits_is_one_line(tmp_path, capsys):
-    bad = tmp_path / "books.tsv"
-    bad.write_text("rank\tid\ttitle\tauthor\n1\t11\tAlice\tCarroll\n2\t\u00b2\tSquare\tX\n", encoding="utf-8")
-    err = error_line(capsys, prepare_data.read_books_tsv, str(bad))
-    assert "line 3" in err and len(err.strip().splitlines()) == 1
-
-
-def test_f35_12_generate_refuses_bad_settings_and_samples_in_eval_mode(monkeypatch):
-    model = scrambled_model("sa")
-    prompt = torch.tensor([[1, 2, 3]], device=DEVICE)
-    for kw in ({"top_k": 0}, {"top_p": 0}, {"temperature": -1}, {"temperature": math.nan}):
-        with pytest.raises(ValueError, match=next(iter(kw))):
-            model.generate(prompt, 4, **kw)
-    with pytest.raises(ValueError, match="prompt"):
-        model.generate(prompt[:, :0], 4)
-    greedy = model.generate(prompt, 6, temperature=0)
-    assert torch.equal(model.generate(prompt, 6, temperature=1e-38), greedy)  # a tiny T is greedy
-    model.cfg.dropout = 0.5
-    for block in model.modules():
-        if isinstance(block, torch.nn.Dropout):
-            block.p = 0.9  # in training mode this would change every logit
-    model.train()
-    assert torch.equal(model.generate(prompt, 6, temperature=0), greedy) and model.training
-    monkeypatch.delitem(sys.modules, "synthesizer")
-    with pytest.raises(ValueError, match="import synthesizer"):
-        Config(mixer="no-such-mixer")
-
-
-def test_f35_cosmetic_messages_say_what_to_do(tr_data, tr_prepared, tmp_path, capsys):
-    rc, out = _f35_train(tmp_path, "--max_iters", "4", data=tr_data)
-    assert rc == 0
-    capsys.readouterr()
-    assert "pass one of them" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "6", "--resume", "--overwrite", data=tr_data)
-    )
-    rc, _ = _f35_train(tmp_path, "--max_iters", "6", "--resume", "--dtype", "bfloat16", data=tr_data)
-    assert rc == 0 and "trained with --dtype float32" in capsys.readouterr().out
-    big = ["--eval_batches", "1", "--batch_size", "4096"]  # val.bin has fewer windows than one batch
-    assert "--eval_batches 0" in error_line(
-        capsys, train.main, _f35_argv(tmp_path, "--max_iters", "2", *big, data=tr_data, name="big")
-    )
-    assert "its settings" in error_line(
-        capsys, sample.main, ["--out_dir", str(tmp_path / "none"), "--data_dir", tr_prepared]
-    )
-    not_a_folder = tmp_path / "README.md"
-    not_a_folder.write_text("a file\n")
-    src = _pd_source(tmp_path / "src")
-    tsv = _pd_books_tsv(tmp_path / "books.tsv")
-    err = error_line(capsys, _pd_run, not_a_folder, "--source", str(src), books_tsv=tsv)
-    assert "is a file" in err
-
-
-# ---- gpu.py (issue 36)
+# ======== tools: the GPU job (gpu.py), tried on the CPU ========
 
 
 _GPU_RUNS = ["sa-1", "sa-32", "she", "he", "we", "me", "me-float32", "me-bfloat16"]
@@ -3727,6 +3783,13 @@ def gpu_smoke(tmp_path_factory):
     return tmp, cut, at_cut, full, again, logs
 
 
+def _gpu_argv(tmp, data, *flags):
+    """gpu.py --smoke on the CPU into tmp/r and tmp/w."""
+    folders = ["--data_dir", str(data), "--results", str(tmp / "r"), "--work", str(tmp / "w")]
+    return ["--smoke", "--device", "cpu", *folders, *flags]
+
+
+# ---- a whole call: every step, cut by its budget, resumed
 @pytest.mark.slow
 def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, capsys):
     tmp, (rc, out, err), at_cut, full, again, logs = gpu_smoke
@@ -3791,33 +3854,21 @@ def test_gpu_step_limit_cut_resumes_bit_for_bit(gpu_smoke):
     assert _tr_train_loss_column(tmp / "work" / "me") == _tr_train_loss_column(uncut)
 
 
-@pytest.mark.parametrize(
-    "flags, needle",
-    [
-        (["--budget", "forty minutes"], "--budget 'forty minutes' is not a duration"),
-        (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
-        (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from check,diagnose,tests,bench,sa-32"),
-        (["--parallel", "0"], "must be positive"),
-        (["--budget", "0", "--dry_run"], "--budget '0' must be more than 0"),
-        (["--budget", "0m", "--dry_run"], "--budget '0m' must be more than 0"),
-        (["--budget", "-5m", "--dry_run"], "--budget '-5m' must be more than 0"),
-        (["--step_limit", "0s", "--dry_run"], "--step_limit '0s' must be more than 0"),
-        (["--data_dir", "no/such/folder"], "no no/such/folder/train.bin: run python prepare_data.py first"),
-        (["--frobnicate"], "unrecognized arguments: --frobnicate (see python gpu.py --help)"),
-    ],
-)
-def test_gpu_bad_input_gives_one_clear_line(flags, needle, tr_data, tmp_path, capsys):
-    argv = ["--data_dir", tr_data, "--results", str(tmp_path / "r"), "--work", str(tmp_path / "w"), *flags]
-    assert needle in error_line(capsys, gpu.main, argv)
-    assert not os.listdir(tmp_path)  # nothing written
+@pytest.mark.slow
+def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, capsys):
+    tmp = gpu_smoke[0]
+    smoke, real = gpu.settings(["--smoke", "--dry_run"]), gpu.settings(["--dry_run"])
+    assert {smoke.work, smoke.results}.isdisjoint({real.work, real.results})  # default folders
+    argv = ["--device", "cpu", "--results", str(tmp / "results"), "--work", str(tmp / "work"), "--dry_run"]
+    assert gpu.main([*argv, "--steps", "tests,bench"]) == 0  # the smoke call's tests and bench are not done
+    out = capsys.readouterr().out
+    assert re.search(r"\[ \] tests +unknown", out) and re.search(r"\[ \] bench +unknown", out)
+    err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
+    assert f"{tmp / 'work' / 'sa-32' / 'ckpt.pt'} is not the model this call trains" in err
+    assert "n_layer 1, not 18" in err and "--smoke" in err
 
 
-def test_gpu_durations():
-    assert [gpu.seconds(t, "--budget") for t in ("40m", "2h", "1h30m", "90s", "90", "1.5h")] == [
-        2400, 7200, 5400, 90, 90, 5400,
-    ]  # fmt: skip
-
-
+# ---- the plan (--dry_run)
 def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_data, tmp_path, capsys):
     work = tmp_path / "w"
     work.mkdir()
@@ -3830,12 +3881,196 @@ def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_da
     assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
 
 
-def _gpu_argv(tmp, data, *flags):
-    """gpu.py --smoke on the CPU into tmp/r and tmp/w."""
-    folders = ["--data_dir", str(data), "--results", str(tmp / "r"), "--work", str(tmp / "w")]
-    return ["--smoke", "--device", "cpu", *folders, *flags]
+def test_gpu_plan_estimates_the_runs_before_any_bench(tr_data, tmp_path, capsys):
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
+    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [ ] ")]
+    bench = json.load(open(os.path.join(ROOT, "results", "table1", "bench_cpu.json")))["sections"]["model"]
+    she = [r["step_ms"] for r in bench if r["mixer"] == "she"][0] * 60 / 3600  # 60000 batches, in hours
+    assert f"she {int(she)}h" in " ".join(" ".join(r.split()) for r in rows)
+    unknown = [r.split()[3] == "unknown" for r in rows]  # check from bench too; not tests, bench
+    assert unknown == [False, True, True] + [False] * 7 + [True]
 
 
+def test_gpu_plan_checks_tests_benches_then_figure_9_then_the_other_four_then_dtype(
+    tr_data, tmp_path, capsys
+):
+    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
+    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
+    rows = re.findall(r"^  \[.\] (\S+)", capsys.readouterr().out, re.M)
+    assert rows == [
+        "check", "diagnose", "tests", "bench", "sa-32", "she", "sa-1", "he", "we", "me", "me-float32",
+        "me-bfloat16",
+    ]  # fmt: skip
+
+
+def test_gpu_diagnosis_is_skipped_on_the_cpu_with_one_line(tr_data, tmp_path, capsys):
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,diagnose", "--dry_run")) == 0
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "diagnose")) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "diagnose" in line]
+    assert len(said) == 2 and all(re.match(r"  \[-\] diagnose +skipped .*on CUDA only", s) for s in said)
+    assert "nothing left to do" in out and not (tmp_path / "w" / "check").exists()
+
+
+# ---- the budget and a failed step
+def _gpu_fake_tests(folder, passes):
+    """A tests.py for gpu.py's tests step (ROOT monkeypatched to folder), with --smoke's one test."""
+    folder.mkdir(exist_ok=True)
+    (folder / "tests.py").write_text(f"def test_forward_loss_is_eq3():\n    assert {passes}\n")
+    return str(folder)
+
+
+def test_gpu_failed_tests_step_is_a_failure_and_runs_again(tr_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=False))
+    argv = _gpu_argv(tmp_path, tr_data, "--steps", "tests")
+    assert gpu.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "pytest exit 1: 1 failed" in out and "failed: tests" in out and "[x]" not in out
+    assert gpu.main(argv) == 1 and "\n-- tests," in capsys.readouterr().out  # tried again
+
+
+def test_gpu_budget_starts_no_step_it_cannot_fit_and_keeps_time_for_the_results(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "6s")) == 0
+    assert "budget spent: stopped before tests;" in capsys.readouterr().out  # 6 s less margin and results
+    assert not (tmp_path / "r" / "tests.txt").exists()
+    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "12s")) == 0
+    until = re.search(r"-- tests, until ([0-9.]+)s into this call", capsys.readouterr().out)
+    assert until and float(until[1]) <= 12 - 1 - 2  # the margin, and time for the results
+
+
+def test_gpu_budget_13m_with_step_limit_9m_cuts_steps_and_stops_inside_the_budget(
+    tr_data, tmp_path, monkeypatch, capsys
+):
+    """A 15-minute GPU job: --budget 13m --step_limit 9m, on a made-up clock, each step taking what is
+    written here (the training step all it is given). Every step ends by 9 minutes after its start and by
+    13m less the 1m margin and the 30s kept for the results (11m30s); then gpu.py stops."""
+    clock, took = [0.0], {"check": 60, "tests": 120, "bench": 90}
+    deadlines = []
+
+    def step(name):
+        def run(args, deadline, hard_end):
+            deadlines.append((name, clock[0], deadline))
+            clock[0] += took[name]
+            return True, f"{name} done"
+
+        return run
+
+    def training(args, names, deadline, hard_end):
+        deadlines.append((" ".join(names), clock[0], deadline))
+        clock[0] = deadline  # cut at its deadline
+        return [0] * len(names)
+
+    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    for name in took:
+        monkeypatch.setitem(gpu.STEPS, name, step(name))
+    monkeypatch.setattr(gpu, "train_step", training)
+    argv = [
+        "--device",
+        "cpu",
+        "--data_dir",
+        tr_data,
+        "--results",
+        str(tmp_path / "r"),
+        "--work",
+        str(tmp_path / "w"),
+    ]
+    assert gpu.main([*argv, "--budget", "13m", "--step_limit", "9m", "--parallel", "2"]) == 0
+    assert deadlines == [  # (step, start, end): the step limit, then the budget
+        ("check", 0, 540), ("tests", 60, 600), ("bench", 180, 690), ("sa-32 she", 270, 690),
+    ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert (
+        "-- check, until 9m00s" in out and "-- tests, until 10m00s" in out and "-- bench, until 11m30s" in out
+    )
+    assert out.rstrip().endswith(
+        "budget spent: stopped before sa-32 she; run the same command again to go on"
+    )
+
+
+# ---- the check: each Table 1 model against its committed CPU run
+def _gpu_made_up_log(folder, gaps, wiggle):
+    """A log.csv (gzipped as results/logs/ keeps it, for wiggle 0) of 100 batches whose training cost is
+    8 - 0.02 i, plus gaps[k] in batches 10k+1..10k+10, plus +-wiggle by turns (0 over each window)."""
+    rows = ["iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"]
+    for i in range(1, 101):
+        rows.append(f"{i},{8 - 0.02 * i + gaps[(i - 1) // 10] + wiggle * (-1) ** i!r},,0.001,1000.0,{i / 10}")
+    os.makedirs(folder, exist_ok=True)
+    text = ("\n".join(rows) + "\n").encode()
+    name, data = ("log.csv", text) if wiggle else ("log.csv.gz", gzip.compress(text))
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+
+
+_GPU_SHE_GAPS = [0.0, 0.001, 0.012, 0.039, 0.049, -0.049, 0.02, 0.03, 0.04, 0.045]
+
+
+@pytest.mark.parametrize("we_last_window", [0.0, -0.06], ids=["within", "one_window_over"])
+def test_gpu_check_tables_each_windows_gap_and_fails_when_one_is_over_005(
+    we_last_window, tr_data, tmp_path, monkeypatch, capsys
+):
+    """The check's runs give made-up logs (instead of training) whose 10-batch windows are the CPU's plus
+    the gaps written here: she's up to 0.049, we's last window 0 or -0.06; the others the CPU's own."""
+    gaps = {"she": _GPU_SHE_GAPS, "we": [0.0] * 9 + [we_last_window]}
+    for run in gpu.TABLE1:
+        _gpu_made_up_log(tmp_path / "cpu" / run, [0.0] * 10, wiggle=0)
+    train_for_real = gpu.start_and_wait
+
+    def made_up_training(args, cmds, *rest, **kw):
+        if "--overwrite" not in cmds[0][0]:  # not the check's: the tests step
+            return train_for_real(args, cmds, *rest, **kw)
+        for cmd, _ in cmds:
+            out_dir = cmd[cmd.index("--out_dir") + 1]
+            _gpu_made_up_log(out_dir, gaps.get(os.path.basename(out_dir), [0.0] * 10), wiggle=0.01)
+        return [0] * len(cmds)
+
+    monkeypatch.setattr(gpu, "start_and_wait", made_up_training)
+    monkeypatch.setattr(gpu, "cpu_logs", lambda args: str(tmp_path / "cpu"))
+    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
+    pack = tmp_path / "packed.tar.gz"
+    rc = gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,tests", "--pack", str(pack)))
+    out = capsys.readouterr().out
+    zeros = ",+0.0000" * 10 + ",0.0000"
+    assert (tmp_path / "r" / "check.csv").read_text().splitlines() == [
+        "run,1-10,11-20,21-30,31-40,41-50,51-60,61-70,71-80,81-90,91-100,max_abs_gap",
+        "sa-1" + zeros, "sa-32" + zeros,
+        "she,+0.0000,+0.0010,+0.0120,+0.0390,+0.0490,-0.0490,+0.0200,+0.0300,+0.0400,+0.0450,0.0490",
+        "he" + zeros,
+        "we" + (zeros if we_last_window == 0 else ",+0.0000" * 9 + ",-0.0600,0.0600"),
+        "me" + zeros,
+    ]  # fmt: skip
+    printed = [" ".join(line.split()) for line in out.splitlines()]  # the table, as check.csv
+    assert (
+        "she +0.0000 +0.0010 +0.0120 +0.0390 +0.0490 -0.0490 +0.0200 +0.0300 +0.0400 +0.0450 0.0490"
+        in printed
+    )
+    if we_last_window:
+        assert "we" + " +0.0000" * 9 + " -0.0600 0.0600 over 0.05" in printed
+    assert out.index("-- check,") < out.index("-- tests,") and "pytest exit 0" in out  # the plan goes on
+    if we_last_window == 0:
+        assert rc == 0 and "passed: every window within 0.05" in out and "nothing left to do" in out
+    else:
+        assert rc == 1 and "   failed: we 0.0600 (" in out and "failed: check (" in out
+    with tarfile.open(pack) as tar:  # --pack: the results in one file
+        assert tar.extractfile("r/check.csv").read() == (tmp_path / "r" / "check.csv").read_bytes()
+        assert tar.extractfile("r/check.txt").read() == (tmp_path / "r" / "check.txt").read_bytes()
+
+
+def test_gpu_check_trains_each_model_with_the_settings_of_its_committed_cpu_run():
+    for run, (model, more, switch) in gpu.CHECKS["check"].items():
+        assert (model, more, switch) == (run, [], None)  # the check's own runs: train.py's defaults
+        settings = vars(train.build_parser().parse_args([*gpu.TABLE1[run], *gpu.CHECK_FLAGS]))
+        committed = json.load(open(os.path.join(ROOT, "results", "logs", "table1-cpu", run, "run.json")))
+        where = {"data_dir", "out_dir", "device"}  # where it ran, not what
+        assert {k: settings[k] for k in committed["args"] if k not in where} == {
+            k: v for k, v in committed["args"].items() if k not in where
+        }, run
+
+
+# ---- stop signals and a second call
 def _proc_children(pid):
     """The processes whose parent is pid (Linux: /proc)."""
     kids = []
@@ -3926,29 +4161,32 @@ def test_gpu_second_call_on_the_same_folders_is_refused_while_one_runs(tr_data, 
     assert _gpu_me_stopped(tmp_path)
 
 
-@pytest.mark.slow
-def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, capsys):
-    tmp = gpu_smoke[0]
-    smoke, real = gpu.settings(["--smoke", "--dry_run"]), gpu.settings(["--dry_run"])
-    assert {smoke.work, smoke.results}.isdisjoint({real.work, real.results})  # default folders
-    argv = ["--device", "cpu", "--results", str(tmp / "results"), "--work", str(tmp / "work"), "--dry_run"]
-    assert gpu.main([*argv, "--steps", "tests,bench"]) == 0  # the smoke call's tests and bench are not done
-    out = capsys.readouterr().out
-    assert re.search(r"\[ \] tests +unknown", out) and re.search(r"\[ \] bench +unknown", out)
-    err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
-    assert f"{tmp / 'work' / 'sa-32' / 'ckpt.pt'} is not the model this call trains" in err
-    assert "n_layer 1, not 18" in err and "--smoke" in err
+# ---- bad input: one line
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--budget", "forty minutes"], "--budget 'forty minutes' is not a duration"),
+        (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
+        (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from check,diagnose,tests,bench,sa-32"),
+        (["--parallel", "0"], "must be positive"),
+        (["--budget", "0", "--dry_run"], "--budget '0' must be more than 0"),
+        (["--budget", "0m", "--dry_run"], "--budget '0m' must be more than 0"),
+        (["--budget", "-5m", "--dry_run"], "--budget '-5m' must be more than 0"),
+        (["--step_limit", "0s", "--dry_run"], "--step_limit '0s' must be more than 0"),
+        (["--data_dir", "no/such/folder"], "no no/such/folder/train.bin: run python prepare_data.py first"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate (see python gpu.py --help)"),
+    ],
+)
+def test_gpu_bad_input_gives_one_clear_line(flags, needle, tr_data, tmp_path, capsys):
+    argv = ["--data_dir", tr_data, "--results", str(tmp_path / "r"), "--work", str(tmp_path / "w"), *flags]
+    assert needle in error_line(capsys, gpu.main, argv)
+    assert not os.listdir(tmp_path)  # nothing written
 
 
-def test_gpu_plan_estimates_the_runs_before_any_bench(tr_data, tmp_path, capsys):
-    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
-    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [ ] ")]
-    bench = json.load(open(os.path.join(ROOT, "results", "table1", "bench_cpu.json")))["sections"]["model"]
-    she = [r["step_ms"] for r in bench if r["mixer"] == "she"][0] * 60 / 3600  # 60000 batches, in hours
-    assert f"she {int(she)}h" in " ".join(" ".join(r.split()) for r in rows)
-    unknown = [r.split()[3] == "unknown" for r in rows]  # check from bench too; not tests, bench
-    assert unknown == [False, True, True] + [False] * 7 + [True]
+def test_gpu_durations():
+    assert [gpu.seconds(t, "--budget") for t in ("40m", "2h", "1h30m", "90s", "90", "1.5h")] == [
+        2400, 7200, 5400, 90, 90, 5400,
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -3975,188 +4213,12 @@ def test_gpu_damaged_checkpoint_is_one_line_naming_it(tr_data, tmp_path, capsys)
     assert f"cannot read {tmp_path / 'w' / 'me' / 'ckpt.pt'}" in err and "damaged" in err
 
 
-def _gpu_fake_tests(folder, passes):
-    """A tests.py for gpu.py's tests step (ROOT monkeypatched to folder), with --smoke's one test."""
-    folder.mkdir(exist_ok=True)
-    (folder / "tests.py").write_text(f"def test_forward_loss_is_eq3():\n    assert {passes}\n")
-    return str(folder)
-
-
-def test_gpu_failed_tests_step_is_a_failure_and_runs_again(tr_data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=False))
-    argv = _gpu_argv(tmp_path, tr_data, "--steps", "tests")
-    assert gpu.main(argv) == 1
-    out = capsys.readouterr().out
-    assert "pytest exit 1: 1 failed" in out and "failed: tests" in out and "[x]" not in out
-    assert gpu.main(argv) == 1 and "\n-- tests," in capsys.readouterr().out  # tried again
-
-
-def test_gpu_budget_starts_no_step_it_cannot_fit_and_keeps_time_for_the_results(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "6s")) == 0
-    assert "budget spent: stopped before tests;" in capsys.readouterr().out  # 6 s less margin and results
-    assert not (tmp_path / "r" / "tests.txt").exists()
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "12s")) == 0
-    until = re.search(r"-- tests, until ([0-9.]+)s into this call", capsys.readouterr().out)
-    assert until and float(until[1]) <= 12 - 1 - 2  # the margin, and time for the results
-
-
-def _gpu_made_up_log(folder, gaps, wiggle):
-    """A log.csv (gzipped as results/logs/ keeps it, for wiggle 0) of 100 batches whose training cost is
-    8 - 0.02 i, plus gaps[k] in batches 10k+1..10k+10, plus +-wiggle by turns (0 over each window)."""
-    rows = ["iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"]
-    for i in range(1, 101):
-        rows.append(f"{i},{8 - 0.02 * i + gaps[(i - 1) // 10] + wiggle * (-1) ** i!r},,0.001,1000.0,{i / 10}")
-    os.makedirs(folder, exist_ok=True)
-    text = ("\n".join(rows) + "\n").encode()
-    name, data = ("log.csv", text) if wiggle else ("log.csv.gz", gzip.compress(text))
-    with open(os.path.join(folder, name), "wb") as f:
-        f.write(data)
-
-
-_GPU_SHE_GAPS = [0.0, 0.001, 0.012, 0.039, 0.049, -0.049, 0.02, 0.03, 0.04, 0.045]
-
-
-@pytest.mark.parametrize("we_last_window", [0.0, -0.06], ids=["within", "one_window_over"])
-def test_gpu_check_tables_each_windows_gap_and_fails_when_one_is_over_005(
-    we_last_window, tr_data, tmp_path, monkeypatch, capsys
-):
-    """The check's runs give made-up logs (instead of training) whose 10-batch windows are the CPU's plus
-    the gaps written here: she's up to 0.049, we's last window 0 or -0.06; the others the CPU's own."""
-    gaps = {"she": _GPU_SHE_GAPS, "we": [0.0] * 9 + [we_last_window]}
-    for run in gpu.TABLE1:
-        _gpu_made_up_log(tmp_path / "cpu" / run, [0.0] * 10, wiggle=0)
-    train_for_real = gpu.start_and_wait
-
-    def made_up_training(args, cmds, *rest, **kw):
-        if "--overwrite" not in cmds[0][0]:  # not the check's: the tests step
-            return train_for_real(args, cmds, *rest, **kw)
-        for cmd, _ in cmds:
-            out_dir = cmd[cmd.index("--out_dir") + 1]
-            _gpu_made_up_log(out_dir, gaps.get(os.path.basename(out_dir), [0.0] * 10), wiggle=0.01)
-        return [0] * len(cmds)
-
-    monkeypatch.setattr(gpu, "start_and_wait", made_up_training)
-    monkeypatch.setattr(gpu, "cpu_logs", lambda args: str(tmp_path / "cpu"))
-    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
-    pack = tmp_path / "packed.tar.gz"
-    rc = gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,tests", "--pack", str(pack)))
-    out = capsys.readouterr().out
-    zeros = ",+0.0000" * 10 + ",0.0000"
-    assert (tmp_path / "r" / "check.csv").read_text().splitlines() == [
-        "run,1-10,11-20,21-30,31-40,41-50,51-60,61-70,71-80,81-90,91-100,max_abs_gap",
-        "sa-1" + zeros, "sa-32" + zeros,
-        "she,+0.0000,+0.0010,+0.0120,+0.0390,+0.0490,-0.0490,+0.0200,+0.0300,+0.0400,+0.0450,0.0490",
-        "he" + zeros,
-        "we" + (zeros if we_last_window == 0 else ",+0.0000" * 9 + ",-0.0600,0.0600"),
-        "me" + zeros,
-    ]  # fmt: skip
-    printed = [" ".join(line.split()) for line in out.splitlines()]  # the table, as check.csv
-    assert (
-        "she +0.0000 +0.0010 +0.0120 +0.0390 +0.0490 -0.0490 +0.0200 +0.0300 +0.0400 +0.0450 0.0490"
-        in printed
-    )
-    if we_last_window:
-        assert "we" + " +0.0000" * 9 + " -0.0600 0.0600 over 0.05" in printed
-    assert out.index("-- check,") < out.index("-- tests,") and "pytest exit 0" in out  # the plan goes on
-    if we_last_window == 0:
-        assert rc == 0 and "passed: every window within 0.05" in out and "nothing left to do" in out
-    else:
-        assert rc == 1 and "   failed: we 0.0600 (" in out and "failed: check (" in out
-    with tarfile.open(pack) as tar:  # --pack: the results in one file
-        assert tar.extractfile("r/check.csv").read() == (tmp_path / "r" / "check.csv").read_bytes()
-        assert tar.extractfile("r/check.txt").read() == (tmp_path / "r" / "check.txt").read_bytes()
-
-
 def test_gpu_pack_inside_the_results_is_refused_with_one_line(tr_data, tmp_path, capsys):
     argv = _gpu_argv(tmp_path, tr_data, "--dry_run", "--pack", str(tmp_path / "r" / "p.tar.gz"))
     assert "is inside --results" in error_line(capsys, gpu.main, argv)
 
 
-def test_gpu_plan_checks_tests_benches_then_figure_9_then_the_other_four_then_dtype(
-    tr_data, tmp_path, capsys
-):
-    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
-    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
-    rows = re.findall(r"^  \[.\] (\S+)", capsys.readouterr().out, re.M)
-    assert rows == [
-        "check", "diagnose", "tests", "bench", "sa-32", "she", "sa-1", "he", "we", "me", "me-float32",
-        "me-bfloat16",
-    ]  # fmt: skip
-
-
-def test_gpu_diagnosis_is_skipped_on_the_cpu_with_one_line(tr_data, tmp_path, capsys):
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,diagnose", "--dry_run")) == 0
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "diagnose")) == 0
-    out = capsys.readouterr().out
-    said = [line for line in out.splitlines() if "diagnose" in line]
-    assert len(said) == 2 and all(re.match(r"  \[-\] diagnose +skipped .*on CUDA only", s) for s in said)
-    assert "nothing left to do" in out and not (tmp_path / "w" / "check").exists()
-
-
-def test_gpu_budget_13m_with_step_limit_9m_cuts_steps_and_stops_inside_the_budget(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    """A 15-minute GPU job: --budget 13m --step_limit 9m, on a made-up clock, each step taking what is
-    written here (the training step all it is given). Every step ends by 9 minutes after its start and by
-    13m less the 1m margin and the 30s kept for the results (11m30s); then gpu.py stops."""
-    clock, took = [0.0], {"check": 60, "tests": 120, "bench": 90}
-    deadlines = []
-
-    def step(name):
-        def run(args, deadline, hard_end):
-            deadlines.append((name, clock[0], deadline))
-            clock[0] += took[name]
-            return True, f"{name} done"
-
-        return run
-
-    def training(args, names, deadline, hard_end):
-        deadlines.append((" ".join(names), clock[0], deadline))
-        clock[0] = deadline  # cut at its deadline
-        return [0] * len(names)
-
-    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    for name in took:
-        monkeypatch.setitem(gpu.STEPS, name, step(name))
-    monkeypatch.setattr(gpu, "train_step", training)
-    argv = [
-        "--device",
-        "cpu",
-        "--data_dir",
-        tr_data,
-        "--results",
-        str(tmp_path / "r"),
-        "--work",
-        str(tmp_path / "w"),
-    ]
-    assert gpu.main([*argv, "--budget", "13m", "--step_limit", "9m", "--parallel", "2"]) == 0
-    assert deadlines == [  # (step, start, end): the step limit, then the budget
-        ("check", 0, 540), ("tests", 60, 600), ("bench", 180, 690), ("sa-32 she", 270, 690),
-    ]  # fmt: skip
-    out = capsys.readouterr().out
-    assert (
-        "-- check, until 9m00s" in out and "-- tests, until 10m00s" in out and "-- bench, until 11m30s" in out
-    )
-    assert out.rstrip().endswith(
-        "budget spent: stopped before sa-32 she; run the same command again to go on"
-    )
-
-
-def test_gpu_check_trains_each_model_with_the_settings_of_its_committed_cpu_run():
-    for run, (model, more, switch) in gpu.CHECKS["check"].items():
-        assert (model, more, switch) == (run, [], None)  # the check's own runs: train.py's defaults
-        settings = vars(train.build_parser().parse_args([*gpu.TABLE1[run], *gpu.CHECK_FLAGS]))
-        committed = json.load(open(os.path.join(ROOT, "results", "logs", "table1-cpu", run, "run.json")))
-        where = {"data_dir", "out_dir", "device"}  # where it ran, not what
-        assert {k: settings[k] for k in committed["args"] if k not in where} == {
-            k: v for k, v in committed["args"].items() if k not in where
-        }, run
-
-
-# ---- results/: published numbers redrawn from the committed logs (issue 32)
+# ======== results/: the committed numbers redrawn from the committed logs ========
 
 
 def test_results_fig7_csv_is_what_plot_makes_of_the_committed_logs(tmp_path):
@@ -4178,8 +4240,8 @@ def test_results_fig7_csv_is_what_plot_makes_of_the_committed_logs(tmp_path):
 
 
 def test_results_table1_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path):
-    """results/table1/'s 2000-batch medians, validation losses and summary (issue 33) come from the
-    six logs in results/logs/table1/: drawn again from the repository alone, each CSV is the same."""
+    """results/table1/'s 2000-batch medians, validation losses and summary come from the six logs in
+    results/logs/table1/: drawn again from the repository alone, each CSV is the same."""
     folder = os.path.join(ROOT, "results", "logs", "table1")
     runs = [os.path.join(folder, name) for name in ("sa-1", "sa-32", "she", "he", "we", "me")]
     out = tmp_path / "fig8_w2000.png"
@@ -4191,8 +4253,8 @@ def test_results_table1_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path)
 
 
 def test_results_data_order_seeds_csv_is_what_plot_makes_of_the_committed_files(tmp_path):
-    """results/data-order/seeds.csv (issue 32) comes from the data-order logs, SA-32's Figure 7 log and
-    the rows of results/30000/seeds.csv whose logs are gone: drawn again, it is the same."""
+    """results/data-order/seeds.csv comes from the data-order logs, SA-32's Figure 7 log and the rows of
+    results/30000/seeds.csv whose logs are gone: drawn again, it is the same."""
     logs = os.path.join(ROOT, "results", "logs")
     runs = sorted(glob.glob(os.path.join(logs, "data-order", "*")))
     seeds = [os.path.join(ROOT, "results", "30000", "seeds.csv"), os.path.join(logs, "fig7", "sa-32")]
