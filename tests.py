@@ -4094,7 +4094,8 @@ def _gpu_training(tmp, data):
     written its first checkpoint: (the gpu.py process, the child's pid); both killed after, if need be."""
     flags = ["--steps", "me", "--max_iters", "1000000", "--step_limit", "1h"]  # only a signal stops it
     cmd = [sys.executable, os.path.join(ROOT, "gpu.py"), *_gpu_argv(tmp, data, *flags)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    hangup = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's, even if pytest runs nohup
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=hangup)
     kids = []
     try:
         until = time.monotonic() + 300
