@@ -4082,10 +4082,14 @@ def _proc_children(pid):
 
 
 def _proc_alive(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Whether the process still runs: whether any of its threads has not yet exited (Linux: /proc). Its
+    first thread shows Z as soon as it has exited, while the others may still be exiting for some ms,
+    holding the process's files and their locks (a child of gpu.py: the folder locks)."""
+    states = []
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            states.append(open(stat).read().rsplit(")", 1)[1].split()[0])
+    return any(s not in ("Z", "X") for s in states)  # zombie or dead: exited, its files closed
 
 
 @contextlib.contextmanager
