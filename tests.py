@@ -4100,7 +4100,7 @@ def _gpu_training(tmp, data):
     cmd = [sys.executable, os.path.join(ROOT, "gpu.py"), *_gpu_argv(tmp, data, *flags)]
     hangup = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's, even if pytest runs nohup
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=hangup)
-    kids = []
+    kid = None  # the child as a pidfd: once it has ended and been reaped, its pid may be another process's
     try:
         until = time.monotonic() + 300
         while not (tmp / "w" / "me" / "ckpt.pt").exists():
@@ -4108,11 +4108,14 @@ def _gpu_training(tmp, data):
             time.sleep(0.1)
         kids = _proc_children(p.pid)
         assert len(kids) == 1, kids
+        kid = os.pidfd_open(kids[0])
         yield p, kids[0]
     finally:
-        for pid in [p.pid, *kids]:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        p.kill()  # (nothing once p is reaped)
+        if kid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it has ended
+                signal.pidfd_send_signal(kid, signal.SIGKILL)
+            os.close(kid)
         p.communicate()
 
 
