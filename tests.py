@@ -2086,7 +2086,7 @@ def test_train_ddp_two_processes_match_single_process(tr_data, tmp_path):
         timeout=120,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("iter 6/6") == 1 and r.stdout.count("parameters:") == 1  # rank 0 only
+    assert r.stdout.count("iter 6/6") == 1 and r.stdout.count("parameters:") == 1, r.stdout  # rank 0 only
     assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
     ddp, one = _tr_log(str(tmp_path / "ddp")), _tr_log(str(tmp_path / "one"))
     assert len(ddp) == len(one) == 6
