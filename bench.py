@@ -27,6 +27,7 @@ import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -1020,4 +1021,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGPIPE"):  # `python bench.py | head` ends quietly, as a shell tool does
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

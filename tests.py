@@ -3704,6 +3704,21 @@ def test_bench_sublayer_section_times_every_fir_path_on_cuda(monkeypatch, tmp_pa
 
 
 # ---- bad input and a loaded machine
+@pytest.mark.skipif(not hasattr(signal, "SIGPIPE"), reason="no SIGPIPE here")
+def test_bench_piped_into_a_reader_that_has_gone_ends_without_a_traceback():
+    """`python bench.py --table7 | head -1`: the reader is gone before bench's output is flushed. Here the
+    pipe's read end is closed before bench starts, so its first write fails every time."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run(
+            [sys.executable, "bench.py", "--table7"], cwd=ROOT, stdout=w, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(w)
+    assert "Traceback" not in p.stderr and p.returncode == -signal.SIGPIPE, (p.returncode, p.stderr[-300:])
+
+
 def test_bench_bad_flags_give_one_line_and_exit_1(capsys):
     bad = (["--mixers", "nope"], ["--sections", "7"], ["--sections", "x"], ["--dtype", "fp8"])
     for argv in bad + (["--gpu_gib", "6", "--margin_gib", "6", "--quick", "--sections", "5"],):
