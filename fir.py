@@ -95,7 +95,7 @@ def fir_full(x, w, path=None):
             f"no FIR path {path!r} for taps of shape {tuple(w.shape)}; paths: taps' dims {PATHS}"
         )
     if path == "toeplitz":
-        return toeplitz(w).to(x.dtype) @ x  # (t, t) @ (B, t, d) -> (B, t, d)
+        return toeplitz(w).to(x.dtype) @ x  # Eq. (29): (t, t) @ (B, t, d) -> (B, t, d)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=x.device.type, enabled=False):
         if path == "toeplitz-strided":
@@ -167,8 +167,8 @@ class ToeplitzStrided(torch.autograd.Function):
         ctx.save_for_backward(x, T)
         with ieee_float32(x.device):
             if T.dim() == 2:
-                return torch.bmm(T.expand(x.shape[0], -1, -1), x)  # (B, t, t) @ (B, t, d)
-            return torch.bmm(T, x.permute(2, 1, 0)).permute(2, 1, 0)  # (d, t, t) @ (d, t, B) -> (B, t, d)
+                return torch.bmm(T.expand(x.shape[0], -1, -1), x)  # Eq. (29): (B, t, t) @ (B, t, d)
+            return torch.bmm(T, x.permute(2, 1, 0)).permute(2, 1, 0)  # Eq. (26), (28): (d, t, t) @ (d, t, B)
 
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
@@ -230,13 +230,13 @@ class FIRFFT(torch.autograd.Function):
             W = torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1).permute(2, 0, 1).contiguous()  # (F, d, d)
             ctx.save_for_backward(X, W)
             with ieee_float32(x.device):
-                Y = torch.bmm(X, W)  # (F, B, d)
+                Y = torch.bmm(X, W)  # Eq. (23) per frequency: (F, B, d)
             if cuda_layout:
                 return torch.fft.irfft(Y, n=n, dim=0)[:t].transpose(0, 1)  # (B, t, d)
             Y = Y.permute(1, 2, 0)  # (B, d, F)
         else:  # vectors (d, F) or scalars (F,)
             W = torch.fft.rfft(w.t(), n=n, dim=-1)
-            Y = X * W  # (B, d, F)
+            Y = X * W  # Eq. (26), (28), (29) per frequency: (B, d, F)
             ctx.save_for_backward(X, W)
         return torch.fft.irfft(Y, n=n, dim=-1)[..., :t].transpose(1, 2)  # (B, t, d)
 
