@@ -6,9 +6,9 @@ its peak memory, glibc's allocator setting for training on a CPU. Only the stand
 """
 
 import ctypes
-import os
 import sys
-import tempfile
+
+from prepare_data import atomic_write, fail, fmt_time  # noqa: F401  (moving)
 
 # The settings that name a run, each written once: symbol and help here, the default here for training
 # and in extractor.Config (Table 1) for the model. A symbol is the paper's (Table 1), or a short name
@@ -38,12 +38,6 @@ TRAINING_SETTINGS = {  # name -> (symbol, help, default)
 SYMBOLS = {name: row[0] for name, row in (MODEL_SETTINGS | TRAINING_SETTINGS).items()}
 
 
-def fail(msg):
-    """Bad input: one line on stderr saying what is wrong and what to do, exit status 1, no traceback."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
 def check_seed(name, value):
     """A seed that torch, numpy and random all accept: 0 .. 2**63 - 1."""
     if not 0 <= value < 2**63:
@@ -62,46 +56,6 @@ def plain_output():
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
-
-
-def fmt_time(s):
-    """Seconds for progress lines and ETAs: 4.2s, 3m05s, 1h02m."""
-    s = max(0.0, s)
-    if s < 60:
-        return f"{s:.1f}s"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-UMASK = os.umask(0o022)
-os.umask(UMASK)  # (reading the umask means setting it)
-
-
-def atomic_write(path, data):
-    """Write data (bytes, str, or a function that writes to a binary file object, such as
-    `lambda f: torch.save(obj, f)`) to path through a temp file `.<name>*.tmp` of this process in the
-    same folder, then rename: path is never half-written, and two processes never share a temp file.
-    An OSError names path, the file the user asked for, not the temp file."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(
-            dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
-        )
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno is not None:  # PermissionError(13, ..., path) and the like
-            raise OSError(e.errno, e.strerror, path) from e
-        raise
 
 
 def keep_freed_memory():

@@ -46,8 +46,6 @@ import numpy as np
 import regex  # comes with tiktoken; unlike re it knows \p{L} and \p{N}
 import tiktoken
 
-from common import atomic_write, fail, fmt_time, one_line_errors, plain_output
-
 # -----------------------------------------------------------------------------
 # settings
 DATA_DIR = "data"
@@ -74,6 +72,52 @@ SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # bookshelf (bookshelf 20) by downloads, from a 2025/26 snapshot of that page with poems, readers and
 # audio-only entries left out (ebooks 47 and 54 are the text editions of two audio entries).
 BOOKS_TSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "books.tsv")
+
+
+def fail(msg):
+    """Bad input: one line on stderr saying what is wrong and what to do, exit status 1, no traceback."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def fmt_time(s):
+    """Seconds for progress lines and ETAs: 4.2s, 3m05s, 1h02m."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f}s"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+UMASK = os.umask(0o022)
+os.umask(UMASK)  # (reading the umask means setting it)
+
+
+def atomic_write(path, data):
+    """Write data (bytes, str, or a function that writes to a binary file object, such as
+    `lambda f: torch.save(obj, f)`) to path through a temp file `.<name>*.tmp` of this process in the
+    same folder, then rename: path is never half-written, and two processes never share a temp file.
+    An OSError names path, the file the user asked for, not the temp file."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(
+            dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp"
+        )
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes it private; give it a normal file's mode
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:  # PermissionError(13, ..., path) and the like
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
 
 
 # -----------------------------------------------------------------------------
@@ -701,7 +745,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].strip(), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    one_line_errors(p, "prepare_data.py")
+    p.error = lambda msg: fail(f"{msg} (see python prepare_data.py --help)")
     p.add_argument("--data_dir", default=DATA_DIR, help="outputs and the raw/ cache")
     p.add_argument(
         "--books", default=BOOKS_TSV, help="book list: rank, ebook id, title, author (tab-separated)"
@@ -727,7 +771,10 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    plain_output()  # "The Nürnberg Stove" on an ASCII terminal prints as "N?rnberg", not a crash
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(
+            errors="replace"
+        )  # "The Nürnberg Stove" on an ASCII terminal prints as "N?rnberg", not a crash
     args = parse_args(argv)
     try:
         return prepare(args)

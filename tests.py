@@ -23,29 +23,28 @@ import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
 import torch
 
-import bench
 import common
 import extractor
 import fir
-import gpu
-import plot
 import prepare_data
 import rundir
 import sample
 import synthesizer
-import taps
 import train
-from extractor import MIXERS, Config, Transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+import bench  # noqa: E402
+import plot  # noqa: E402
+import taps  # noqa: E402
+from extractor import MIXERS, Config, Transformer  # noqa: E402
 
 
 def _test_device():
@@ -2789,7 +2788,7 @@ def _plot_fake_run(
 
 def test_plot_imports_without_torch():
     code = "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
-    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "experiments"))
     assert done.returncode == 0
 
 
@@ -3712,7 +3711,11 @@ def test_bench_piped_into_a_reader_that_has_gone_ends_without_a_traceback():
     os.close(r)
     try:
         p = subprocess.run(
-            [sys.executable, "bench.py", "--table7"], cwd=ROOT, stdout=w, stderr=subprocess.PIPE, text=True
+            [sys.executable, "experiments/bench.py", "--table7"],
+            cwd=ROOT,
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
         )
     finally:
         os.close(w)
@@ -3761,484 +3764,6 @@ def test_bench_load_warning_suggests_one_thread_only_to_more_threads(monkeypatch
             assert len(warning) == 1 and warning[0].endswith("machine" if n == 1 else "or try --threads 1")
     finally:
         torch.set_num_threads(threads)
-
-
-# ======== tools: the GPU job (gpu.py), tried on the CPU ========
-
-
-_GPU_RUNS = ["sa-1", "sa-32", "she", "he", "we", "me", "me-float32", "me-bfloat16"]
-
-
-def _gpu_call(tmp, *flags):
-    """gpu.main --smoke on the CPU, into tmp/results and tmp/work: (exit code, stdout, stderr)."""
-    folders = ["--data_dir", tmp / "data", "--results", tmp / "results", "--work", tmp / "work"]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = gpu.main(["--smoke", "--device", "cpu", *map(str, folders), *flags])
-    return rc, out.getvalue(), err.getvalue()
-
-
-def _gpu_iter(tmp, run):
-    return torch.load(tmp / "work" / run / "ckpt.pt", weights_only=True)["iter"]
-
-
-@pytest.fixture(scope="module")
-def gpu_smoke(tmp_path_factory):
-    """Three calls of gpu.py --smoke: one whose budget ends it after one step of the me run (cut at the
-    step limit once it has checkpointed; the budget's hard end, 300 s, is far enough away for a loaded
-    machine to reach that first checkpoint; the margin leaves 5.5 s for steps, --smoke's least step is
-    5 s and the results keep 3 s), one that does every step, one with nothing left."""
-    tmp = tmp_path_factory.mktemp("gpu")
-    _tr_make_data(tmp / "data")
-    cut = _gpu_call(tmp, "--steps", "me", "--step_limit", "1s", "--budget", "300s", "--margin", "291.5s")
-    at_cut = _gpu_iter(tmp, "me")
-    full = _gpu_call(tmp, "--parallel", "3")
-    logs = {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS}
-    again = _gpu_call(tmp)
-    return tmp, cut, at_cut, full, again, logs
-
-
-def _gpu_argv(tmp, data, *flags):
-    """gpu.py --smoke on the CPU into tmp/r and tmp/w."""
-    folders = ["--data_dir", str(data), "--results", str(tmp / "r"), "--work", str(tmp / "w")]
-    return ["--smoke", "--device", "cpu", *folders, *flags]
-
-
-# ---- a whole call: every step, cut by its budget, resumed
-@pytest.mark.slow
-def test_gpu_smoke_runs_every_step_stops_at_its_budget_and_resumes(gpu_smoke, capsys):
-    tmp, (rc, out, err), at_cut, full, again, logs = gpu_smoke
-    assert rc == 0 and not err, err
-    plan, rest = out.split("-- me,", 1)  # the plan comes before the first step
-    assert re.search(r"\[ \] me +unknown  train.py --mixer me: batch 0 of 100", plan)
-    assert f"me at batch {at_cut}" in rest and "budget spent: stopped before me;" in rest
-    assert 10 <= at_cut < 100  # cut in the middle of the run, after its first checkpoint
-
-    rc, out, err = full
-    assert rc == 0 and "Traceback" not in err, err
-    assert f"batch {at_cut} of 100" in out.split("-- tests")[0]  # the plan: me continues where it stopped
-    steps = [line.split(",")[0] for line in out.splitlines() if line.startswith("-- ")]
-    assert steps == [  # in order (no diagnosis on the CPU); Figure 9's two runs, then the other four side by
-        "-- check", "-- tests", "-- bench", "-- sa-32 she", "-- sa-1 he we", "-- me",  # side, the least
-        "-- me-float32", "-- me-bfloat16",  # trained first (me was cut above); dtype one at a time
-    ]  # fmt: skip
-    assert "passed: every window within 0.05" in out  # the CPU against itself: --smoke on the CPU
-    assert out.count("left: ") == 9 and out.rstrip().endswith("nothing left to do")
-    assert [_gpu_iter(tmp, run) for run in _GPU_RUNS] == [100] * 6 + [30] * 2
-    calls = [
-        line for line in (tmp / "results" / "logs" / "me.txt").read_text().splitlines() if line[:2] == "$ "
-    ]
-    assert ["train.py --mixer me" in c for c in calls] == [True] * 2 and "--resume" not in calls[0]
-    assert "--resume" in calls[1]
-
-    res = tmp / "results"
-    assert re.search(r"pytest exit 0: 1 passed", (tmp / "work" / "state.json").read_text())
-    bench_tables = (res / "bench.txt").read_text()
-    assert all(f"\n{k}. " in "\n" + bench_tables for k in (1, 3, 6)) and "\n2. " not in bench_tables
-    assert set(json.loads((res / "bench.json").read_text())["sections"]) == {"sublayer", "model", "memory"}
-    for name in ("fig8.png", "fig9.png", "medians.csv", "summary.csv", "progress.txt", "tests.txt"):
-        assert (res / name).stat().st_size > 0, name
-    assert "she" in (res / "fig9.txt").read_text() and "sa-1" not in (res / "fig9.txt").read_text()
-    dtype = list(csv.DictReader(open(res / "dtype.csv")))
-    assert [r["run"] for r in dtype] == ["me-float32", "me-bfloat16"] and all(
-        r["batches"] == "30" for r in dtype
-    )
-    for run in _GPU_RUNS:
-        assert gzip.decompress((res / "runs" / run / "log.csv.gz").read_bytes()) == logs[run]
-    assert (res / "runs" / "check" / "she" / "log.csv.gz").exists() and (res / "check.csv").exists()
-
-    rc, out, err = again  # a third call skips everything and trains nothing
-    assert rc == 0 and "-- " not in out and out.count("[x]") == 11 and "nothing left to do" in out
-    assert {run: (tmp / "work" / run / "log.csv").read_bytes() for run in _GPU_RUNS} == logs
-
-    argv = ["--smoke", "--data_dir", str(tmp / "data"), "--results", str(res), "--work", str(tmp / "work")]
-    assert gpu.main([*argv, "--max_iters", "150", "--dry_run", "--device", "cpu"]) == 0
-    plan = capsys.readouterr().out  # time left from each run's own speed; the tests and bench are done
-    rows = [line for line in plan.splitlines() if line.startswith("  [")]
-    assert len(rows) == 12 and not any("unknown" in row for row in rows) and "[x] bench" in plan
-    assert re.search(r"\[ \] me +[0-9.]+s  train.py --mixer me: batch 100 of 150", plan)
-
-
-@pytest.mark.slow
-def test_gpu_step_limit_cut_resumes_bit_for_bit(gpu_smoke):
-    tmp = gpu_smoke[0]
-    uncut = str(tmp / "uncut")
-    flags = [*gpu.SMOKE["train"], "--mixer", "me", "--max_iters", "100", "--device", "cpu"]
-    assert train.main([*flags, "--data_dir", str(tmp / "data"), "--out_dir", uncut]) == 0
-    assert 10 <= gpu_smoke[2] < 100  # the me run was cut there by the step limit, and resumed
-    assert _tr_train_loss_column(tmp / "work" / "me") == _tr_train_loss_column(uncut)
-
-
-@pytest.mark.slow
-def test_gpu_smoke_and_real_calls_never_share_state_or_run_folders(gpu_smoke, capsys):
-    tmp = gpu_smoke[0]
-    smoke, real = gpu.settings(["--smoke", "--dry_run"]), gpu.settings(["--dry_run"])
-    assert {smoke.work, smoke.results}.isdisjoint({real.work, real.results})  # default folders
-    argv = ["--device", "cpu", "--results", str(tmp / "results"), "--work", str(tmp / "work"), "--dry_run"]
-    assert gpu.main([*argv, "--steps", "tests,bench"]) == 0  # the smoke call's tests and bench are not done
-    out = capsys.readouterr().out
-    assert re.search(r"\[ \] tests +unknown", out) and re.search(r"\[ \] bench +unknown", out)
-    err = error_line(capsys, gpu.main, argv)  # nor is a tiny run resumed as a Table 1 run
-    assert f"{tmp / 'work' / 'sa-32' / 'ckpt.pt'} is not the model this call trains" in err
-    assert "n_layer 1, not 18" in err and "--smoke" in err
-
-
-# ---- the plan (--dry_run)
-def test_gpu_dry_run_writes_nothing_and_redoes_the_tests_of_another_device(tr_data, tmp_path, capsys):
-    work = tmp_path / "w"
-    work.mkdir()
-    done = {"done": True, "summary": "pytest exit 0: 227 passed", "seconds": 60}
-    (work / "state.json").write_text(json.dumps({"device": "cuda:0 (Some GPU)", "tests": done}))
-    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--results", str(tmp_path / "r")]
-    assert gpu.main([*argv, "--work", str(work)]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"\[ \] tests +unknown", out) and out.count("[ ]") == 11
-    assert os.listdir(tmp_path) == ["w"] and os.listdir(work) == ["state.json"]
-
-
-def test_gpu_plan_estimates_the_runs_before_any_bench(tr_data, tmp_path, capsys):
-    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
-    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [ ] ")]
-    bench = json.load(open(os.path.join(ROOT, "results", "table1", "bench_cpu.json")))["sections"]["model"]
-    she = [r["step_ms"] for r in bench if r["mixer"] == "she"][0] * 60 / 3600  # 60000 batches, in hours
-    assert f"she {int(she)}h" in " ".join(" ".join(r.split()) for r in rows)
-    unknown = [r.split()[3] == "unknown" for r in rows]  # check from bench too; not tests, bench
-    assert unknown == [False, True, True] + [False] * 7 + [True]
-
-
-def test_gpu_plan_checks_tests_benches_then_figure_9_then_the_other_four_then_dtype(
-    tr_data, tmp_path, capsys
-):
-    argv = ["--dry_run", "--device", "cpu", "--data_dir", tr_data, "--work", str(tmp_path / "w")]
-    assert gpu.main([*argv, "--results", str(tmp_path / "r")]) == 0
-    rows = re.findall(r"^  \[.\] (\S+)", capsys.readouterr().out, re.M)
-    assert rows == [
-        "check", "diagnose", "tests", "bench", "sa-32", "she", "sa-1", "he", "we", "me", "me-float32",
-        "me-bfloat16",
-    ]  # fmt: skip
-
-
-def test_gpu_diagnosis_is_skipped_on_the_cpu_with_one_line(tr_data, tmp_path, capsys):
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,diagnose", "--dry_run")) == 0
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "diagnose")) == 0
-    out = capsys.readouterr().out
-    said = [line for line in out.splitlines() if "diagnose" in line]
-    assert len(said) == 2 and all(re.match(r"  \[-\] diagnose +skipped .*on CUDA only", s) for s in said)
-    assert "nothing left to do" in out and not (tmp_path / "w" / "check").exists()
-
-
-# ---- the budget and a failed step
-def _gpu_fake_tests(folder, passes):
-    """A tests.py for gpu.py's tests step (ROOT monkeypatched to folder), with --smoke's one test."""
-    folder.mkdir(exist_ok=True)
-    (folder / "tests.py").write_text(f"def test_forward_loss_is_eq3():\n    assert {passes}\n")
-    return str(folder)
-
-
-def test_gpu_failed_tests_step_is_a_failure_and_runs_again(tr_data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=False))
-    argv = _gpu_argv(tmp_path, tr_data, "--steps", "tests")
-    assert gpu.main(argv) == 1
-    out = capsys.readouterr().out
-    assert "pytest exit 1: 1 failed" in out and "failed: tests" in out and "[x]" not in out
-    assert gpu.main(argv) == 1 and "\n-- tests," in capsys.readouterr().out  # tried again
-
-
-def test_gpu_budget_starts_no_step_it_cannot_fit_and_keeps_time_for_the_results(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "6s")) == 0
-    assert "budget spent: stopped before tests;" in capsys.readouterr().out  # 6 s less margin and results
-    assert not (tmp_path / "r" / "tests.txt").exists()
-    assert gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "tests", "--budget", "12s")) == 0
-    until = re.search(r"-- tests, until ([0-9.]+)s into this call", capsys.readouterr().out)
-    assert until and float(until[1]) <= 12 - 1 - 2  # the margin, and time for the results
-
-
-def test_gpu_budget_13m_with_step_limit_9m_cuts_steps_and_stops_inside_the_budget(
-    tr_data, tmp_path, monkeypatch, capsys
-):
-    """A 15-minute GPU job: --budget 13m --step_limit 9m, on a made-up clock, each step taking what is
-    written here (the training step all it is given). Every step ends by 9 minutes after its start and by
-    13m less the 1m margin and the 30s kept for the results (11m30s); then gpu.py stops."""
-    clock, took = [0.0], {"check": 60, "tests": 120, "bench": 90}
-    deadlines = []
-
-    def step(name):
-        def run(args, deadline, hard_end):
-            deadlines.append((name, clock[0], deadline))
-            clock[0] += took[name]
-            return True, f"{name} done"
-
-        return run
-
-    def training(args, names, deadline, hard_end):
-        deadlines.append((" ".join(names), clock[0], deadline))
-        clock[0] = deadline  # cut at its deadline
-        return [0] * len(names)
-
-    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    for name in took:
-        monkeypatch.setitem(gpu.STEPS, name, step(name))
-    monkeypatch.setattr(gpu, "train_step", training)
-    argv = [
-        "--device",
-        "cpu",
-        "--data_dir",
-        tr_data,
-        "--results",
-        str(tmp_path / "r"),
-        "--work",
-        str(tmp_path / "w"),
-    ]
-    assert gpu.main([*argv, "--budget", "13m", "--step_limit", "9m", "--parallel", "2"]) == 0
-    assert deadlines == [  # (step, start, end): the step limit, then the budget
-        ("check", 0, 540), ("tests", 60, 600), ("bench", 180, 690), ("sa-32 she", 270, 690),
-    ]  # fmt: skip
-    out = capsys.readouterr().out
-    assert (
-        "-- check, until 9m00s" in out and "-- tests, until 10m00s" in out and "-- bench, until 11m30s" in out
-    )
-    assert out.rstrip().endswith(
-        "budget spent: stopped before sa-32 she; run the same command again to go on"
-    )
-
-
-# ---- the check: each Table 1 model against its committed CPU run
-def _gpu_made_up_log(folder, gaps, wiggle):
-    """A log.csv (gzipped as results/logs/ keeps it, for wiggle 0) of 100 batches whose training cost is
-    8 - 0.02 i, plus gaps[k] in batches 10k+1..10k+10, plus +-wiggle by turns (0 over each window)."""
-    rows = ["iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"]
-    for i in range(1, 101):
-        rows.append(f"{i},{8 - 0.02 * i + gaps[(i - 1) // 10] + wiggle * (-1) ** i!r},,0.001,1000.0,{i / 10}")
-    os.makedirs(folder, exist_ok=True)
-    text = ("\n".join(rows) + "\n").encode()
-    name, data = ("log.csv", text) if wiggle else ("log.csv.gz", gzip.compress(text))
-    with open(os.path.join(folder, name), "wb") as f:
-        f.write(data)
-
-
-_GPU_SHE_GAPS = [0.0, 0.001, 0.012, 0.039, 0.049, -0.049, 0.02, 0.03, 0.04, 0.045]
-
-
-@pytest.mark.parametrize("we_last_window", [0.0, -0.06], ids=["within", "one_window_over"])
-def test_gpu_check_tables_each_windows_gap_and_fails_when_one_is_over_005(
-    we_last_window, tr_data, tmp_path, monkeypatch, capsys
-):
-    """The check's runs give made-up logs (instead of training) whose 10-batch windows are the CPU's plus
-    the gaps written here: she's up to 0.049, we's last window 0 or -0.06; the others the CPU's own."""
-    gaps = {"she": _GPU_SHE_GAPS, "we": [0.0] * 9 + [we_last_window]}
-    for run in gpu.TABLE1:
-        _gpu_made_up_log(tmp_path / "cpu" / run, [0.0] * 10, wiggle=0)
-    train_for_real = gpu.start_and_wait
-
-    def made_up_training(args, cmds, *rest, **kw):
-        if "--overwrite" not in cmds[0][0]:  # not the check's: the tests step
-            return train_for_real(args, cmds, *rest, **kw)
-        for cmd, _ in cmds:
-            out_dir = cmd[cmd.index("--out_dir") + 1]
-            _gpu_made_up_log(out_dir, gaps.get(os.path.basename(out_dir), [0.0] * 10), wiggle=0.01)
-        return [0] * len(cmds)
-
-    monkeypatch.setattr(gpu, "start_and_wait", made_up_training)
-    monkeypatch.setattr(gpu, "cpu_logs", lambda args: str(tmp_path / "cpu"))
-    monkeypatch.setattr(gpu, "ROOT", _gpu_fake_tests(tmp_path / "code", passes=True))
-    pack = tmp_path / "packed.tar.gz"
-    rc = gpu.main(_gpu_argv(tmp_path, tr_data, "--steps", "check,tests", "--pack", str(pack)))
-    out = capsys.readouterr().out
-    zeros = ",+0.0000" * 10 + ",0.0000"
-    assert (tmp_path / "r" / "check.csv").read_text().splitlines() == [
-        "run,1-10,11-20,21-30,31-40,41-50,51-60,61-70,71-80,81-90,91-100,max_abs_gap",
-        "sa-1" + zeros, "sa-32" + zeros,
-        "she,+0.0000,+0.0010,+0.0120,+0.0390,+0.0490,-0.0490,+0.0200,+0.0300,+0.0400,+0.0450,0.0490",
-        "he" + zeros,
-        "we" + (zeros if we_last_window == 0 else ",+0.0000" * 9 + ",-0.0600,0.0600"),
-        "me" + zeros,
-    ]  # fmt: skip
-    printed = [" ".join(line.split()) for line in out.splitlines()]  # the table, as check.csv
-    assert (
-        "she +0.0000 +0.0010 +0.0120 +0.0390 +0.0490 -0.0490 +0.0200 +0.0300 +0.0400 +0.0450 0.0490"
-        in printed
-    )
-    if we_last_window:
-        assert "we" + " +0.0000" * 9 + " -0.0600 0.0600 over 0.05" in printed
-    assert out.index("-- check,") < out.index("-- tests,") and "pytest exit 0" in out  # the plan goes on
-    if we_last_window == 0:
-        assert rc == 0 and "passed: every window within 0.05" in out and "nothing left to do" in out
-    else:
-        assert rc == 1 and "   failed: we 0.0600 (" in out and "failed: check (" in out
-    with tarfile.open(pack) as tar:  # --pack: the results in one file
-        assert tar.extractfile("r/check.csv").read() == (tmp_path / "r" / "check.csv").read_bytes()
-        assert tar.extractfile("r/check.txt").read() == (tmp_path / "r" / "check.txt").read_bytes()
-
-
-def test_gpu_check_trains_each_model_with_the_settings_of_its_committed_cpu_run():
-    for run, (model, more, switch) in gpu.CHECKS["check"].items():
-        assert (model, more, switch) == (run, [], None)  # the check's own runs: train.py's defaults
-        settings = vars(train.build_parser().parse_args([*gpu.TABLE1[run], *gpu.CHECK_FLAGS]))
-        committed = json.load(open(os.path.join(ROOT, "results", "logs", "table1-cpu", run, "run.json")))
-        where = {"data_dir", "out_dir", "device"}  # where it ran, not what
-        assert {k: settings[k] for k in committed["args"] if k not in where} == {
-            k: v for k, v in committed["args"].items() if k not in where
-        }, run
-
-
-# ---- stop signals and a second call
-def _proc_children(pid):
-    """The processes whose parent is pid (Linux: /proc)."""
-    kids = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(open(stat).read().rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(stat.split("/")[2]))
-    return kids
-
-
-def _proc_alive(pid):
-    """Whether the process still runs: whether any of its threads has not yet exited (Linux: /proc). Its
-    first thread shows Z as soon as it has exited, while the others may still be exiting for some ms,
-    holding the process's files and their locks (a child of gpu.py: the folder locks)."""
-    states = []
-    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            states.append(open(stat).read().rsplit(")", 1)[1].split()[0])
-    return any(s not in ("Z", "X") for s in states)  # zombie or dead: exited, its files closed
-
-
-@contextlib.contextmanager
-def _gpu_training(tmp, data):
-    """A gpu.py --smoke process training me towards a million batches, once its child train.py has
-    written its first checkpoint: (the gpu.py process, the child's pid); both killed after, if need be."""
-    flags = ["--steps", "me", "--max_iters", "1000000", "--step_limit", "1h"]  # only a signal stops it
-    cmd = [sys.executable, os.path.join(ROOT, "gpu.py"), *_gpu_argv(tmp, data, *flags)]
-    hangup = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's, even if pytest runs nohup
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=hangup)
-    kid = None  # the child as a pidfd: once it has ended and been reaped, its pid may be another process's
-    try:
-        until = time.monotonic() + 300
-        while not (tmp / "w" / "me" / "ckpt.pt").exists():
-            assert p.poll() is None and time.monotonic() < until, p.communicate()
-            time.sleep(0.1)
-        kids = _proc_children(p.pid)
-        assert len(kids) == 1, kids
-        kid = os.pidfd_open(kids[0])
-        yield p, kids[0]
-    finally:
-        p.kill()  # (nothing once p is reaped)
-        if kid is not None:
-            with contextlib.suppress(ProcessLookupError):  # it has ended
-                signal.pidfd_send_signal(kid, signal.SIGKILL)
-            os.close(kid)
-        p.communicate()
-
-
-def _gpu_me_stopped(tmp):
-    """train.py of the me run said it stopped on SIGTERM, at the batch its checkpoint holds."""
-    said = re.findall(r"SIGTERM: stopped at batch (\d+)", (tmp / "r" / "logs" / "me.txt").read_text())
-    ckpt = torch.load(tmp / "w" / "me" / "ckpt.pt", weights_only=True)
-    return said != [] and int(said[-1]) == ckpt["iter"] >= 10
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_gpu_stop_signal_reaches_the_child_which_checkpoints_then_one_line(sig, tr_data, tmp_path):
-    with _gpu_training(tmp_path, tr_data) as (p, child):
-        p.send_signal(sig)  # Ctrl-C or kill
-        out, err = (s.decode() for s in p.communicate(timeout=60))
-        assert p.returncode == 128 + sig and err == "" and not _proc_alive(child), (p.returncode, err)
-    assert out.splitlines()[-1].startswith(f"{signal.Signals(sig).name}: gpu.py stopped"), out
-    assert _gpu_me_stopped(tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
-def test_gpu_killed_with_kill_9_leaves_no_child_training(tr_data, tmp_path, capsys):
-    with _gpu_training(tmp_path, tr_data) as (p, child):
-        p.kill()
-        p.wait()
-        until = time.monotonic() + 120
-        while _proc_alive(child) and time.monotonic() < until:
-            time.sleep(0.1)
-        assert not _proc_alive(child)
-    assert _gpu_me_stopped(tmp_path)  # it got SIGTERM and checkpointed
-    at = torch.load(tmp_path / "w" / "me" / "ckpt.pt", weights_only=True)["iter"]
-    argv = _gpu_argv(tmp_path, tr_data, "--steps", "me", "--max_iters", str(at))
-    assert gpu.main(argv) == 0 and "nothing left to do" in capsys.readouterr().out  # not refused
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_gpu_second_call_on_the_same_folders_is_refused_while_one_runs(tr_data, tmp_path, capsys):
-    with _gpu_training(tmp_path, tr_data) as (p, child):
-        err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--steps", "tests"))
-        assert "another gpu.py" in err and os.path.realpath(tmp_path / "w") in err
-        other_work = _gpu_argv(tmp_path, tr_data, "--steps", "tests", "--work", str(tmp_path / "w2"))
-        assert "another gpu.py" in error_line(capsys, gpu.main, other_work)  # the same --results
-        assert not (tmp_path / "r" / "tests.txt").exists()
-        p.send_signal(signal.SIGHUP)  # a closed terminal: stops it as Ctrl-C does
-        p.communicate(timeout=60)
-        assert p.returncode == 128 + signal.SIGHUP and not _proc_alive(child)
-    assert _gpu_me_stopped(tmp_path)
-
-
-# ---- bad input: one line
-@pytest.mark.parametrize(
-    "flags, needle",
-    [
-        (["--budget", "forty minutes"], "--budget 'forty minutes' is not a duration"),
-        (["--step_limit", "9x"], "--step_limit '9x' is not a duration"),
-        (["--steps", "tests,fig8"], "--steps fig8: no such step; pick from check,diagnose,tests,bench,sa-32"),
-        (["--parallel", "0"], "must be positive"),
-        (["--budget", "0", "--dry_run"], "--budget '0' must be more than 0"),
-        (["--budget", "0m", "--dry_run"], "--budget '0m' must be more than 0"),
-        (["--budget", "-5m", "--dry_run"], "--budget '-5m' must be more than 0"),
-        (["--step_limit", "0s", "--dry_run"], "--step_limit '0s' must be more than 0"),
-        (["--data_dir", "no/such/folder"], "no no/such/folder/train.bin: run python prepare_data.py first"),
-        (["--frobnicate"], "unrecognized arguments: --frobnicate (see python gpu.py --help)"),
-    ],
-)
-def test_gpu_bad_input_gives_one_clear_line(flags, needle, tr_data, tmp_path, capsys):
-    argv = ["--data_dir", tr_data, "--results", str(tmp_path / "r"), "--work", str(tmp_path / "w"), *flags]
-    assert needle in error_line(capsys, gpu.main, argv)
-    assert not os.listdir(tmp_path)  # nothing written
-
-
-def test_gpu_durations():
-    assert [gpu.seconds(t, "--budget") for t in ("40m", "2h", "1h30m", "90s", "90", "1.5h")] == [
-        2400, 7200, 5400, 90, 90, 5400,
-    ]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "text, why",
-    [
-        ('{"device": "cpu", "te', "JSONDecodeError"),
-        ("[]", "not what gpu.py writes"),
-        ('{"device": "cpu", "tests": true}', "not what gpu.py writes"),
-        ('{"tests": {"done": false, "summary": "", "seconds": "ten"}}', "not what gpu.py writes"),
-    ],
-)
-def test_gpu_unreadable_state_json_is_one_line_naming_it(text, why, tr_data, tmp_path, capsys):
-    (tmp_path / "w").mkdir()
-    (tmp_path / "w" / "state.json").write_text(text)
-    err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--dry_run"))
-    assert f"cannot read {tmp_path / 'w' / 'state.json'} ({why}" in err and "delete it" in err
-
-
-def test_gpu_damaged_checkpoint_is_one_line_naming_it(tr_data, tmp_path, capsys):
-    (tmp_path / "w" / "me").mkdir(parents=True)
-    torch.save({"iter": 10, "model": torch.zeros(1000)}, tmp_path / "w" / "me" / "ckpt.pt")
-    os.truncate(tmp_path / "w" / "me" / "ckpt.pt", 1000)
-    err = error_line(capsys, gpu.main, _gpu_argv(tmp_path, tr_data, "--dry_run"))
-    assert f"cannot read {tmp_path / 'w' / 'me' / 'ckpt.pt'}" in err and "damaged" in err
-
-
-def test_gpu_pack_inside_the_results_is_refused_with_one_line(tr_data, tmp_path, capsys):
-    argv = _gpu_argv(tmp_path, tr_data, "--dry_run", "--pack", str(tmp_path / "r" / "p.tar.gz"))
-    assert "is inside --results" in error_line(capsys, gpu.main, argv)
 
 
 # ======== results/: the committed numbers redrawn from the committed logs ========

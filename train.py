@@ -334,6 +334,7 @@ def loop(run, log, start):
 
     # the end: loss.png, what to do next, the peak memory
     if MASTER:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
         from plot import plot_run
 
         plot_run(args.out_dir, os.path.join(args.out_dir, "loss.png"))

@@ -34,17 +34,19 @@ import tempfile
 import time
 from contextlib import nullcontext
 
-import torch
-import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
 
-import extractor
-import fir
-import rundir
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E402
+
+import extractor  # noqa: E402
+import fir  # noqa: E402
+import rundir  # noqa: E402
 import synthesizer  # noqa: F401  (adds the Synthesizer mixers to MIXERS)
-import train
-from common import atomic_write, fail, keep_freed_memory, one_line_errors, pick_device
-from extractor import MIXERS, Config, Transformer
+import train  # noqa: E402
+from common import atomic_write, fail, keep_freed_memory, one_line_errors, pick_device  # noqa: E402
+from extractor import MIXERS, Config, Transformer  # noqa: E402
 
 # name: (the paper's Table 1 shapes, the tiny ones of --quick)
 SETTINGS = {

@@ -14,13 +14,15 @@ import os
 import shlex
 import sys
 
-import numpy as np
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
 
-from common import fail, one_line_errors
-from extractor import SelfAttention
-from plot import cli, default_output, plt, read_runs, save
-from sample import load_model  # the model of a run's ckpt.pt
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common import fail, one_line_errors  # noqa: E402
+from extractor import SelfAttention  # noqa: E402
+from plot import cli, default_output, plt, read_runs, save  # noqa: E402
+from sample import load_model  # the model of a run's ckpt.pt  # noqa: E402
 
 TAP_WINDOWS = 256  # evenly spaced windows of val.bin over which attention's weights are averaged
 TAP_LABELS = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"}  # else ||w_k||_2
