@@ -44,11 +44,13 @@ from common import (
     fail,
     keep_freed_memory,
     one_line_errors,
+    peak_memory,  # noqa: F401  (for bench.py and sample.py: train.peak_memory)
     pick_device,
     plain_output,
 )
 from extractor import MIXERS, Config, Transformer
 from prepare_data import load_data
+from rundir import CapturedStep  # noqa: F401  (for bench.py: train.CapturedStep)
 
 # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
 RANK, WORLD, LOCAL_RANK = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
