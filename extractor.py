@@ -6,15 +6,15 @@ Config (Table 1); the Transformer (Section 4, Eq. 3-22); self-attention (Eq. 10-
 (Section 5, Eq. 23-29) and the causal FIR filter they share, as the literal sum and as causal_fir
 (how it is computed fast is fir.py); last, choosing each new token in generation (Eq. 2). Every weight
 starts N(0, 0.01²), i.e. with standard deviation 0.01 (Section 6). The operation counts of Tables 3-7
-are in bench.py (`python bench.py --table7`).
+are in experiments/bench.py.
 
 Equation numbers, e.g. `# Eq. (23)`, refer to the paper. Indices: the paper counts positions and taps
 from 1; the code counts from 0, so the paper's tap W_k (k = i - j + 1, the distance back plus one) is
 W_ext[k - 1] here, and W_ext[0] multiplies the current token.
 """
 
+import importlib
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from fir import fir_full, fir_last_row
 
-MIXERS = {}  # each --mixer name -> its class, the first sublayer; filled below, after the classes
+MIXERS = {}  # the paper's mixers, each --mixer name -> its class (the first sublayer); filled below
+# further mixers (Tay et al.), in synthesizer.py: imported only when one is used
+SYNTHESIZERS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Config:
     n_layer: int = 18  # m, number of layers
     n_head: int = 32  # n, heads of self-attention (and of the Synthesizers)
     dropout: float = 0.1  # p, dropout rate
-    mixer: str = "sa"  # the first sublayer: a key of MIXERS
+    mixer: str = "sa"  # the first sublayer: a name find_mixer knows
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_embd", "n_hidden", "n_layer", "n_head"):
@@ -46,18 +48,9 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.mixer not in MIXERS:
-            hint = (
-                "; the Synthesizers' names need `import synthesizer` first"
-                if "synthesizer" not in sys.modules
-                else ""
-            )
-            raise ValueError(f"unknown mixer {self.mixer!r}; choose one of: {', '.join(MIXERS)}{hint}")
-        if MIXERS[self.mixer].uses_heads and self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_head={self.n_head} must divide n_embd={self.n_embd} "
-                f"for mixer {self.mixer!r} (each head has d/n features)"
-            )
+        if getattr(find_mixer(self.mixer), "uses_heads", False) and self.n_embd % self.n_head != 0:
+            why = f"for mixer {self.mixer!r} (each head has d/n features)"
+            raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd} {why}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -83,7 +76,7 @@ class Layer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)  # g, b of Eq. (8) for Eq. (9)
-        self.mixer = MIXERS[cfg.mixer](cfg)
+        self.mixer = find_mixer(cfg.mixer)(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)  # for Eq. (18)
         self.ffn = FFN(cfg)
         self.drop = nn.Dropout(cfg.dropout)  # Eq. (6)
@@ -115,11 +108,10 @@ class Transformer(nn.Module):
         B, t = idx.shape
         if t == 0:
             raise ValueError(f"idx {tuple(idx.shape)} holds no tokens; give each sequence at least one")
-        past = 0 if cache is None else cache["t"]
-        if past + t > self.cfg.block_size:
+        past, l = 0 if cache is None else cache["t"], self.cfg.block_size
+        if past + t > l:
             raise ValueError(
-                f"sequence length {past + t} exceeds block_size "
-                f"l={self.cfg.block_size}; crop the input to its last l tokens"
+                f"sequence length {past + t} exceeds block_size l={l}; crop it to its last l tokens"
             )
         pos = torch.arange(past, past + t, device=idx.device)
         scale = math.sqrt(self.cfg.n_embd)  # Section 4: embeddings times sqrt(d)
@@ -131,7 +123,7 @@ class Transformer(nn.Module):
         logits = self.soft(self.ln_f(x))  # Eq. (21) before the softmax, (B, t, u)
         loss = None
         if targets is not None:  # Eq. (3): mean of -ln P-hat, Eq. (22)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     def new_cache(self):
@@ -139,14 +131,11 @@ class Transformer(nn.Module):
 
     def param_counts(self):
         count = lambda mods: sum(p.numel() for m in mods for p in m.parameters())
-        norms = [self.ln_f, self.soft] + [ln for layer in self.layers for ln in (layer.ln1, layer.ln2)]
-        c = {
-            "embeddings": count([self.emb_tok, self.emb_pos]),
-            "mixers": count([layer.mixer for layer in self.layers]),
-            "ffns": count([layer.ffn for layer in self.layers]),
-            "norms_and_head": count(norms),
-        }
-        c["total"] = sum(c.values())
+        c = {"embeddings": count([self.emb_tok, self.emb_pos])}  # Eq. (4), (5)
+        c["mixers"] = count(layer.mixer for layer in self.layers)
+        c["ffns"] = count(layer.ffn for layer in self.layers)  # Eq. (19)
+        c["norms_and_head"] = count([self]) - sum(c.values())  # Eq. (8), (21)
+        c["total"] = count([self])
         return c
 
     @torch.no_grad()
@@ -157,17 +146,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
-        """Yield each new token (B, 1) as soon as it is sampled, conditioning on the last l tokens,
-        Eq. (2). While the sequence fits in l, a cache makes a new token cost one row per layer
-        (Tables 5 and 6). Beyond l every position would shift under the absolute position
-        embedding, so each new token is a forward over exactly the last l tokens: the same tokens
-        as use_cache=False, which does that from the start. Runs in eval mode (no dropout), then
-        puts the model back in the mode it was in."""
+        """Yield each new token (B, 1) as soon as it is sampled from the last l tokens, Eq. (2). While
+        the sequence fits in l, a cache makes a new token cost one row per layer (Tables 5, 6); beyond
+        l every position shifts, so each token is a forward over the last l tokens, as with
+        use_cache=False throughout. Runs in eval mode, then puts the model back in its mode."""
         check_sampling(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(
-                f"idx must be (B, t) token ids with t >= 1 (a prompt), got shape {tuple(idx.shape)}"
-            )
+            raise ValueError(f"idx must be (B, t) token ids with t >= 1 (a prompt), got {tuple(idx.shape)}")
         l, was_training = self.cfg.block_size, self.training
         self.eval()
         try:
@@ -194,17 +179,16 @@ def init_weights(module):
 
 
 def normal_weight(*shape):
-    """A weight tensor that is not an nn.Linear's (the Extractors' taps, the Synthesizers' maps)."""
+    """A weight tensor that is not an nn.Linear's (the Extractors' taps)."""
     return nn.Parameter(torch.randn(*shape) * 0.01)  # Section 6: weights ~ N(0, 0.01²)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Token mixers, the first sublayer. MIXERS maps each --mixer name to a class; adding your own is
-# `MIXERS["name"] = YourMixer` (synthesizer.py adds the Synthesizers this way). A mixer is an
-# nn.Module built as cls(cfg) with a class attribute `uses_heads` (whether cfg.n_head must divide
-# cfg.n_embd) and forward(x, cache=None) mapping X^[in_sub1] (B, t, d) to X^[out_sub1] (B, t, d)
-# causally, with no dropout inside. With `cache` (a dict per layer, for generation) x holds only
-# the new positions, and the mixer keeps in the dict what later tokens need.
+# Token mixers, the first sublayer. A mixer is an nn.Module built as cls(cfg), with forward(x, cache=None)
+# mapping X^[in_sub1] (B, t, d) to X^[out_sub1] (B, t, d) causally, with no dropout inside, and
+# optionally a class attribute `uses_heads` (True: cfg.n_head must divide cfg.n_embd). With `cache` (a
+# dict per layer, for generation) x holds only the new positions, and the mixer keeps in the dict what
+# later tokens need. Your own mixer class needs no registering: --mixer=module.Class names it.
 
 
 class SelfAttention(nn.Module):
@@ -330,6 +314,25 @@ class HEExtraction(nn.Module):
 MIXERS.update({"sa": SelfAttention, "she": SHE, "he": HE, "we": WE, "me": ME, "he-ext": HEExtraction})
 
 
+def find_mixer(name):
+    """The mixer class called `name`: a key of MIXERS, a key of SYNTHESIZERS (synthesizer.py is imported
+    only then) or "module.Class", a class of your own, imported by that name."""
+    if name in MIXERS:
+        return MIXERS[name]
+    if name in SYNTHESIZERS:
+        return importlib.import_module("synthesizer").SYNTHESIZERS[name]
+    module, _, cls = name.rpartition(".")
+    found, why = None, ""
+    try:
+        found = getattr(importlib.import_module(module), cls) if module else None
+    except (ImportError, AttributeError) as e:
+        why = f" ({e})"
+    if isinstance(found, type) and issubclass(found, nn.Module):
+        return found
+    choices = ", ".join([*MIXERS, *SYNTHESIZERS, "or module.Class (a mixer class of yours)"])
+    raise ValueError(f"unknown mixer {name!r}{why}; choose one of: {choices}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The extraction shared by the four Extractors: a causal FIR filter along time, Eq. (23), (26), (28),
 # (29). The same tap k serves every position (the weights follow "the reverse order of the input").
@@ -339,8 +342,7 @@ def causal_fir_reference(x, w):
     """Eq. (23)/(26)/(28)/(29) as written: y_i = sum_{j<=i} x_j (*) w_{i-j+1}, a direct double sum.
 
     x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w (WE, HE) or (l,) scalars
-    x_j w (ME). The reading copy: causal_fir computes the same faster (fir.py says how), and
-    tests.py checks that they agree."""
+    x_j w (ME). The reading copy: causal_fir computes the same faster (fir.py says how)."""
     tap = (lambda x_j, w_k: x_j @ w_k) if w.dim() == 3 else (lambda x_j, w_k: x_j * w_k)
     rows = [sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])]
     return torch.stack(rows, dim=1)  # (B, t, d)
@@ -366,8 +368,7 @@ def causal_fir(x, w, cache=None):
 
 
 def check_sampling(temperature, top_k, top_p):
-    """ValueError for settings that cannot sample: a negative or non-finite temperature, top_k < 1,
-    top_p outside (0, 1]."""
+    """ValueError for settings that cannot sample."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -384,9 +385,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    logits = (
-        logits - logits.amax(dim=-1, keepdim=True)
-    ) / temperature  # the top token 0: a tiny T stays finite
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # top at 0: a tiny T stays finite
     if top_k is not None:
         k = min(top_k, logits.size(-1))
         keep = logits.topk(k, dim=-1).indices  # (B, k)

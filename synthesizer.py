@@ -1,10 +1,8 @@
 """
 The Synthesizer family (Tay et al., "Synthesizer: Rethinking Self-Attention for Transformer Models",
 ICML 2021, arXiv:2005.00743) as further drop-in token mixers: synthesized alignment matrices instead
-of Q K^T. Importing this module adds them to extractor.MIXERS, the same way you would add your own
-mixer (README, "Adding a mixer"); train.py, sample.py and bench.py import it.
-
-    dense, dense-fact, random, random-fixed, random-fact, random+dense, random+sa, dense+sa
+of Q K^T, named in SYNTHESIZERS (at the end). extractor.find_mixer imports this module only when a
+model uses one of them.
 """
 
 import math
@@ -12,8 +10,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from extractor import MIXERS, normal_weight
 
 # Synthesizer equations are cited as `# Synthesizer Eq. (k)`, to tell them from the Extractors
 # paper's `# Eq. (k)` (its self-attention equations, reused here). Each head j replaces
@@ -37,9 +33,17 @@ from extractor import MIXERS, normal_weight
 SYN_RANK = 8  # k of the Factorized Random Synthesizer ("In practice, we use a small value of k = 8")
 
 
+def normal_weight(*shape):
+    return nn.Parameter(torch.randn(*shape) * 0.01)  # the Extractors paper's Section 6: N(0, 0.01²)
+
+
 def _syn_factors(l):
-    """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l) (l = 128: 8 x 16)."""
+    """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l) (l = 128: 8 x 16).
+    A prime l has only 1 x l, which factorizes nothing: a ValueError."""
     a = max(f for f in range(1, math.isqrt(l) + 1) if l % f == 0)
+    if a == 1 < l:
+        fix = f"try block_size={max(4, l + 1)}"
+        raise ValueError(f"dense-fact needs block_size l = a b with a, b > 1, but l={l} is prime: {fix}")
     return a, l // a
 
 
@@ -63,9 +67,8 @@ def _syn_softmax(s, past):
 
 def _syn_attend(q, k, v, past, bias=None):
     """softmax(q k^T + bias) v over the causal rows, Eq. (14), (15), by F.scaled_dot_product_attention
-    (fused where the backend can; a float bias that needs a gradient runs torch's plain math on CPU),
-    with no 1/sqrt scale: the caller scales.
-    q (B, n, t, e), k (B, n, T, e), v (B, n, T, h), bias (n, t, T)."""
+    with no 1/sqrt scale (the caller scales). q (B, n, t, e), k (B, n, T, e), v (B, n, T, h), bias
+    (n, t, T): a float bias that needs a gradient runs torch's plain math on the CPU."""
     t, T = q.shape[2], k.shape[2]
     if bias is None and past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)  # Eq. (14), (15)
@@ -132,14 +135,12 @@ class DenseSynthesizer(_Synthesizer):
         return self.heads(F.relu(self.W_1(x)))  # Synthesizer Eq. (2), (B, n, t, h)
 
     def keys(self, B, T):
-        """B_i = W_2 hidden_i (Synthesizer Eq. (1), (2)) is a dot product of the hidden units with
-        the rows of W_2 (l, h): they act as keys, so the fused attention kernel computes
-        Synthesizer Eq. (3)."""
+        """B_i = W_2 hidden_i (Synthesizer Eq. (1), (2)) dots the hidden units with the rows of W_2 (l, h):
+        they act as keys, so the fused attention kernel computes Synthesizer Eq. (3)."""
         return self.W_2[:, :T].expand(B, -1, -1, -1)  # (B, n, T, h)
 
-    def mix(self, x, v, past, cache):
-        q = self.hidden(x)
-        return _syn_attend(q, self.keys(x.shape[0], v.shape[2]), v, past)  # Synthesizer Eq. (1)-(3)
+    def mix(self, x, v, past, cache):  # Synthesizer Eq. (1)-(3)
+        return _syn_attend(self.hidden(x), self.keys(x.shape[0], v.shape[2]), v, past)
 
 
 class FactorizedDenseSynthesizer(_Synthesizer):
@@ -267,15 +268,13 @@ class DenseSASynthesizer(DenseSynthesizer):
         return _syn_attend(q, k, v, past)  # alpha_SA Eq. (13) + alpha_D Synthesizer Eq. (1), (2): the mixture
 
 
-MIXERS.update(
-    {
-        "dense": DenseSynthesizer,
-        "dense-fact": FactorizedDenseSynthesizer,
-        "random": RandomSynthesizer,
-        "random-fixed": FixedRandomSynthesizer,
-        "random-fact": FactorizedRandomSynthesizer,
-        "random+dense": RandomDenseSynthesizer,
-        "random+sa": RandomSASynthesizer,
-        "dense+sa": DenseSASynthesizer,
-    }
-)
+SYNTHESIZERS = {  # the --mixer names (extractor.find_mixer finds them here)
+    "dense": DenseSynthesizer,
+    "dense-fact": FactorizedDenseSynthesizer,
+    "random": RandomSynthesizer,
+    "random-fixed": FixedRandomSynthesizer,
+    "random-fact": FactorizedRandomSynthesizer,
+    "random+dense": RandomDenseSynthesizer,
+    "random+sa": RandomSASynthesizer,
+    "dense+sa": DenseSASynthesizer,
+}
