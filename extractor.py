@@ -395,5 +395,5 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
         p = sorted_logits.softmax(dim=-1)
         drop = p.cumsum(dim=-1) - p >= top_p  # the mass before it already reaches p
         sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+        logits = logits.scatter(-1, order, sorted_logits)  # back in the tokens' order
     return torch.multinomial(logits.softmax(dim=-1), num_samples=1)  # (B, 1)
