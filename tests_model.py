@@ -266,13 +266,9 @@ def test_synth_initialisation():
 
 
 # ---- parameter counts: Tables 3 and 4 (no biases, ERRATA) and the Synthesizer paper's Table 1
-def paper_params(name, d, l):
-    return {
-        "sa": 4 * d * d,
-        "she": l * d * d + 2 * d * d,
-        "he": l * d + 3 * d * d,
-        "we": l * d + 2 * d * d,
-    }.get(name, {"me": l, "he-ext": l * d + d * d}.get(name))
+def paper_params(name, d, l):  # Tables 3 and 4 (ERRATA: no biases)
+    sa, she, he, we = 4 * d * d, l * d * d + 2 * d * d, l * d + 3 * d * d, l * d + 2 * d * d
+    return {"sa": sa, "she": she, "he": he, "we": we, "me": l, "he-ext": l * d + d * d}[name]
 
 
 def synth_params(name, d, l, n, a, b, k=8):
