@@ -387,11 +387,13 @@ def judge(args, parser, argv):
 @contextmanager
 def locked(out_dir):
     """The run folder, made if need be and locked while this train.py works in it (the OS releases the
-    lock even after kill -9), so that a second train.py on it is refused. No lock on Windows."""
+    lock even after kill -9), so that a second train.py on it is refused (on Windows: not). A folder that
+    this command made and leaves empty goes again."""
+    made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    fd = os.open(out_dir, os.O_RDONLY)
+    fd = os.open(out_dir, os.O_RDONLY) if os.name == "posix" else None
     try:
-        if os.name == "posix":
+        if fd is not None:
             import fcntl
 
             try:
@@ -402,7 +404,10 @@ def locked(out_dir):
                 )
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+        if made and not os.listdir(out_dir):
+            os.rmdir(out_dir)
 
 
 def load_checkpoint(path):
