@@ -1,6 +1,7 @@
 # ruff: noqa: F403, F405
 import csv
 import functools
+import gzip
 import math
 import os
 import signal
@@ -480,3 +481,46 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'} --max_new_tokens 500 | head -c 20"
     r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
     assert r.stdout.startswith("Once upon a time") and len(r.stdout) == 20 and r.stderr.count("\n") == 2
+
+
+# ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment check ========
+SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
+
+
+@pytest.mark.slow
+def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(data, tmp_path, monkeypatch):
+    import reproduce
+
+    results, work = tmp_path / "results", str(tmp_path / "work")
+    argv = ["--device=cpu", f"--data_dir={data}", f"--work={work}", f"--results={results}"]
+    for n in (20, 40):  # a second call goes on from the first's checkpoints
+        runs = {
+            "sa-1": ["--mixer=sa", "--n_head=1", *SIZES, f"--max_iters={n}"],
+            "me": ["--mixer=me", *SIZES],
+        }
+        monkeypatch.setattr(reproduce, "RUNS", {k: v + [f"--max_iters={n}"] for k, v in runs.items()})
+        assert reproduce.main(argv) == 0
+    for name in ("sa-1", "me"):
+        with gzip.open(results / "logs" / "table1" / name / "log.csv.gz", "rt") as f:
+            assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
+    for name in ("sa-1", "me"):  # the "CPU runs": these models trained here, 100 batches each
+        cpu = results / "logs" / "table1-cpu" / name
+        flags = reproduce.RUNS[name] + [
+            "--max_iters=100",
+            f"--data_dir={data}",
+            f"--out_dir={tmp_path / name}",
+        ]
+        assert train.main(flags + ["--device=cpu"]) == 0
+        os.makedirs(cpu)
+        with open(tmp_path / name / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
+            g.write(f.read())
+    assert reproduce.main(argv + ["--check"]) == 0
+    assert "passed: every 10-batch window within 0.05" in (results / "gpu" / "check.txt").read_text()
+    with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "rt") as f:
+        rows = list(csv.reader(f))
+    rows[35][1] = str(float(rows[35][1]) - 0.6)  # batch 35: its window's mean 0.06 lower on the "CPU"
+    with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "wt") as f:
+        csv.writer(f).writerows(rows)
+    assert reproduce.main(argv + ["--check"]) == 1
+    table = (results / "gpu" / "check.txt").read_text().splitlines()
+    assert table[-2].startswith("me ") and "+0.0600" in table[-2] and table[-1].startswith("FAILED")
