@@ -1,26 +1,19 @@
 """
-Plot training runs the way the paper does (Section 6): the median training cost of every
-non-overlapping window of batches (Figures 7-8, each run's gap to a reference run beside it), every
-batch's cost (Figure 9), or the median of the last window against a swept setting (Figures 7, 10, 11,
-the validation loss beside it). Prints a table of the runs too. Needs only matplotlib and numpy
-(taps.py draws what the filters learned, from the checkpoints).
+Training runs drawn the way the paper does (Section 6), and the results' CSVs: the median training
+cost of every non-overlapping window of batches (Figures 7-8, each run's gap to sa-32 beside it), every
+batch (Figure 9, --raw), or the median of the last window against a swept setting (Figures 7, 10, 11,
+--sweep, the validation loss beside it). Needs only matplotlib and numpy.
 
-    python plot.py out/me-m2-l64-b32                                             # its loss.png again
-    python plot.py out/sa-1 out/sa-32 out/she out/he out/we out/me -o fig8.png   # window medians, gaps
-    python plot.py out/sa-32 out/she --raw -o fig9.png                            # every batch
-    python plot.py out/fig10/* --sweep block_size -o fig10.png                    # last 2000 vs l
-    python plot.py out/sa-* --sweep n_head -o fig7_heads.png                      # last 2000 vs n
-    python plot.py RUNS... --seeds MORE... --results results -o results/fig8.png  # + the CSVs
+    python experiments/plot.py out/me                                        # out/me/loss.png
+    python experiments/plot.py out/{sa-1,sa-32,she,he,we,me} -o fig8.png     # window medians, gaps
+    python experiments/plot.py out/sa-32 out/she --raw -o fig9.png           # every batch
+    python experiments/plot.py out/fig10/* --sweep block_size -o fig10.png   # last 2000 against l
+    python experiments/plot.py RUNS... --seeds MORE... --results results -o results/fig8.png  # + CSVs
 
-One run without -o redraws its own chart (every batch, window medians, validation) as train.py does
-at the end, into RUN/loss.png; with -o, that chart goes there. Several runs, --raw and --sweep make
-one figure, titled with the runs' setting, and need -o. Run folders are those train.py writes
-(log.csv, run.json), or those results/logs/ keeps (log.csv.gz, run.json). --window defaults to the
-paper's 2000 batches, or to about 30 windows for shorter runs. Lines keep one colour and order per
-mixer in every figure. Runs side by side share one corpus and vocabulary (their costs are otherwise
-other quantities); a sweep also one length (--batches N cuts longer ones), one run per point. With
---sweep, a CSV that --results wrote may stand among the runs: its points stay in the figure where no
-run folder gives the same mixer and setting, so a sweep can grow after its runs are gone.
+Run folders: train.py's (log.csv, run.json) or results/logs/'s (log.csv.gz, run.json). Runs side
+by side share a corpus; a sweep's runs also one length (--batches N) and one run per point, and its
+window is their last 2000 batches (or all). A sweep CSV that --results wrote may stand among its
+runs, a seeds.csv among --seeds: the rows no run gives again stay.
 """
 
 import argparse
@@ -42,73 +35,70 @@ matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
-from common import SYMBOLS, atomic_write, fail, one_line_errors  # noqa: E402
+from prepare_data import atomic_write, fail  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others follow in matplotlib's cycle)
-STYLE = {
-    "sa-1": "tab:gray",
-    "sa-32": "black",
-    "she": "tab:red",
-    "he": "tab:orange",
-    "we": "tab:green",
-    "me": "tab:blue",
-    "he-ext": "tab:purple",
-}
+STYLE = {"sa-1": "tab:gray", "sa-32": "black", "she": "tab:red", "he": "tab:orange", "we": "tab:green"}
+STYLE.update({"me": "tab:blue", "he-ext": "tab:purple"})
+SYMBOLS = {"n_layer": "m", "block_size": "l"}  # the paper's symbols, in titles and sweep CSVs
+SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
 
 
-def read_log(run_dir, until=None):
-    """log.csv of a run as arrays: iter, train_loss, tokens_per_s, and the iterations with a val_loss;
-    with `until`, only its first `until` batches (for comparing runs at the same length)."""
+def read_log(run_dir):
+    """A run's log.csv (or .gz) as arrays: iter, train_loss, tokens_per_s; val_iter, val_loss."""
     path = os.path.join(run_dir, "log.csv")
     if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
         path += ".gz"  # a finished run's log as results/logs/ keeps it
-    if not os.path.isfile(path):
-        fail(f"{path} not found; pass folders written by train.py")
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
-            reader = csv.DictReader(f)
-            rows, header = list(reader), reader.fieldnames or []
+            rows = list(csv.DictReader(f))
     except (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Error) as e:  # cut, or not a log
         fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
-    except OSError as e:  # unreadable: the input's fault, not the output's
-        fail(f"cannot read {path}: {e.strerror}")
-    if header and not {"iter", "train_loss", "val_loss", "tokens_per_s"} <= set(header):
-        fail(f"{path} is damaged (its first line is not train.py's header); restore it or leave this run out")
-    it, loss, tok_s, val_it, val = [], [], [], [], []
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}; pass folders written by train.py")
+    good = []
     for row in rows:
         try:
-            i, l, t = int(row["iter"]), float(row["train_loss"]), float(row["tokens_per_s"])
-            v = float(row["val_loss"]) if row["val_loss"] else None
+            it, loss, tok_s = (float(row[c]) for c in ("iter", "train_loss", "tokens_per_s"))
+            good.append([it, loss, tok_s, float(row["val_loss"] or "nan")])
         except (KeyError, TypeError, ValueError):
-            continue  # a half-written last row of a run that is still going
-        it.append(i), loss.append(l), tok_s.append(t)
-        if v is not None:
-            val_it.append(i), val.append(v)
-    if not it:
-        fail(f"{path} has no rows yet; wait for the run's first log line")
-    log = {"iter": it, "train_loss": loss, "tokens_per_s": tok_s, "val_iter": val_it, "val_loss": val}
-    return cut({k: np.array(v) for k, v in log.items()}, until)
+            continue  # a half-written last row of a run still going, or not train.py's log
+    if not good:
+        fail(f"{path} holds no row of train.py's log; wait for the run's first log line, or restore it")
+    it, loss, tok_s, val = np.array(good).T  # (rows,) each
+    it, has = it.astype(np.int64), ~np.isnan(val)
+    return {"iter": it, "train_loss": loss, "tokens_per_s": tok_s, "val_iter": it[has], "val_loss": val[has]}
 
 
 def cut(log, until):
     """read_log's arrays up to batch `until` (all of them for None)."""
-    if until is None:
-        return log
-    keep, keep_val = log["iter"] <= until, log["val_iter"] <= until
-    return {k: v[keep_val if k.startswith("val") else keep] for k, v in log.items()}
+    until = np.inf if until is None else until
+    return {k: v[log["val_iter" if k.startswith("val") else "iter"] <= until] for k, v in log.items()}
 
 
-def read_settings(run_dir):
-    """Config, training arguments and parameter counts of a run (run.json), merged into one dict."""
-    path = os.path.join(run_dir, "run.json")
-    if not os.path.isfile(path):
-        fail(f"{path} not found; pass folders written by train.py")
-    try:
-        with open(path) as f:
-            run = json.load(f)
-        return {**run["args"], **run["config"], "params": run.get("params", {}), "data": run.get("data")}
-    except (ValueError, KeyError, TypeError) as e:  # a cut or hand-edited file
-        fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
+def read_runs(run_dirs, until=None):
+    """Each run folder once, in the paper's order: name, dir, log (to batch `until`), settings (run.json)."""
+    paths, runs = [os.path.realpath(d) for d in run_dirs], []
+    if len(set(paths)) < len(paths):
+        same = " and ".join(d for d, p in zip(run_dirs, paths) if paths.count(p) > 1)
+        fail(f"{same} are one run folder; pass each run once")
+    for d in run_dirs:
+        path = os.path.join(d, "run.json")
+        try:
+            with open(path) as f:
+                run = json.load(f)
+            s = run["args"] | run["config"] | {"params": run.get("params", {}), "data": run.get("data") or {}}
+        except OSError as e:
+            fail(f"cannot read {path}: {e.strerror}; pass folders written by train.py")
+        except (ValueError, KeyError, TypeError) as e:  # a cut or hand-edited file
+            fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
+        runs.append({"dir": d, "settings": s, "log": cut(read_log(d), until)})
+    names, depth = [label(r["settings"]) for r in runs], 0
+    while len(set(names)) < len(names):  # two of one label: the last parts of their paths that differ
+        depth += 1
+        names = ["/".join(p.split(os.sep)[-depth:]) for p in paths]
+    runs = [dict(r, name=name) for r, name in zip(runs, names)]
+    return sorted(runs, key=lambda r: paper_rank(r["name"]))
 
 
 def label(settings):
@@ -116,64 +106,33 @@ def label(settings):
     return f"sa-{settings['n_head']}" if settings["mixer"] == "sa" else settings["mixer"]
 
 
-def run_names(run_dirs, settings):
-    """A name per run: its mixer label, or where two labels are the same the folders' paths, cut to
-    the last parts that tell them apart (r, or x/r and y/r for out/x/r and out/y/r)."""
-    paths = [os.path.realpath(d) for d in run_dirs]
-    for d, p in zip(run_dirs, paths):
-        if paths.count(p) > 1:
-            same = " and ".join(e for e, q in zip(run_dirs, paths) if q == p)
-            fail(f"{same} are one run folder; pass each run once")
-    names, depth = [label(s) for s in settings], 0
-    while len(set(names)) < len(names):
-        depth += 1
-        names = ["/".join(p.split(os.sep)[-depth:]) for p in paths]
-    return names
-
-
-def read_runs(run_dirs, logs=True):
-    """Each run folder read once, in STYLE's order: dicts of name, dir, settings and (with logs) log."""
-    settings = [read_settings(d) for d in run_dirs]
-    runs = [
-        {"name": n, "dir": d, "settings": s, "log": read_log(d) if logs else None}
-        for n, d, s in zip(run_names(run_dirs, settings), run_dirs, settings)
-    ]
-    return sorted(runs, key=lambda r: paper_rank(r["name"]))
-
-
 def paper_rank(name):
-    """Sort key: self-attention by head count (sa-1, sa-2, ..., sa-128), then the other mixers in
-    STYLE's order, then any others by name."""
+    """Sort key: sa by head count (sa-1, sa-2, ..., sa-128), then STYLE's order, then others by name."""
     heads = name.removeprefix("sa-")
     if name.startswith("sa-") and heads.isdigit():
         return (0, int(heads), name)
-    order = list(STYLE)
-    return (order.index(name) if name in order else len(order), 0, name)
+    return (list(STYLE).index(name) if name in STYLE else len(STYLE), 0, name)
+
+
+def check_corpus(runs):
+    """One corpus for all runs (a cost over other text or tokens is another quantity): one vocabulary, and
+    one train.bin (its sha256) among the runs whose run.json records it."""
+    corpora = {(r["settings"].get("vocab_size"), r["settings"]["data"].get("train_sha256")) for r in runs}
+    if len({v for v, _ in corpora}) > 1 or len({sha for _, sha in corpora if sha}) > 1:
+        names = sorted(f"vocabulary {v}" + (f", train.bin {sha[:12]}" if sha else "") for v, sha in corpora)
+        fail(f"the runs were trained on other data ({'; '.join(names)}); compare runs of one corpus")
 
 
 def window_medians(loss, window):
-    """Median of every non-overlapping window of `window` batches (a last, partial window is
-    dropped). Returns the batch count at the end of each window and the medians."""
+    """Each full window's last batch number and the median of its training costs."""
     n = len(loss) // window
     med = np.median(np.asarray(loss[: n * window]).reshape(n, window), axis=1)  # (n,)
     return window * np.arange(1, n + 1), med
 
 
-def auto_window(n_batches):
-    """The paper's 2000 batches for full-length runs; shorter runs get about 30 windows."""
-    return max(1, min(2000, n_batches // 30))
-
-
-def check_window(run_dir, loss, window):
-    if len(loss) < window:
-        fail(f"{run_dir} has {len(loss)} batches, fewer than --window {window}; pass a smaller --window")
-
-
-def plot_run(run_dir, path, window=None, until=None, title=None, log=None):
-    """One run's curve (train.py draws it at the end): every batch, window medians, validation."""
-    log = read_log(run_dir, until) if log is None else log
-    window = window or auto_window(len(log["train_loss"]))
-    check_window(run_dir, log["train_loss"], window)
+def plot_run(run, path, window):
+    """One run's chart: every batch, the window medians and the validation loss."""
+    log = run["log"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alpha, every = 0.35 if window > 1 else 1, "training cost, every batch"
     ax.plot(log["iter"], log["train_loss"], lw=0.5, alpha=alpha, color="C0", label=every)
@@ -182,545 +141,258 @@ def plot_run(run_dir, path, window=None, until=None, title=None, log=None):
         ax.plot(ends, med, "-o", ms=3, color="C0", label=f"median of every {window} batches")
     if len(log["val_loss"]):
         ax.plot(log["val_iter"], log["val_loss"], "s--", ms=4, color="C3", label="validation loss")
-    finish(ax, title or os.path.basename(os.path.normpath(run_dir)))
+    finish(ax, os.path.basename(os.path.normpath(run["dir"])))
     save(fig, path)
 
 
-def plot_runs(runs, path, window, raw=False, title=None, reference=None):
-    """Several runs overlaid: window medians (Figures 7-8) and beside them each run's gap to the
-    `reference` run, or with raw every batch at its logged batch number (Figure 9)."""
-    ref = None if raw else reference_run(runs, reference)
+def plot_runs(runs, path, window, raw=False):
+    """Several runs overlaid: window medians (Figures 7-8) and beside them each run's gap to sa-32's
+    window medians where sa-32 is among them, or with raw every batch at its batch number (Figure 9)."""
+    ref = None if raw or len(runs) < 2 else {r["name"]: r for r in runs}.get("sa-32")
     fig, axes = plt.subplots(1, 2 if ref else 1, figsize=(15 if ref else 8, 5), squeeze=False)
     ax = axes[0][0]
     for r in runs:
         log, colour = r["log"], STYLE.get(r["name"])
         if raw:
             ax.plot(log["iter"], log["train_loss"], lw=0.5, alpha=0.6, color=colour, label=r["name"])
-            continue
-        check_window(r["dir"], log["train_loss"], window)
-        ax.plot(*window_medians(log["train_loss"], window), "-o", ms=3, color=colour, label=r["name"])
+        else:
+            ax.plot(*window_medians(log["train_loss"], window), "-o", ms=3, color=colour, label=r["name"])
     finish(ax, "training cost of every batch" if raw else f"median training cost of every {window} batches")
     if ref:
-        plot_gaps(axes[0][1], window_gaps(runs, ref, window), ref["name"])
-    fig.suptitle(title or setting_title(runs))
-    fig.tight_layout()
-    save(fig, path)
-
-
-def reference_run(runs, name=None):
-    """The run the gap panel measures from: --reference's, else sa-32 where it is among the runs."""
-    by_name = {r["name"]: r for r in runs}
-    if name is not None and name not in by_name:
-        fail(f"--reference {name} is none of the runs; pass one of {', '.join(by_name)}")
-    return by_name.get(name or "sa-32") if len(runs) > 1 else None
-
-
-def window_gaps(runs, ref, window):
-    """{name: (window ends, medians)} of each other run's window medians minus the reference run's,
-    over the windows both runs have."""
-    ref_med = window_medians(ref["log"]["train_loss"], window)[1]
-    gaps = {}
-    for r in runs:
-        if r is not ref:
+        ax = axes[0][1]
+        ax.axhline(0, color=STYLE.get(ref["name"], "black"), lw=1, label=ref["name"])
+        ref_med = window_medians(ref["log"]["train_loss"], window)[1]
+        for r in [r for r in runs if r is not ref]:
             ends, med = window_medians(r["log"]["train_loss"], window)
-            n = min(len(med), len(ref_med))
-            gaps[r["name"]] = (ends[:n], med[:n] - ref_med[:n])
-    return gaps
-
-
-def plot_gaps(ax, gaps, ref_name):
-    """window_gaps, a line per run, the reference at 0: the gaps the text gives at a readable scale."""
-    ax.axhline(0, color=STYLE.get(ref_name, "black"), lw=1, label=ref_name)
-    for name, (ends, gap) in gaps.items():
-        ax.plot(ends, gap, "-o", ms=3, color=STYLE.get(name), label=name)
-    ax.set(ylabel=f"median cost minus {ref_name}'s (nats)")
-    finish(ax, f"gap to {ref_name}, window by window")
+            n = min(len(med), len(ref_med))  # the windows both runs have
+            ax.plot(ends[:n], med[:n] - ref_med[:n], "-o", ms=3, color=STYLE.get(r["name"]), label=r["name"])
+        ax.set(ylabel=f"median cost minus {ref['name']}'s (nats)")
+        finish(ax, f"gap to {ref['name']}, window by window")
+    save(fig, path, setting_title(runs))
 
 
 def setting_title(runs, swept=None):
-    """The runs' setting from run.json and their logs, e.g. 'm = 2, l = 32, 30000 batches, seed 1337';
-    where runs differ, each value ('seeds 1337, 1338'); the data seed where it is not 1337 alone; the
-    swept setting left out."""
+    """The runs' setting, e.g. 'm = 2, l = 32, 30000 batches, seed 1337'; where runs differ, each value
+    ('seeds 1337, 1338'); the data seed where it is not 1337 alone; the swept setting left out."""
 
-    def values(get):  # "2" or "2, 4", numbers in order
-        found = sorted({get(r) for r in runs}, key=lambda v: (isinstance(v, str), v))
-        return ", ".join(map(str, found)), len(found)
+    def values(get):  # "2" or "2, 4", numbers in order, and "s" for several
+        found = sorted({get(r["settings"]) for r in runs}, key=lambda v: (isinstance(v, str), v))
+        return ", ".join(map(str, found)), "s" * (len(found) > 1)
 
-    setting = {
-        key: values(lambda r: r["settings"].get(key, "?")) for key in ("n_layer", "block_size", "seed")
-    }
-    parts = [f"{SYMBOLS[key]} = {setting[key][0]}" for key in ("n_layer", "block_size") if key != swept]
-    parts.append(f"{values(lambda r: int(r['log']['iter'][-1]))[0]} batches")
-    seeds, n_seeds = setting["seed"]
-    parts.append(f"seed{'s' if n_seeds > 1 else ''} {seeds}")
-    data, n_data = values(lambda r: r["settings"].get("data_seed", 1337))
-    if data != "1337":  # another batch order than train.py's default: say so
-        parts.append(f"data seed{'s' if n_data > 1 else ''} {data}")
+    parts = [f"{SYMBOLS[k]} = {values(lambda s: s.get(k, '?'))[0]}" for k in SYMBOLS if k != swept]
+    parts.append(f"{', '.join(map(str, sorted({int(r['log']['iter'][-1]) for r in runs})))} batches")
+    parts.append("seed{1} {0}".format(*values(lambda s: s.get("seed", "?"))))
+    data, s = values(lambda s: s.get("data_seed", 1337))
+    parts += [f"data seed{s} {data}"] if data != "1337" else []  # not train.py's default batch order
     return ", ".join(parts) + (", one run per point" if swept else "")
 
 
-def sweep_column(key):
-    """A sweep's x column: the setting's paper symbol (l, m), but n_head for head counts (Figure 7's
-    runs are one mixer, so its CSV needs no mixer column, and sa-<n> would name each point a line)."""
-    return key if key == "n_head" else SYMBOLS.get(key, key)
-
-
-def sweep_rows(runs, key, window):
-    """One dict per run for Figures 7, 10 and 11: mixer, the swept setting (sweep_column), batches,
-    the median of the last `window` batches, and the last validation loss. Runs that cannot share
-    the figure (other corpora, other lengths, two at one point) give one line instead."""
-    x, rows = sweep_column(key), []
-    for r in runs:
-        value = r["settings"].get(key)
-        if not isinstance(value, (int, float, str)):
-            settings = r["settings"]
-            valid = sorted(k for k, v in settings.items() if isinstance(v, (int, float, str)))
-            what = "no setting" if value is None else "no single number for"
-            fail(f"{r['dir']} has {what} {key!r}; choose one of {', '.join(valid)}")
-        check_window(r["dir"], r["log"]["train_loss"], window)
-        mixer = r["settings"]["mixer"] if key == "n_head" else label(r["settings"])
-        rows.append(run_row({"mixer": mixer, x: value}, r["log"], [window]))
-    check_sweep(runs, rows, key)
-    return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), r[x]))
-
-
-def check_sweep(runs, rows, key):
-    """A sweep's runs (of one corpus: check_one_corpus): one length, one run per point (a point is a
-    median of equal windows only then); else one line naming the runs, since a figure cannot show
-    which is which."""
-    batches = {row["batches"]: r["dir"] for r, row in zip(runs, rows)}
-    if len(batches) > 1:
-        n = min(batches)
-        fail(
-            f"the runs have {n} to {max(batches)} batches ({batches[n]}: {n}); pass --batches {n} to compare"
-        )
-    x, seen = sweep_column(key), {}
-    for r, row in zip(runs, rows):
-        point = (row["mixer"], row[x])
-        if point in seen:
-            fail(f"{seen[point]} and {r['dir']} are both {point[0]} at {x} = {point[1]}; pass one per point")
-        seen[point] = r["dir"]
-    if key == "n_head" and len({row["mixer"] for row in rows}) > 1:
-        fail("--sweep n_head compares the head counts of one mixer; pass runs of one mixer")
-
-
-def check_one_corpus(runs, verb):
-    """Runs in one figure or table: one corpus and one vocabulary (a cost in nats over other text or
-    other tokens is another quantity); else one line naming the corpora. Runs whose run.json all hold the
-    data's fingerprint are judged by it, wherever their data folder was (one corpus prepared on a GPU
-    machine and on a laptop draws together); others by data folder and vocabulary."""
-    where = lambda r: os.path.normpath(r["settings"].get("data_dir", "data"))
-    prints = [data_fingerprint(r["settings"]) for r in runs]
-    if all(prints):  # a name per fingerprint
-        corpora = {tuple(sorted(p.items())): (where(r), p) for r, p in zip(runs, prints)}
-        names = "; ".join(
-            sorted(
-                f"{d}, vocabulary {p['vocab_size']}, train.bin {p['train_sha256'][:12]}"
-                for d, p in corpora.values()
-            )
-        )
-    else:
-        corpora = {(where(r), r["settings"].get("vocab_size")) for r in runs}
-        if len({v for _, v in corpora}) > 1:
-            names = "; ".join(sorted(f"{d}, vocabulary {v}" for d, v in corpora))
-        else:
-            names = ", ".join(sorted(d for d, _ in corpora))
-    if len(corpora) > 1:
-        fail(f"the runs were trained on other data ({names}); {verb} runs of one corpus")
-
-
-def data_fingerprint(settings):
-    """run.json's fingerprint of the data (vocabulary, sha256 of train.bin, val.bin and the tokenizer), or
-    None where it is missing or partial (an older run.json, data made without prepare_data.py)."""
-    data = settings.get("data")
-    return data if isinstance(data, dict) and data and None not in data.values() else None
-
-
-def read_points(path, key, window, batches=None):
-    """A sweep CSV that --sweep --results wrote earlier: its points, as sweep_rows gives them, so a
-    figure can grow run by run after the earlier run folders are gone."""
-    if key == "n_head":
-        fail(f"{path}: --sweep n_head takes run folders only (its CSV has no mixer column)")
-    x, y = sweep_column(key), f"median_last_{window}"
-    header = ["mixer", x, "batches", y, "val_loss"]
-    if not os.path.isfile(path):
-        fail(f"{path} not found; pass run folders, or a CSV that --sweep {key} --results wrote")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or list(rows[0]) != header:
-        want = ",".join(header)
-        fail(f"{path} is not a --sweep {key} CSV of the last {window} batches; its header must be {want}")
-    points = []
-    for i, r in enumerate(rows, 2):
-        try:
-            value = float(r[x]) if "." in r[x] or "e" in r[x] else int(r[x])  # as run.json holds it
-            point = {"mixer": r["mixer"], x: value, "batches": int(r["batches"]), y: float(r[y])}
-            point["val_loss"] = float(r["val_loss"]) if r["val_loss"] else ""
-        except (TypeError, ValueError):
-            fail(f"{path}, line {i}: not a number where one belongs; write it again with --sweep --results")
-        if batches is not None and point["batches"] != batches:
-            n = point["batches"]
-            fail(f"{path}: the {r['mixer']} point at {x} = {r[x]} is at {n} batches, not --batches {batches}")
-        points.append(point)
-    return points
-
-
-def merge_points(rows, earlier, key):
-    """The runs' points, plus the earlier points (read_points) at settings no run gives."""
-    x = sweep_column(key)
-    new = {(r["mixer"], r[x]) for r in rows}
-    kept = [r for r in earlier if (r["mixer"], r[x]) not in new]
-    return sorted(rows + kept, key=lambda r: (paper_rank(r["mixer"]), r[x]))
-
-
 def plot_sweep(rows, key, path, window, title=None):
-    """sweep_rows' points against the swept setting, one line per mixer (sa per head count): on the
-    left the median training cost of the last `window` batches (the paper's axes), on the right the
-    last validation loss, where the runs have one."""
-    x = sweep_column(key)
+    """A line per mixer against the swept setting: the median cost of the last `window` batches (the
+    paper's axes), and beside it the last validation loss."""
+    x = SYMBOLS.get(key, key)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    panels = {
-        f"median_last_{window}": f"median cost of the last {window} batches",
-        "val_loss": "validation loss",
-    }
-    for ax, (y, what) in zip(axes, panels.items()):
+    panels = {f"median_last_{window}": f"median cost of the last {window} batches"}
+    for ax, (y, what) in zip(axes, (panels | {"val_loss": "validation loss"}).items()):
         for name in dict.fromkeys(r["mixer"] for r in rows):  # in paper order, each once
             pts = [(r[x], r[y]) for r in rows if r["mixer"] == name and r[y] != ""]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=STYLE.get(name), label=name)
         values = sorted({r[x] for r in rows})
-        if all(isinstance(v, (int, float)) and v > 0 for v in values) and max(values) / min(values) >= 8:
+        if all(v > 0 for v in values) and max(values) / min(values) >= 8:
             ax.set_xscale("log", base=2)  # l = 32 ... 1024, n = 1 ... 128 and similar doubling sweeps
         ax.set_xticks(values, [str(v) for v in values])
-        ax.set(xlabel=f"{x} ({key})" if x != key else key, ylabel=what, title=f"{what} against {x}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    save(fig, path)
+        ax.set(xlabel=f"{x} ({key})" if x != key else key, ylabel=what)
+        finish(ax, f"{what} against {x}")
+    save(fig, path, title)
 
 
 def finish(ax, title):
-    if ax.get_xlabel() == "":
-        ax.set(xlabel="batches")
-    if ax.get_ylabel() == "":
-        ax.set(ylabel="cost (cross-entropy, nats)")
+    ax.set(xlabel=ax.get_xlabel() or "batches", ylabel=ax.get_ylabel() or "cost (cross-entropy, nats)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
 
 
-def image_format(path):
-    """The format matplotlib writes for path's extension (png without one); one line if it has none."""
+def save(fig, path, title=None):
+    """fig, titled, to path in the format its extension names (png without one); one line for others."""
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable Network Graphics", ...}
     if fmt not in kinds:
         fail(f"cannot write a .{fmt} image {shlex.quote(path)}; use one of: .{', .'.join(sorted(kinds))}")
-    return fmt
-
-
-def save(fig, path):
-    fmt = image_format(path)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
     metadata = {"Software": None} if fmt == "png" else None  # no version stamp in the file
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight", metadata=metadata))
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- tables and CSVs
-
-
-LASTS = (1000, 2000)  # summary.csv's medians: the last 1000 batches, and the paper's 2000 (Figures 10-11)
-
-
-def last_val(log):
-    """The last validation loss in a log, or "" if it has none."""
-    return float(log["val_loss"][-1]) if len(log["val_loss"]) else ""
-
-
 def run_row(first, log, lasts):
-    """A run's row in every table: the `first` columns, batches, the median of the last n batches
-    for each n in `lasts`, and the last validation loss."""
+    """`first`, batches, the median of the last n batches for n in `lasts`, the last validation loss."""
     medians = {f"median_last_{n}": float(np.median(log["train_loss"][-n:])) for n in lasts}
-    return {**first, "batches": int(log["iter"][-1]), **medians, "val_loss": last_val(log)}
+    val = float(log["val_loss"][-1]) if len(log["val_loss"]) else ""
+    return {**first, "batches": int(log["iter"][-1]), **medians, "val_loss": val}
 
 
-def summary_rows(runs):
-    """One dict per run: batches, medians of the last 1000 and 2000 batches, last validation loss,
-    parameters, and the median of the logged tokens/s."""
-    rows = []
-    for r in runs:
-        log, params = r["log"], r["settings"]["params"]
-        rows.append(
-            {
-                **run_row({"run": r["name"]}, log, LASTS),
-                "val_at": int(log["val_iter"][-1]) if len(log["val_loss"]) else "",
-                "params_mixers": params.get("mixers", ""),
-                "params_total": params.get("total", ""),
-                "tokens_per_s": round(float(np.median(log["tokens_per_s"]))),
-            }
-        )
-    return rows
+def summary_row(run):
+    """summary.csv: run_row, where the last validation loss was, parameters, median logged tokens/s."""
+    log, params = run["log"], run["settings"]["params"]
+    row = run_row({"run": run["name"]}, log, (1000, 2000))
+    row["val_at"] = int(log["val_iter"][-1]) if len(log["val_loss"]) else ""
+    row["params_mixers"], row["params_total"] = params.get("mixers", ""), params.get("total", "")
+    return {**row, "tokens_per_s": round(float(np.median(log["tokens_per_s"])))}
 
 
-SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
+def read_rows(path, header, what):
+    """The rows of a CSV that `what` (plot.py's flags) wrote, numbers as numbers, to the last digit."""
+    if not os.path.isfile(path):
+        fail(f"{path} not found; pass run folders, or a CSV that {what} wrote")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or list(rows[0]) != header:
+        fail(f"{path} is not a CSV that {what} wrote; its header must be {','.join(header)}")
+    try:  # the mixer's name, an empty val_loss, and numbers
+        return [{k: v if k == "mixer" or v == "" else json.loads(v) for k, v in r.items()} for r in rows]
+    except ValueError:
+        fail(f"{path}: not a number where one belongs; write it again with {what}")
 
 
-def seed_rows(runs, until=None, earlier=()):
-    """seeds.csv: one row per run (mixer, seed, data seed), every row at the same number of batches:
-    the shortest run's, or `until` if that is shorter. val_loss is the last one at or before it.
-    `earlier`: rows of a seeds.csv (read_seed_rows), kept where no run gives the same three keys."""
+def seed_rows(runs, until, earlier):
+    """seeds.csv: a row per run at the shortest length (or `until`), and `earlier` rows no run gives."""
     n = min([int(r["log"]["iter"][-1]) for r in runs] + ([until] if until else []))
     rows = []
     for r in runs:
-        first = {k: r["settings"].get(k, "") for k in ("seed", "data_seed")}
-        rows.append(run_row({"mixer": label(r["settings"]), **first}, cut(r["log"], n), [1000]))
+        first = {"mixer": label(r["settings"])} | {k: r["settings"].get(k, "") for k in ("seed", "data_seed")}
+        rows.append(run_row(first, cut(r["log"], n), [1000]))
     given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
     for e in earlier:
         if e["batches"] != n:
-            m, b = e["mixer"], e["batches"]
-            fail(f"a seeds.csv row of {m} is at {b} batches, the runs at {n}: pass --batches {b}")
-        if (e["mixer"], e["seed"], e["data_seed"]) not in given:
-            rows.append(e)
+            fail(f"a seeds.csv row of {e['mixer']} is at {e['batches']} batches; pass that --batches")
+        rows += [e] if (e["mixer"], e["seed"], e["data_seed"]) not in given else []
     return sorted(rows, key=lambda r: (paper_rank(r["mixer"]), str(r["seed"]), str(r["data_seed"])))
 
 
-def read_seed_rows(path):
-    """The rows of a seeds.csv that --seeds --results wrote: runs whose logs may be gone."""
-    if not os.path.isfile(path):
-        fail(f"{path} not found; pass run folders, or a seeds.csv that --seeds --results wrote")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or list(rows[0]) != SEED_COLUMNS:
-        fail(f"{path} is not a seeds.csv; its header must be {','.join(SEED_COLUMNS)}")
-    try:
-        return [
-            {
-                "mixer": r["mixer"],
-                **{k: int(r[k]) for k in ("seed", "data_seed", "batches")},
-                "median_last_1000": float(r["median_last_1000"]),
-                "val_loss": float(r["val_loss"]) if r["val_loss"] else "",
-            }
-            for r in rows
-        ]
-    except ValueError:
-        fail(f"{path}: not a number where one belongs; write it again with --seeds --results")
-
-
-def write_results(runs, folder, window, until=None, seeds=(), earlier=()):
-    """The figure's numbers as CSV in `folder`: medians.csv (median of every `window` batches, a
-    column per run), val_loss.csv (every validation loss, a column per run) and summary.csv; with
-    `seeds` (more runs) or `earlier` (seeds.csv rows), seeds.csv: a row for each of the runs, the
-    seeds' runs and the earlier rows that no run gives again.
-    Returns the paths written."""
-    os.makedirs(folder, exist_ok=True)
-    logs = {r["name"]: r["log"] for r in runs}
-    meds = {name: dict(zip(*window_medians(log["train_loss"], window))) for name, log in logs.items()}
-    vals = {name: dict(zip(log["val_iter"], log["val_loss"])) for name, log in logs.items()}
+def write_results(runs, folder, window, seed_table):
+    """medians.csv and val_loss.csv (a column per run), summary.csv and seeds.csv in `folder`."""
+    meds = {r["name"]: dict(zip(*window_medians(r["log"]["train_loss"], window))) for r in runs}
+    vals = {r["name"]: dict(zip(r["log"]["val_iter"], r["log"]["val_loss"])) for r in runs}
     written = []
     for file, table in (("medians.csv", meds), ("val_loss.csv", vals)):
         batches = sorted({int(b) for col in table.values() for b in col})
-        rows = [[b] + [repr(float(table[n][b])) if b in table[n] else "" for n in table] for b in batches]
-        written.append(write_csv(os.path.join(folder, file), rows, header=["batches"] + list(table)))
-    written.append(write_csv(os.path.join(folder, "summary.csv"), summary_rows(runs)))
-    if seeds or earlier:
-        rows = seed_rows(runs + list(seeds), until, earlier)
-        written.append(write_csv(os.path.join(folder, "seeds.csv"), rows))
-    return written
+        at = lambda b: {n: repr(float(c[b])) if b in c else "" for n, c in table.items()}
+        written.append(write_csv(os.path.join(folder, file), [{"batches": b} | at(b) for b in batches]))
+    written.append(write_csv(os.path.join(folder, "summary.csv"), [summary_row(r) for r in runs]))
+    return written + ([write_csv(os.path.join(folder, "seeds.csv"), seed_table)] if seed_table else [])
 
 
-def print_summary(rows):
-    keys = list(rows[0])
-    print("  ".join(f"{k:>15}" for k in keys))
-    for r in rows:
-        print("  ".join(f"{v:>15.4f}" if isinstance(v, float) else f"{v!s:>15}" for v in r.values()))
-
-
-def csv_text(header, rows):
+def write_csv(path, rows):
+    """rows: dicts, their keys the header. Returns path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    w.writerows(rows)
-    return buf.getvalue()
-
-
-def write_csv(path, rows, header=None):
-    """rows: lists under `header`, or dicts (their keys are the header). Returns path."""
-    if header is None:
-        header, rows = list(rows[0]), [list(r.values()) for r in rows]
-    atomic_write(path, csv_text(header, rows))
+    csv.writer(buf, lineterminator="\n").writerows([list(rows[0])] + [list(r.values()) for r in rows])
+    atomic_write(path, buf.getvalue())
     return path
-
-
-# ----------------------------------------------------------------------------- command line
 
 
 def build_parser():
     intro, examples = __doc__.strip().split("\n\n", 1)
-    p = argparse.ArgumentParser(
-        description=intro, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "runs",
-        nargs="+",
-        help="run folders written by train.py; with --sweep also a CSV that --results wrote, whose points "
-        "stay in the figure where no run folder gives the same mixer and setting",
-    )
-    p.add_argument(
-        "-o",
-        "--output",
-        help="image file to write (.png, .pdf, .svg, ...); needed for several runs, --raw and --sweep. "
-        "Default for one run: RUN/loss.png, its own chart as train.py draws it",
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        help="batches per median (default: the paper's 2000, or ~30 windows for shorter runs; "
-        "with --sweep, the last 2000 batches or the whole of a shorter run)",
-    )
+    form = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=intro, epilog=examples, formatter_class=form)
+    p.add_argument("runs", nargs="+", help="run folders; with --sweep also CSVs that --sweep --results wrote")
+    p.add_argument("-o", "--output", help="image file (.png, .pdf, .svg, ...); one run alone: RUN/loss.png")
+    p.add_argument("--window", type=int, help="batches per median (2000, or a 30th of the longest run)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--raw", action="store_true", help="plot every batch's cost instead of medians (Figure 9)"
-    )
-    mode.add_argument(
-        "--sweep",
-        metavar="KEY",
-        help="last window's median against this setting (Figures 10, 11; n_head: one mixer's head counts)",
-    )
-    p.add_argument(
-        "--reference",
-        metavar="RUN",
-        help="the run (its label, as the legend names it) whose window medians the gap panel subtracts "
-        "(default: sa-32 where it is among the runs)",
-    )
-    p.add_argument(
-        "--results",
-        metavar="DIR",
-        help="also write medians.csv, val_loss.csv and summary.csv here (and seeds.csv with --seeds); "
-        "with --sweep only the figure's points, as <figure name>.csv",
-    )
-    p.add_argument(
-        "--seeds",
-        nargs="+",
-        metavar="RUN",
-        default=[],
-        help="with --results: more runs (other seeds) for seeds.csv only, a row per run, all at the "
-        "shortest run's length; a seeds.csv among them keeps its rows where no run gives their seeds",
-    )
-    p.add_argument("--batches", type=int, help="use the first N batches of each run (compare at one length)")
-    p.add_argument("--title", help="figure title (default: the runs' setting from run.json)")
-    return one_line_errors(p, "plot.py")
+    mode.add_argument("--raw", action="store_true", help="every batch's cost instead of medians (Figure 9)")
+    mode.add_argument("--sweep", metavar="KEY", help="the last window's median against this setting")
+    p.add_argument("--results", metavar="DIR", help="write the CSVs here (--sweep: <figure name>.csv)")
+    p.add_argument("--seeds", nargs="+", default=[], help="with --results: runs or a seeds.csv for seeds.csv")
+    p.add_argument("--batches", type=int, help="use the first N batches of each run")
+    p.error = lambda msg: fail(f"{msg} (see --help)")
+    return p
 
 
-def check_flags(args):
-    """Flags that do not go together, as one line."""
+def output_path(output, inputs, own, one_figure=False):
+    """-o, or for one run (unless one_figure) RUN/<own>; one line for several runs without -o."""
+    if output is None and (len(inputs) > 1 or one_figure):
+        fail("a figure of several runs, --raw or --sweep has no default file: name it with -o FILE")
+    return output or os.path.join(inputs[0], own)
+
+
+def sweep(args, runs, csvs, output, window):
+    """Figures 7, 10, 11: per run its mixer (sa-<n>; sa for n_head), the swept setting, batches, the median
+    of the last `window` batches and the last validation loss, and the CSVs' points at other settings."""
+    key, rows, seen = args.sweep, [], {}
+    x = SYMBOLS.get(key, key)
+    for r in runs:
+        s, value = r["settings"], r["settings"].get(key)
+        if type(value) not in (int, float):
+            numbers = ", ".join(sorted(k for k, v in s.items() if type(v) in (int, float)))
+            fail(f"{r['dir']} has no number {key!r} in its run.json; sweep one of {numbers}")
+        point = (s["mixer"] if key == "n_head" else label(s), value)
+        if point in seen:
+            fail(f"{seen[point]} and {r['dir']} are both {point[0]} at {x} = {value}; pass one per point")
+        seen[point] = r["dir"]
+        rows.append(run_row({"mixer": point[0], x: value}, r["log"], [window]))
+    if key == "n_head" and (len({row["mixer"] for row in rows}) > 1 or csvs):
+        fail("--sweep n_head compares the head counts of one mixer; pass run folders of one mixer")
+    for path in csvs:
+        header = ["mixer", x, "batches", f"median_last_{window}", "val_loss"]
+        points = read_rows(path, header, f"--sweep {key}")
+        rows += [p for p in points if (p["mixer"], p[x]) not in seen]
+    lengths = sorted({r["batches"] for r in rows})
+    if len(lengths) > 1:
+        fail(f"the sweep's points have {lengths[0]} to {lengths[-1]} batches; pass --batches N to compare")
+    rows.sort(key=lambda r: (paper_rank(r["mixer"]), r[x]))
+    plot_sweep(rows, key, output, window, setting_title(runs, key) if runs else None)
+    if key == "n_head":  # Figure 7's CSV: one mixer, no mixer column
+        rows = [{k: v for k, v in r.items() if k != "mixer"} for r in rows]
+    name = os.path.splitext(os.path.basename(output))[0] + ".csv"
+    return [write_csv(os.path.join(args.results, name), rows)] if args.results else []
+
+
+def plot_logs(args):
+    """The figure and the CSVs the flags ask for; returns the paths written."""
+    if any(n is not None and n < 1 for n in (args.window, args.batches)):
+        fail("--window and --batches must be at least 1")
     if args.seeds and (not args.results or args.sweep):
         fail("--seeds only adds rows to seeds.csv, which --results DIR writes without --sweep")
-    if args.reference and (args.raw or args.sweep):
-        fail("--reference picks the gap panel's run, which only the window medians' figure has")
-
-
-def default_output(output, runs, own, one_figure=False):
-    """-o, or for one run (unless one_figure) its own chart RUN/<own>; one line for a folder, an
-    image format matplotlib does not write, or several runs without -o."""
-    if output is None:
-        if len(runs) > 1 or one_figure:
-            fail("a figure of several runs, --raw or --sweep has no default file: name it with -o FILE")
-        output = os.path.join(runs[0], own)
-    if os.path.isdir(output):
-        fail(
-            f"-o {shlex.quote(output)} is a folder; name an image file, e.g. -o {shlex.quote(output)}/fig.png"
-        )
-    image_format(output)  # an unknown extension fails here, before any work
-    return output
-
-
-def split_inputs(paths, sweep):
-    """Run folders, and with --sweep the CSVs of earlier points among the inputs."""
-    earlier = [p for p in paths if p.endswith(".csv")]
-    if earlier and not sweep:
-        fail(f"{earlier[0]}: a CSV input adds earlier points to a --sweep figure; pass run folders here")
-    return [p for p in paths if not p.endswith(".csv")], earlier
-
-
-def check_batches(runs, batches):
-    """--batches N must be at least 1 and within every run."""
-    if batches is None:
-        return
-    if batches < 1:
-        fail(f"--batches must be at least 1, got {batches}")
-    for r in runs:
-        n = int(r["log"]["iter"][-1])
-        if n < batches:
-            d = shlex.quote(r["dir"])
-            fail(f"--batches {batches}: {d} has only {n} batches; pass --batches {n} or less")
-
-
-def plot_logs(args, runs, output, earlier=()):
-    """The training curves from the runs' log.csv (and with --sweep the `earlier` CSVs' points):
-    the figure, the CSVs and the printed table. Returns the paths written."""
+    output = output_path(args.output, args.runs, "loss.png", one_figure=args.raw or args.sweep)
+    csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
+    runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
     seeds = read_runs([p for p in args.seeds if not p.endswith(".csv")])
-    check_one_corpus(runs + seeds, "sweep" if args.sweep else "compare")
-    check_batches(runs, args.batches)
+    check_corpus(runs + seeds)
+    longest = max((len(r["log"]["train_loss"]) for r in runs), default=2000)
+    window = args.window or min(2000, longest if args.sweep else max(1, longest // 30))
     for r in runs:
-        r["log"] = cut(r["log"], args.batches)
-    window = args.window
-    if window is None:
-        shortest = min((len(r["log"]["train_loss"]) for r in runs), default=2000)
-        window = min(2000, shortest) if args.sweep else auto_window(shortest)
-    if window < 1:
-        fail(f"--window must be at least 1, got {window}")
+        n = len(r["log"]["train_loss"])
+        if n < (1 if args.raw else window):  # --raw draws every batch
+            fail(f"{r['dir']} has {n} batches, fewer than a window of {window}; pass --window {n} or drop it")
     if args.sweep:
-        rows = sweep_rows(runs, args.sweep, window)
-        for path in earlier:
-            merged = merge_points(rows, read_points(path, args.sweep, window, args.batches), args.sweep)
-            print(f"{len(merged) - len(rows)} points from {path} (settings no run folder gives)")
-            rows = merged
-        title = args.title or (setting_title(runs, args.sweep) if runs else None)
-        plot_sweep(rows, args.sweep, output, window, title)
-    elif len(runs) == 1 and not args.raw:
-        plot_run(runs[0]["dir"], output, args.window, title=args.title, log=runs[0]["log"])
+        return [output] + sweep(args, runs, csvs, output, window)
+    if len(runs) == 1 and not args.raw:
+        plot_run(runs[0], output, window)
     else:
-        plot_runs(runs, output, window, args.raw, args.title, args.reference)
-    written = [output]
-    if args.results and args.sweep:  # the figure's points, named after it
-        os.makedirs(args.results, exist_ok=True)
-        name = os.path.splitext(os.path.basename(output))[0] + ".csv"
-        one_mixer = args.sweep == "n_head"  # Figure 7's CSV: n_head,batches,median_last_2000,val_loss
-        rows = [{k: v for k, v in r.items() if not (one_mixer and k == "mixer")} for r in rows]
-        written.append(write_csv(os.path.join(args.results, name), rows))
-    elif args.results:
-        earlier = [row for p in args.seeds if p.endswith(".csv") for row in read_seed_rows(p)]
-        written += write_results(runs, args.results, window, args.batches, seeds, earlier)
-    if runs:
-        print_summary(summary_rows(runs))
-    return written
+        plot_runs(runs, output, window, args.raw)
+    if not args.results:
+        return [output]
+    earlier = [row for p in args.seeds if p.endswith(".csv") for row in read_rows(p, SEED_COLUMNS, "--seeds")]
+    seed_table = seed_rows(runs + seeds, args.batches, earlier) if args.seeds else []
+    return [output] + write_results(runs, args.results, window, seed_table)
 
 
 def cli(work, hint):
-    """A script's exit status: work() writes files and returns their paths, printed for pasting back;
-    bad input, or an output that cannot be written (`hint` says what to do), is one line and 1."""
+    """Print the paths work() wrote; one it cannot write (-o a folder, a full disk) is one line and `hint`."""
     try:
         written = work()
-        print("wrote " + " ".join(shlex.quote(path) for path in written))
-    except OSError as e:  # an unwritable output folder, a full disk
-        where = shlex.quote(str(e.filename)) if e.filename else "the output"
-        print(f"error: cannot write {where}: {e.strerror}; {hint}", file=sys.stderr)
-        return 1
-    except SystemExit as e:
-        return e.code
+    except OSError as e:
+        fail(f"cannot write {shlex.quote(str(e.filename or 'the output'))}: {e.strerror}; {hint}")
+    print("wrote " + " ".join(shlex.quote(path) for path in written))
     return 0
 
 
 def main(argv=None):
-    def work():
-        args = build_parser().parse_args(argv)
-        check_flags(args)
-        output = default_output(args.output, args.runs, "loss.png", one_figure=args.raw or args.sweep)
-        folders, earlier = split_inputs(args.runs, args.sweep)
-        return plot_logs(args, read_runs(folders), output, earlier)
-
-    return cli(work, "pick another -o or --results")
+    return cli(lambda: plot_logs(build_parser().parse_args(argv)), "pick another -o or --results")
 
 
 if __name__ == "__main__":
