@@ -414,7 +414,7 @@ def load_checkpoint(path):
     """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one line if damaged."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        missing = {"model", "optimizer", "scaler", "config", "args", "iter", "rng", "data"} - set(ckpt)
+        missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
         assert not missing, f"no {', '.join(sorted(missing))}"
     except Exception as e:
         fail(f"cannot read {path} ({type(e).__name__}: {str(e)[:60]}); it is damaged or not train.py's")
