@@ -237,9 +237,7 @@ def train(args, ckpt):
     if (
         device.type == "cuda"
         and args.cuda_graph
-        and WORLD == 1
-        and not args.compile
-        and args.dtype != "float16"
+        and not (WORLD > 1 or args.compile or args.dtype == "float16")
     ):
         step = CapturedStep(step)  # (DDP, --compile and float16's loss scaling run eagerly)
     if MASTER:  # the folder becomes this run's: run.json, and log.csv new or cut back to the checkpoint
@@ -263,7 +261,8 @@ def train(args, ckpt):
         asked = STOP["signal"] is not None or times[-1] + 2 * slowest + pause - t0 > seconds(args.time_limit)
         evaluate_now = args.eval_batches > 0 and (it % args.eval_interval == 0 or it == args.max_iters)
         ckpt_now = it % args.ckpt_interval == 0 or it == args.max_iters
-        if not (evaluate_now or ckpt_now or it % args.log_interval == 0 or it == start + 10 or asked):
+        log_now = evaluate_now or ckpt_now or it % args.log_interval == 0 or it == start + 10
+        if not (log_now or asked and WORLD == 1):  # (under DDP, every process stops at a log point)
             continue
         val = evaluate(model, args, val_data, device, ctx) if evaluate_now else val
         stopping = mean_over_processes(torch.tensor(float(asked), device=device)).item() > 0
@@ -332,10 +331,8 @@ def describe(args, cfg, info, n_train, n_val, start):
     say(f"{cfg}\non {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), {how['step']} step")
     say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in info["params"].items()))
     epochs = args.max_iters * args.batch_size / (n_train - args.block_size)  # passes over the windows
-    targets = f"each token a target {epochs * args.block_size:.1f} times"  # (a window predicts l tokens)
-    say(
-        f"data: {n_train:,} train, {n_val:,} val tokens; {args.max_iters:,} batches: {epochs:.3f} epochs, {targets}"
-    )
+    tokens = f"{n_train:,} train, {n_val:,} val tokens"  # each window predicts l tokens:
+    say(f"data: {tokens}; {epochs:.3f} epochs, each token a target {epochs * args.block_size:.1f} times")
     if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
         say("note: Table 1's model takes days on a CPU; the README's CPU quick start takes minutes")
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
