@@ -34,7 +34,6 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E40
 
 import extractor  # noqa: E402
 import fir  # noqa: E402
-import synthesizer  # noqa: E402, F401  (its mixers are part of --mixers all)
 import train  # noqa: E402
 from extractor import Config, Transformer  # noqa: E402
 from prepare_data import atomic_write, fail  # noqa: E402
@@ -400,7 +399,11 @@ def parse_args(argv):
     args.sections = [k.strip() for k in args.sections.split(",") if k.strip()]
     if not args.sections or not set(args.sections) <= set(SECTIONS):
         fail(f"--sections takes a comma list of {', '.join(SECTIONS)}, got {','.join(args.sections)!r}")
-    names = list(extractor.MIXERS) if args.mixers.strip() == "all" else args.mixers.split(",")
+    names = (
+        [*extractor.MIXERS, *extractor.SYNTHESIZERS]
+        if args.mixers.strip() == "all"
+        else args.mixers.split(",")
+    )
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
     for m in args.mixers:
         try:
