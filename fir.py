@@ -178,7 +178,7 @@ class FIRFFT(torch.autograd.Function):
     reads W^H and X^H as views through its conjugate-transpose flag, irfft the products' (F, B, d) layout."""
 
     @staticmethod
-    def forward(ctx, x, w, cuda_layout=False):  # x (B, t, d), w (t, ...)
+    def forward(ctx, x, w, cuda_layout):  # x (B, t, d), w (t, ...)
         t = x.shape[1]
         n = fft_size(t)
         ctx.cuda_layout = cuda_layout
@@ -231,8 +231,7 @@ class FIRFFT(torch.autograd.Function):
             dW = (X.conj() * G).sum(0)  # (d, F), summed over the batch
             if W.dim() == 1:
                 dW = dW.sum(0)  # (F,), and over the features
-            dw = torch.fft.irfft(dW, n=n, dim=-1)[..., :t]
-            dw = dw.t() if dw.dim() == 2 else dw  # (t, d) or (t,)
+            dw = torch.fft.irfft(dW, n=n, dim=-1)[..., :t].t()  # (t, d) or (t,)
         return dx, dw, None
 
 

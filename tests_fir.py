@@ -9,7 +9,6 @@ import fir
 # ======== the FIR's fast paths (fir.py): each against the literal sum, forward and backward ========
 
 TAPS = {1: (13,), 2: (13, 5), 3: (13, 5, 5)}  # w.dim() -> l = 13 taps for d = 5: scalars, vectors, matrices
-CASES = [(dim, path) for path, dims in fir.PATHS.items() for dim in dims]
 
 
 def fir_by_taps(x, w):
@@ -45,9 +44,10 @@ def test_every_path_and_the_last_row_equal_the_literal_sum_forward_and_backward(
         for path in [p for p, dims in fir.PATHS.items() if dim in dims]:
             f = functools.partial(fir.fir_full, path=path)
             assert close(fir_and_grads(f, dev(x), dev(w), dev(g)), ref), (path, t)
+            assert close(cpu64(f(dev(x), dev(w).float())), ref[:1]), (path, t)  # float32 taps, cast to x's
             for i in (0, 1):  # the other input a constant
                 assert close(fir_and_grads(f, dev(x), dev(w), dev(g), wrt=(i,)), ref[:1] + ref[1 + i : 2 + i])
-        assert close(cpu64(fir.fir_last_row(dev(x), dev(w))), [ref[0][:, -1]]), t
+        assert close(cpu64(fir.fir_last_row(dev(x), dev(w).float())), [ref[0][:, -1]]), t
 
 
 # ---- which path runs: the device's default, a named path, a forced one
@@ -64,14 +64,15 @@ def test_default_path_by_device_type_taps_and_length(monkeypatch):
 
 
 def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypatch):
-    taken, fft = [], fir.FIRFFT.apply
+    taken, asked, fft, default_path = [], [], fir.FIRFFT.apply, fir.default_path
+    monkeypatch.setattr(fir, "default_path", lambda *args: asked.append(args[0]) or default_path(*args))
     spy = lambda name, f: lambda *args: taken.append(name) or f(*args)
     monkeypatch.setattr(fir, "toeplitz", spy("toeplitz", fir.toeplitz))
     monkeypatch.setattr(fir.ToeplitzStrided, "apply", spy("toeplitz-strided", fir.ToeplitzStrided.apply))
     monkeypatch.setattr(fir.FIRFFT, "apply", lambda x, w, c: spy("fft-cuda" if c else "fft", fft)(x, w, c))
     for dim, shape in TAPS.items():
         x, w = dev(torch.randn(2, 12, 5)), dev(torch.randn(*shape))
-        default = fir.default_path(DEVICE.type, dim, 12)
+        default = default_path(DEVICE.type, dim, 12)
         for path in [p for p, dims in fir.PATHS.items() if dim in dims]:
             taken.clear()
             fir.fir_full(x, w)
@@ -84,7 +85,8 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
             assert taken == [default] + [path] * 4, (dim, path)  # the default first: no forcing left over
     with pytest.raises(KeyError), fir.forcing("fft"):
         raise KeyError  # an exception inside still ends the forcing
-    assert fir.fir_full(x, w[:, 0, 0]) is not None and taken[-1] == fir.default_path(DEVICE.type, 1, 12)
+    assert fir.fir_full(x, w[:, 0, 0]) is not None and taken[-1] == default_path(DEVICE.type, 1, 12)
+    assert set(asked) == {DEVICE.type}  # the device type of x
 
 
 def refused(message, fn, *args, **kw):
@@ -135,7 +137,7 @@ def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype():
     """bf16 autocast: every path but toeplitz (which follows autocast) computes in float32, so the one
     rounding is the output's to bf16 (2^-8 of it at most) and float32's; bf16 taps exceed it 30-390x."""
     torch.manual_seed(2)
-    for dim, path in CASES:
+    for dim, path in [(dim, path) for path, dims in fir.PATHS.items() for dim in dims]:
         x, w = torch.randn(2, 13, 5), torch.randn(*TAPS[dim])
         ref = extractor.causal_fir_reference(x.bfloat16().double(), w.double())  # the input rounded only
         with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
@@ -179,10 +181,9 @@ def tf32_rounded(a):
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)  # 23 - 10 = 13 low bits dropped, half added
 
 
-GEMM_CASES = [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided"), ("me", "toeplitz-strided")]
-
-
-@pytest.mark.parametrize("name,path", GEMM_CASES)
+@pytest.mark.parametrize(
+    "name,path", [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided"), ("me", "toeplitz-strided")]
+)
 def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
     """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a 10-bit mantissa (as cuBLAS
     feeds the tensor cores) and ieee_float32 takes the CPU for CUDA. The GEMMs of y, dx and dw run in
