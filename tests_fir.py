@@ -90,12 +90,6 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
     assert set(asked) == {DEVICE.type}  # the device type of x
 
 
-def refused(message, fn, *args, **kw):
-    with pytest.raises(ValueError) as e:
-        fn(*args, **kw)
-    assert str(e.value) == message
-
-
 def test_fir_full_refuses_a_path_that_cannot_compute_the_taps_too_few_taps_and_no_positions():
     dims = "{'toeplitz': (1,), 'toeplitz-strided': (1, 2), 'fft': (1, 2, 3), 'fft-cuda': (3,)}"
     x = torch.randn(1, 4, 5)

@@ -81,7 +81,8 @@ def test_help_gives_each_setting_its_symbol_and_table1_value(capsys):
     table1 = {
         "n_layer": "m: number of layers (18)", "block_size": "l: context length (128)",
         "n_embd": "d: dimension of the model (128)", "n_hidden": "c: nodes in the FFN's hidden layer (512)",
-        "n_head": "n: heads of self-attention (and of the Synthesizers) (32)", "dropout": "p: dropout rate (0.1)",
+        "n_head": "n: heads of self-attention (and of the Synthesizers) (32)",
+        "dropout": "p: dropout rate (0.1)",
         "batch_size": "b: batch size, over all processes (64)",
         "lr": "lr: AdamW's learning rate gamma, constant (0.001)",
         "beta1": "bm: AdamW's beta_1 (0.9)", "beta2": "bv: AdamW's beta_2 (0.999)",
