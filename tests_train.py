@@ -66,12 +66,19 @@ def test_every_mixer_sees_the_same_batches_and_validation_windows(data, tmp_path
     for name, flags in {"sa": ["--mixer", "sa", "--seed", "1"], "me": ["--dropout", "0"]}.items():
         spy = lambda *a, name=name: seen.setdefault(name, []).append(get_batch(*a)) or seen[name][-1]  # noqa: E731
         monkeypatch.setattr(train, "get_batch", spy)
+        train.epoch_permutation.cache_clear()  # (each run computes its order anew, as in its own process)
         assert run(tmp_path, data, "--max_iters", "10", *flags, name=name) == 0
     assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2  # 10 batches, 2 validations of 2 batches
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(seen["sa"], seen["me"]))
     x, y = seen["sa"][0]
     assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
     assert torch.equal(seen["sa"][5][0], seen["sa"][12][0])  # the same validation windows each time
+    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
+    starts = [round(k * (len(val) - 9) / 7) for k in range(8)]  # 8 windows of l+1 spread from first to last
+    assert torch.equal(
+        torch.cat([seen["sa"][5][0], seen["sa"][6][0]]),
+        torch.tensor(np.stack([val[s : s + 8] for s in starts])),
+    )
 
 
 # ---- settings and bad input
@@ -476,9 +483,16 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     data = prepared[0]
     for mixer in ("sa", "me"):
         flags = [f"--mixer={mixer}", f"--data_dir={data}", "--max_iters=60", "--lr=3e-3"]
-        rc, out, err = run_script("-X", "importtime", "train.py", *TINY, *flags, f"--out_dir={tmp_path / mixer}")
-        imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
-        assert {"extractor", "fir", "prepare_data"} <= imported and not {"synthesizer", "matplotlib"} & imported
+        rc, out, err = run_script(
+            "-X", "importtime", "train.py", *TINY, *flags, f"--out_dir={tmp_path / mixer}"
+        )
+        imported = {
+            line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")
+        }
+        assert {"extractor", "fir", "prepare_data"} <= imported and not {
+            "synthesizer",
+            "matplotlib",
+        } & imported
         costs = [float(r["train_loss"]) for r in log_rows(str(tmp_path / mixer))]
         assert rc == 0 and len(costs) == 60 and np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3  # it learns
     command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'} --max_new_tokens 500 | head -c 20"
@@ -506,6 +520,7 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(data
     for name in ("sa-1", "me"):
         with gzip.open(results / "logs" / "table1" / name / "log.csv.gz", "rt") as f:
             assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
+        assert "training from batch 20 to 40" in open(os.path.join(work, name, "console.txt")).read()
     for name in ("sa-1", "me"):  # the "CPU runs": these models trained here, 100 batches each
         cpu = results / "logs" / "table1-cpu" / name
         flags = reproduce.RUNS[name] + [
