@@ -147,29 +147,26 @@ def source_books(books, source):
     return paths
 
 
-# "*** START OF THIS PROJECT GUTENBERG EBOOK <TITLE> ***" (or THE, or "***START"; END alike)
-_MARKER = r"^[ \t]*\*{{3}}\s*{}\s+OF\s+(?:THE|THIS)\s+PROJECT\s+GUTENBERG\s+E-?(?:BOOK|TEXT)"
-START_RE, END_RE = (re.compile(_MARKER.format(word), re.I | re.M) for word in ("START", "END"))
+# "*** START OF THIS PROJECT GUTENBERG EBOOK <TITLE> ***", in some "***START OF THE ..."; END alike
+START_RE, END_RE = (
+    re.compile(rf"^\*\*\* ?{w} OF TH(?:E|IS) PROJECT GUTENBERG EBOOK", re.M) for w in ("START", "END")
+)
 # the 1990s files have no START marker; their licence ends "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ..."
-SMALL_PRINT_END_RE = re.compile(r"^[ \t]*\*END\*?\s*THE\s+SMALL\s+PRINT", re.I | re.M)
+SMALL_PRINT_END_RE = re.compile(r"^\*END THE SMALL PRINT", re.M)
 # "End of the Project Gutenberg EBook of <title>, by <author>", "End of Project Gutenberg's <title>"
-FOOTER_RE = re.compile(r"^[ \t]*End\s+of\s+(?:the\s+)?Project\s+Gutenberg", re.I | re.M)
+FOOTER_RE = re.compile(r"^End of (?:the )?Project Gutenberg", re.I | re.M)
 # paragraphs opening the text that are Project Gutenberg's: "Produced by ...", "E-text prepared by ...",
 # "Transcribed from the 1910 edition by ...", "Note: Project Gutenberg also has an HTML version ..."
-CREDIT_RE = re.compile(
-    r"(?is)(?:Produced by|Transcribed from|E-text prepared|This etext was prepared)\s|.*Gutenberg"
-)
+CREDIT_RE = re.compile(r"(?is)(?:Produced by|Transcribed from|E-text prepared|This etext was)\s|.*Gutenberg")
 PARA_RE = re.compile(r"\s*(\S.*?)(?:\n[ \t]*\n|\Z)", re.S)  # the first paragraph
 
 
 def strip_gutenberg(text):
     """The book without Project Gutenberg's header, licence, credits and footer, with \\n line ends, and
     a warning (None when an END marker or footer was found)."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    start, m = 0, START_RE.search(text)
-    if m:  # the line after the marker's closing "***", which a long title may push a line further
-        close = text.find("***", m.end(), m.end() + 300)
-        start = text.find("\n", close if close > 0 else m.end()) + 1 or len(text)
+    text = text.replace("\r\n", "\n")
+    m = START_RE.search(text)
+    start = text.find("\n", m.end()) + 1 or len(text) if m else 0  # the line after the marker
     m = END_RE.search(text, start)
     end = m.start() if m else len(text)
     m = SMALL_PRINT_END_RE.search(text, start, end)
@@ -351,13 +348,13 @@ def prepare(args):
 
 def checked_file(data_dir, name, key):
     """data_dir/name: its path and bytes, and meta.json's dict, once its sha256 is meta.json's [key]."""
+    path, meta_path = os.path.join(data_dir, name), os.path.join(data_dir, "meta.json")
     try:
-        meta, data = json.loads(Path(data_dir, "meta.json").read_text()), Path(data_dir, name).read_bytes()
-    except (OSError, ValueError):
-        meta, data = {}, b""
-    path = os.path.join(data_dir, name)
+        meta, data = json.loads(Path(meta_path).read_text()), Path(path).read_bytes()
+    except (OSError, ValueError) as e:  # no such file, not JSON
+        fail(f"{getattr(e, 'filename', None) or meta_path} is missing or damaged: run prepare_data.py first")
     if hashlib.sha256(data).hexdigest() != meta.get(key):
-        fail(f"{path} is missing or not the file meta.json describes: run prepare_data.py --data_dir DIR")
+        fail(f"{path} is not the file meta.json describes (size or sha256 differ): re-run prepare_data.py")
     return path, data, meta
 
 
