@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
@@ -396,9 +397,9 @@ def locked(out_dir):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                fail(
-                    f"another train.py is running in {out_dir}; wait for it to end, or pick another --out_dir"
-                )
+                fail(f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir")
+        for tmp in glob.glob(os.path.join(glob.escape(out_dir), ".*.tmp")):  # of a write killed midway
+            os.remove(tmp)
         yield
     finally:
         if fd is not None:
