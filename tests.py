@@ -1715,13 +1715,7 @@ def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(prepared, tmp
     (tmp_path / "mymixers.py").write_text(USER_MIXER)  # the find_mixer test's: a module of one's own
     monkeypatch.syspath_prepend(str(tmp_path))
     out = str(tmp_path / "mean")
-    flags = [
-        "--mixer=mymixers.Mean",
-        "--max_iters=3",
-        "--device=cpu",
-        f"--out_dir={out}",
-    ]  # (its arange: CPU)
-    assert run(tmp_path, prepared[0], *flags) == 0
+    assert run(tmp_path, prepared[0], "--mixer=mymixers.Mean", "--max_iters=3", f"--out_dir={out}") == 0
     assert sample.main(["--out_dir", out, "--max_new_tokens", "5"]) == 0
 
 
