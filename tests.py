@@ -1502,7 +1502,7 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", full_disk)
     said = error_line(capsys, train.main, ["--out_dir", out, "--resume", "--max_iters", "10"])
-    assert said == f"error: cannot write {out}/ckpt.pt (No space left on device); the last checkpoint is kept"
+    assert said == f"error: cannot write {out}/ckpt.pt (No space left on device); the last checkpoint stays"
     assert ckpt_iter(out) == 5 and [n for n in os.listdir(out) if n.endswith(".tmp")] == []
 
 

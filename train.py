@@ -98,11 +98,9 @@ def check_args(args):
     for name in ("max_iters", "eval_batches", "grad_clip", "weight_decay", "data_seed"):
         if not 0 <= getattr(args, name) < math.inf:
             fail(f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
-    if not (
-        0 < args.lr < math.inf and 0 <= args.beta1 < 1 and 0 <= args.beta2 < 1 and 0 <= args.seed < 2**63
-    ):
-        got = f"{args.lr}, {args.beta1}, {args.beta2}, {args.seed}"
-        fail(f"need --lr > 0, --beta1 and --beta2 in [0, 1), --seed in [0, 2**63); got {got}")
+    a = args
+    if not (0 < a.lr < math.inf and 0 <= a.beta1 < 1 and 0 <= a.beta2 < 1 and 0 <= a.seed < 2**63):
+        fail(f"need --lr > 0, --beta1, --beta2 in [0, 1), --seed in [0, 2**63); got {a.lr}, {a.beta1}, ...")
     if args.resume and args.overwrite:
         fail("--resume continues out_dir's run and --overwrite replaces it: pass one of them")
     if args.batch_size % WORLD:
@@ -164,10 +162,9 @@ def build_model(cfg, args, device):
     torch.manual_seed(args.seed + RANK)
     random.seed(args.seed + RANK)
     betas, cuda = (args.beta1, args.beta2), device.type == "cuda"
-    opt = torch.optim.AdamW(
-        model.parameters(), args.lr, betas, 1e-8, args.weight_decay, fused=cuda, capturable=cuda
-    )
-    return model, opt
+    decay = args.weight_decay
+    adamw = torch.optim.AdamW(model.parameters(), args.lr, betas, 1e-8, decay, fused=cuda, capturable=cuda)
+    return model, adamw
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
@@ -235,12 +232,9 @@ def train(args, ckpt):
     model = torch.compile(raw_model) if args.compile else raw_model
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if WORLD > 1 else model
     step = functools.partial(train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip)
-    if (
-        device.type == "cuda"
-        and args.cuda_graph
-        and not (WORLD > 1 or args.compile or args.dtype == "float16")
-    ):
-        step = CapturedStep(step)  # (DDP, --compile and float16's loss scaling run eagerly)
+    eager = WORLD > 1 or args.compile or args.dtype == "float16"  # (DDP, compiled, fp16's loss scaling)
+    if device.type == "cuda" and args.cuda_graph and not eager:
+        step = CapturedStep(step)
     if MASTER:  # the folder becomes this run's: run.json, and log.csv new or cut back to the checkpoint
         info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=raw_model.param_counts())
         info.update(data=data, world_size=WORLD, computed=computed(device, args, step))
@@ -376,9 +370,7 @@ def judge(args, parser, argv):
         elif k not in MAY_CHANGE and v != ckpt["args"][k]:
             differ.append(f"--{k} {ckpt['args'][k]}")
     if differ:
-        fail(
-            f"{path} was trained with {', '.join(differ)}: --resume keeps a run's settings; drop those flags"
-        )
+        fail(f"{path} was trained with {', '.join(differ)}: --resume keeps its settings; drop those flags")
     return ckpt
 
 
@@ -443,9 +435,8 @@ def save_checkpoint(args, model, optimizer, scaler, cfg, data, it, elapsed):
         dist.all_gather_object(rngs, state)
     if MASTER:
         ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
-        ckpt.update(
-            config=dataclasses.asdict(cfg), args=vars(args), iter=it, elapsed_s=elapsed, rng=rngs, data=data
-        )
+        ckpt.update(config=dataclasses.asdict(cfg), args=vars(args), iter=it, elapsed_s=elapsed, data=data)
+        ckpt["rng"] = rngs
         atomic_write(os.path.join(args.out_dir, "ckpt.pt"), lambda f: torch.save(ckpt, f))
 
 
@@ -455,9 +446,8 @@ def restore(ckpt, model, optimizer, scaler, device):
         fail(f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as many (torchrun)")
     model.load_state_dict(ckpt["model"])
     saved, mine = ckpt["optimizer"], optimizer.param_groups  # AdamW's kind (fused, ...) stays this device's
-    groups = [
-        dict(g, fused=m["fused"], capturable=m["capturable"]) for g, m in zip(saved["param_groups"], mine)
-    ]
+    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])  # noqa: E731
+    groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
     optimizer.load_state_dict(dict(saved, param_groups=groups))
     scaler.load_state_dict(ckpt["scaler"]) if ckpt["scaler"] else None
     torch.set_rng_state(ckpt["rng"][RANK]["torch"])
@@ -483,20 +473,10 @@ def pick_device(name):
     if device.type == "cuda":
         device = torch.device("cuda", LOCAL_RANK if device.index is None else device.index)
         torch.cuda.set_device(device)
-    if device.type == "cpu":
-        keep_freed_memory()
-    return device
-
-
-def keep_freed_memory():
-    """On Linux, glibc keeps freed memory instead of giving large tensors' pages back after every step and
-    faulting them in again: 1.4x tokens/s at m = 2 on a CPU (measured)."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return
-    for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):  # M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD
-        mallopt(option, value)
+    if device.type == "cpu" and sys.platform == "linux":  # glibc keeps freed memory rather than give large
+        for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):  # tensors' pages back and fault them
+            ctypes.CDLL("libc.so.6").mallopt(option, value)  # in at every step: 1.4x tokens/s at m = 2
+    return device  # (the options: M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD)
 
 
 def precision(device, dtype, tf32=True):
@@ -511,14 +491,10 @@ def precision(device, dtype, tf32=True):
 
 def computed(device, args, step):
     """How the run computes, for run.json: device, torch, matmul precision, autocast, the step."""
-    tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
+    tf32, step = "tf32" if device.type == "cuda" and args.tf32 else "ieee", type(step).__name__
     how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype, float32_matmul=tf32)
-    how.update(
-        fir_matmul="tf32" if fir.ALLOW_TF32 else "ieee", step=type(step).__name__.replace("partial", "eager")
-    )
-    if device.type == "cuda":
-        how["device_name"] = torch.cuda.get_device_name(device)
-    return how
+    how.update(fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee", step=step.replace("partial", "eager"))
+    return how | ({"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})
 
 
 def peak_memory(device):
@@ -579,18 +555,14 @@ def main(argv=None):
                 signal.signal(s, ask_to_stop)
             return train(args, ckpt)
     except torch.OutOfMemoryError:
-        print(
-            "error: out of memory on the device; use a smaller --batch_size or --block_size", file=sys.stderr
-        )
+        print("error: out of memory on the device: use a smaller --batch_size", file=sys.stderr)
         return 1
     except SystemExit as e:  # fail() and argparse: the line is printed
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C
         return say("\naborted; the last checkpoint is kept") or 130
     except OSError as e:  # a full disk, a lost folder
-        print(
-            f"error: cannot write {e.filename} ({e.strerror}); the last checkpoint is kept", file=sys.stderr
-        )
+        print(f"error: cannot write {e.filename} ({e.strerror}); the last checkpoint stays", file=sys.stderr)
         return 1
     finally:
         STOP["signal"] = None

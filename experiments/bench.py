@@ -446,5 +446,4 @@ def main(argv=None):
 if __name__ == "__main__":
     if hasattr(signal, "SIGPIPE"):  # `bench.py | head` ends quietly, as a shell tool does
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    train.keep_freed_memory()  # the allocator setting of a training run, so that bench measures the same
     main()
