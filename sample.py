@@ -61,6 +61,15 @@ def load_run_tokenizer(data_dir, ckpt):
     return load_tokenizer(data_dir)
 
 
+def stream(model, idx, enc, max_new_tokens, **kw):
+    """Print each new token as soon as it is sampled. A token may end inside a UTF-8 character, so the bytes
+    go through an incremental decoder that prints only whole characters."""
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for tok in model.generate_stream(idx, max_new_tokens, **kw):  # (1, 1) each
+        print(text.decode(enc.decode_single_token_bytes(tok.item())), end="", flush=True)
+    print(text.decode(b"", final=True))
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 0 or args.num_samples < 1 or not 0 <= args.seed < 2**63:
@@ -75,10 +84,7 @@ def main(argv=None):
     enc = load_run_tokenizer(args.data_dir or ckpt["args"]["data_dir"], ckpt)
     ids = enc.encode(args.prompt, disallowed_special=()) or [enc.eot_token]  # none: a new document
     if len(ids) > model.cfg.block_size:
-        print(
-            f"note: the prompt's {len(ids)} tokens are more than l; it goes on from the last l",
-            file=sys.stderr,
-        )
+        print(f"note: {len(ids)} prompt tokens, more than l: it goes on from the last l", file=sys.stderr)
         ids = ids[-model.cfg.block_size :]
     print(f"# {args.out_dir} after {ckpt['iter']} batches, seed {args.seed}", file=sys.stderr)
     torch.manual_seed(args.seed)
@@ -86,10 +92,7 @@ def main(argv=None):
     t0 = time.time()
     for k in range(args.num_samples):
         print(("-" * 40 + "\n" if k else "") + args.prompt, end="", flush=True)
-        text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end inside a character
-        for tok in model.generate_stream(torch.tensor([ids], device=device), args.max_new_tokens, **kw):
-            print(text.decode(enc.decode_single_token_bytes(tok.item())), end="", flush=True)  # (1, 1) each
-        print(text.decode(b"", final=True))
+        stream(model, torch.tensor([ids], device=device), enc, args.max_new_tokens, **kw)
     peak, what = peak_memory(device)
     n = args.num_samples * args.max_new_tokens
     print(f"# {n} tokens in {time.time() - t0:.1f} s; {what} {peak / 2**30:.2f} GB", file=sys.stderr)
