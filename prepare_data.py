@@ -379,17 +379,16 @@ def load_data(data_dir, block_size, batch_size):
 
 
 def parse_args(argv):
-    doc, fmt = __doc__.split("\n\n")[0], argparse.ArgumentDefaultsHelpFormatter
-    p = argparse.ArgumentParser(description=doc, formatter_class=fmt)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.error = lambda msg: fail(f"{msg} (see python prepare_data.py --help)")
-    p.add_argument("--data_dir", default="data", help="outputs and the raw/ cache")
-    p.add_argument("--books", default=BOOKS_TSV, help="rank, ebook id, title, author (tab-separated)")
+    p.add_argument("--data_dir", default="data", help="outputs and the raw/ cache (%(default)s)")
+    p.add_argument("--books", default=BOOKS_TSV, help="rank, ebook id, title, author (books.tsv)")
     p.add_argument("--mirror", default="https://www.gutenberg.org", help="host with gutenberg.org's paths")
-    p.add_argument("--source", help="read <ID>.txt or pg<ID>.txt from this folder instead of downloading")
-    p.add_argument("--vocab_size", type=int, default=5000, help="tokens with <|endoftext|> (the paper's u)")
-    p.add_argument("--val_fraction", type=float, default=0.05, help="share held out as whole books")
-    p.add_argument("--pause", type=float, default=1.0, help="seconds between downloads, to be polite")
-    p.add_argument("--min_chars", type=int, default=5000, help="refuse a shorter book (an error page)")
+    p.add_argument("--source", default="", help="read <ID>.txt or pg<ID>.txt from this folder, not the web")
+    p.add_argument("--vocab_size", type=int, default=5000, help="tokens with <|endoftext|>, u (%(default)s)")
+    p.add_argument("--val_fraction", type=float, default=0.05, help="share held out as whole books (0.05)")
+    p.add_argument("--pause", type=float, default=1.0, help="seconds between downloads (%(default)s)")
+    p.add_argument("--min_chars", type=int, default=5000, help="refuse a shorter book, an error page (5000)")
     args = p.parse_args(argv)
     for bad, msg in (
         (not 257 <= args.vocab_size <= 65536, "--vocab_size: 256 bytes + <|endoftext|> to 65536 (uint16)"),
