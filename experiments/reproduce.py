@@ -36,7 +36,7 @@ WINDOW, TOLERANCE = 10, 0.05  # the check: batches per window, the largest gap t
 
 
 def die_with_parent():
-    """Linux: the kernel sends the child SIGTERM (train.py checkpoints) if this script dies, even by kill -9."""
+    """Linux: the kernel sends the child SIGTERM (it checkpoints) if this script dies, even by kill -9."""
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
