@@ -1053,7 +1053,7 @@ def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(marker
     assert prepare_data.strip_gutenberg(gutenberg_file(markers, credits, footer)) == (BODY, None)
 
 
-def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(tmp_path):
+def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(tmp_path, capsys):
     """None of the 100 files is cut short, has a byte-order mark or CRLF or is not UTF-8."""
     cut = gutenberg_file("THIS", "none", "none").split("*** END")[0]  # no END marker, no footer: all kept
     warning = "no END marker or footer: the file may be cut short"
@@ -1065,6 +1065,13 @@ def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same
     for raw in bom_crlf, text.encode("cp1252"), ("\ufeff" + body).encode():  # the last without markers
         (tmp_path / "1.txt").write_bytes(raw)
         assert prepare_data.book_body((1, "The Lantern", ""), str(tmp_path / "1.txt"), 100) == body
+    (tmp_path / "1.txt").write_bytes(b"caf\xe9 \x81" * 20)  # cp1252, with a byte it leaves undefined
+    assert prepare_data.book_body((1, "", ""), str(tmp_path / "1.txt"), 120) == "caf\xe9 \ufffd" * 20 + "\n"
+    said = error_line(capsys, prepare_data.book_body, (1, "", ""), str(tmp_path / "1.txt"), 121)
+    assert "has 120 characters" in said
+    end = MARKERS["THIS"][1].format(T="X")
+    for start in MARKERS["THIS"][0].format(T="X"), MARKERS["small print"][0]:  # the text right below
+        assert prepare_data.strip_gutenberg(f"{start}\nText.\n{end}\n") == ("Text.\n", None)
 
 
 # ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache, --source
@@ -1222,10 +1229,11 @@ def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
     assert f"train.bin holds token {int(train.max())} >= meta.json's vocab_size" in err(data, 8, 4)
 
 
-def test_bpe_worked_by_hand_and_the_fast_one_against_the_reference():
+def test_bpe_worked_by_hand_and_the_fast_one_against_the_reference(capsys):
     for words, tokens in [
         ({"aaab": 2, "ab": 1}, [b"aa", b"ab", b"aaab"]),  # the docstring's example
         ({"ba": 2, "zy": 2, "ab": 1, "ac": 1}, [b"ba", b"zy", b"ab", b"ac"]),  # ties: ba < zy, ab < ac
+        ({"cab": 1, "ab": 1, "ca": 1}, [b"ab", b"ca", b"cab"]),  # ab first (a tie), then ca's count is 1
     ]:  # fmt: skip
         for train_bpe in (prepare_data.train_bpe_reference, prepare_data.train_bpe):
             assert train_bpe(words, 256 + len(tokens)) == [bytes([b]) for b in range(256)] + tokens
@@ -1235,6 +1243,10 @@ def test_bpe_worked_by_hand_and_the_fast_one_against_the_reference():
         assert prepare_data.train_bpe(words, 316) == prepare_data.train_bpe_reference(words, 316)
     words = prepare_data.count_words([BODIES[9001]])
     assert prepare_data.train_bpe(words, 336) == prepare_data.train_bpe_reference(words, 336)
+    says = (
+        "error: the books allow only 258 tokens: use a smaller --vocab_size or more books"  # 256 + ab + eot
+    )
+    assert error_line(capsys, prepare_data.train_bpe, {"ab": 1}, 258) == says
 
 
 def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids():
@@ -1285,8 +1297,8 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
 
 def test_short_empty_binary_books_are_one_line_naming_the_file_a_cut_one_a_warning(clean, tmp_path, capsys):
     src, short = tmp_path / "src", RAW[9006].replace(BODIES[9006].encode(), b"A short error page.")
-    for raw, says in [(short, "(Tin Fern) has 19 characters"), (b"", "(Tin Fern) has 0 characters"),
-                      (bytes(range(256)) * 9, f"{src}/9006.txt is not a text file (NUL bytes)")]:  # fmt: skip
+    for raw, says in [(short, "9006 (Tin Fern) has 19 characters"), (b"", "9006 (Tin Fern) has 0 chara"),
+                      (bytes(range(256)) * 9, f"9006: {src}/9006.txt is not a text file (NUL")]:  # fmt: skip
         folder(src, {**RAW, 9006: raw})
         err = error_line(capsys, prepare, tmp_path / "out", "--source", str(src), tsv=clean[1])
         assert says in err and f"replace {src}/9006.txt with the book's text (or delete a download" in err
@@ -1315,18 +1327,9 @@ def run(tmp_path, data, *flags, name="run"):
     return train.main(TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *flags])
 
 
-def log_rows(out):
-    with open(os.path.join(out, "log.csv")) as f:
-        return list(csv.DictReader(f))
-
-
-def losses(out):
-    """The log's (batch, training cost, validation loss) as written: the same strings are the same floats."""
-    return [(r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)]
-
-
-def ckpt_iter(out):
-    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
+log_rows = lambda out: list(csv.DictReader(open(os.path.join(out, "log.csv"))))
+losses = lambda out: [(r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)]  # strings: bits
+ckpt_iter = lambda out: torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
 
 
 def files(folder):
@@ -1400,8 +1403,7 @@ def test_bad_flags_are_one_line_and_write_nothing(flags, says, data, tmp_path, c
 
 # ---- the step: AdamW written out from its definition, with Table 1's settings
 def literal_adamw(params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay=0.01):
-    """One AdamW step (Loshchilov and Hutter), as written: decoupled decay, then the bias-corrected
-    moments, on every parameter."""
+    """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the bias-corrected moments."""
     for p, g, (m, v) in zip(params, grads, state):
         p.mul_(1 - lr * decay)
         m.mul_(b1).add_((1 - b1) * g)
@@ -1409,15 +1411,14 @@ def literal_adamw(params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, 
         p.sub_(lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_training_step_is_adamw_with_table1_settings_written_out(clip):
-    """Three of train.py's steps against AdamW written out, on the same model in float64 without dropout:
-    the same parameters to float64 precision. With clipping, the gradients are first scaled so that
-    their global norm is at most clip."""
-    args = train.build_parser().parse_args(["--dropout", "0", "--grad_clip", str(clip), "--seed", "3"])
-    cfg = Config(
-        vocab_size=30, block_size=8, n_embd=8, n_hidden=16, n_layer=1, n_head=2, dropout=0, mixer="he"
-    )
+@pytest.mark.parametrize("clip, decay", [(0.0, 0.01), (0.05, 0.1)])
+def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
+    """Three of train.py's steps against AdamW written out, on one model in float64 without dropout: the same
+    parameters to float64 precision. Clipping first scales the gradients to a global norm of at most clip."""
+    flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"] + [f"--weight_decay={decay}"] * (decay != 0.01)
+    args = train.build_parser().parse_args(flags)  # (Table 1's decay as the default, then another)
+    cfg = Config(vocab_size=30, block_size=8, n_embd=8, n_hidden=16, n_layer=1, n_head=2, dropout=0.0)
+    cfg.mixer = "he"
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
     model.double()
     reference = copy.deepcopy(model)
@@ -1426,14 +1427,14 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip):
     ctx, scaler = train.precision(torch.device("cpu"), "float32")
     for t in range(1, 4):
         x, y = torch.randint(0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(t))
-        loss = train.train_step(model, adamw, scaler, ctx, x, y, grad_clip=clip)
+        loss = train.train_step(model, adamw, scaler, ctx, x, y, **({"grad_clip": clip} if clip else {}))
         ref_loss = reference(x, y)[1]
         grads = torch.autograd.grad(ref_loss, params)
         assert abs(loss.item() - ref_loss.item()) < 1e-12  # the loss before the step, Eq. (3)
         norm = math.sqrt(sum((g**2).sum().item() for g in grads))
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         with torch.no_grad():
-            literal_adamw(params, [g * scale for g in grads], state, t)
+            literal_adamw(params, [g * scale for g in grads], state, t, decay=decay)
         assert clip == 0 or scale < 1  # the clip binds at least in this test
     for p, q in zip(model.parameters(), params):
         assert torch.allclose(p, q, rtol=0, atol=1e-12), (p - q).abs().max()
@@ -1663,12 +1664,14 @@ def prepared(tmp_path_factory):
 
 def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(prepared, monkeypatch, capsys):
     enc = prepare_data.load_tokenizer(prepared[0])
-    ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok".encode()]  # a token for each byte
+    ids = [
+        enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]
+    ]  # a token each byte, the last cut
     model, ckpt = sample.load_model(prepared[1], torch.device("cpu"))
     monkeypatch.setattr(model, "generate_stream", lambda *a, **kw: (torch.tensor([[i]]) for i in ids))
     monkeypatch.setattr(sample, "load_model", lambda *a: (model, ckpt))
-    assert sample.main(["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "7"]) == 0
-    assert capsys.readouterr().out == "é€ ok\n"
+    assert sample.main(["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"]) == 0
+    assert capsys.readouterr().out == "é€ ok\ufffd\n"  # (what a cut character becomes at the end)
 
 
 def test_sample_continues_a_long_prompt_from_its_last_l_tokens(prepared, tmp_path, capsys):

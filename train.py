@@ -23,7 +23,6 @@ import glob
 import json
 import math
 import os
-import random
 import re
 import signal
 import sys
@@ -160,7 +159,6 @@ def build_model(cfg, args, device):
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
-    random.seed(args.seed + RANK)
     betas, cuda = (args.beta1, args.beta2), device.type == "cuda"
     decay = args.weight_decay
     adamw = torch.optim.AdamW(model.parameters(), args.lr, betas, 1e-8, decay, fused=cuda, capturable=cuda)
@@ -427,7 +425,7 @@ def start_files(out_dir, info, start):
 
 def save_checkpoint(args, model, optimizer, scaler, cfg, data, it, elapsed):
     """ckpt.pt, written whole or not at all, with every process's RNG states: --resume goes on bit for bit."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state()}  # (dropout's streams: Python's random is not used)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     rngs = [state] * WORLD
@@ -451,7 +449,6 @@ def restore(ckpt, model, optimizer, scaler, device):
     optimizer.load_state_dict(dict(saved, param_groups=groups))
     scaler.load_state_dict(ckpt["scaler"]) if ckpt["scaler"] else None
     torch.set_rng_state(ckpt["rng"][RANK]["torch"])
-    random.setstate(ckpt["rng"][RANK]["python"])
     if device.type == "cuda" and "cuda" in ckpt["rng"][RANK]:
         torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
 
