@@ -530,15 +530,17 @@ def scrambled_model(name, l=16):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_cached_generation_equals_uncached(name):
+def test_cached_generation_equals_uncached(name, monkeypatch):
     model = scrambled_model(name, l=12)
     idx = torch.randint(0, 50, (2, 5), device=DEVICE)
     cached = model.generate(idx, 7, temperature=0, use_cache=True)  # fills l = 12 exactly
     assert torch.equal(cached, model.generate(idx, 7, temperature=0, use_cache=False))
     cache = model.new_cache()  # a token, chunks of 4 and 2, then one token at a time: one full forward
     steps = [model(cached[:, i:j], cache=cache)[0] for i, j in ((0, 1), (1, 5), (5, 7))]
+    full = model(cached)[0]
+    monkeypatch.setattr(extractor, "fir_full", None)  # one new token: one row of Eq. (23) or (29), O(t d)
     steps += [model(cached[:, i : i + 1], cache=cache)[0] for i in range(7, 12)]
-    assert cache["t"] == 12 and torch.allclose(torch.cat(steps, 1), model(cached)[0], atol=TOL, rtol=0)
+    assert cache["t"] == 12 and torch.allclose(torch.cat(steps, 1), full, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -1413,18 +1415,18 @@ def literal_adamw(params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, 
 
 @pytest.mark.parametrize("clip, decay", [(0.0, 0.01), (0.05, 0.1)])
 def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
-    """Three of train.py's steps against AdamW written out, on one model in float64 without dropout: the same
-    parameters to float64 precision. Clipping first scales the gradients to a global norm of at most clip."""
+    """Three of train.py's steps against AdamW written out, in float64: the same parameters to float64
+    precision. Clipping first scales the gradients to a norm of at most clip (with fp16's loss scaling)."""
     flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"] + [f"--weight_decay={decay}"] * (decay != 0.01)
     args = train.build_parser().parse_args(flags)  # (Table 1's decay as the default, then another)
-    cfg = Config(vocab_size=30, block_size=8, n_embd=8, n_hidden=16, n_layer=1, n_head=2, dropout=0.0)
-    cfg.mixer = "he"
+    cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")  # u, l, d, c, m, n, p (no dropout), the mixer
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
-    model.double()
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model.double())
     params = list(reference.parameters())
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-    ctx, scaler = train.precision(torch.device("cpu"), "float32")
+    scaler = train.precision(torch.device("cpu"), "float16" if clip else "float32")[1]  # fp16 scales the loss
+    ctx = contextlib.nullcontext()  # (by 2**16, exact in float64): the clip must see the gradients unscaled
+    assert scaler.is_enabled() == (clip > 0)
     for t in range(1, 4):
         x, y = torch.randint(0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(t))
         loss = train.train_step(model, adamw, scaler, ctx, x, y, **({"grad_clip": clip} if clip else {}))
