@@ -124,19 +124,15 @@ def model_settings(args, **more):
 
 
 # ------------------------------------------------------------------------------------- data and batches
-
-
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
-    """A permutation of the start positions 0..n_starts-1, seeded by (data_seed, epoch) alone: the same
-    for every mixer, model seed and dropout, so every run sees the same batches."""
+    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in every run."""
     seed = int(np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)[0])
     return torch.randperm(n_starts, generator=torch.Generator().manual_seed(seed))  # (n_starts,)
 
 
 def batch_starts(i, n_starts, batch_size, data_seed):
-    """Start positions of batch i (from 0): slice i of its epoch's permutation (each epoch's leftover
-    n_starts % batch_size starts are skipped). The data order's whole state is i."""
+    """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size left over skipped)."""
     epoch, j = divmod(i, n_starts // batch_size)
     return epoch_permutation(n_starts, data_seed, epoch)[j * batch_size : (j + 1) * batch_size]
 
@@ -151,16 +147,12 @@ def get_batch(data, starts, block_size, device):
 
 
 # ------------------------------------------------------------------------------- the model and the step
-
-
 def build_model(cfg, args, device):
-    """The Transformer (the same initialisation in every process, then a dropout stream each) and AdamW
-    with Table 1's settings: fused on CUDA, and capturable in a CUDA graph."""
+    """The Transformer, the same in every process (then a dropout stream each), and AdamW (CUDA: fused)."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
-    betas, cuda = (args.beta1, args.beta2), device.type == "cuda"
-    decay = args.weight_decay
+    betas, decay, cuda = (args.beta1, args.beta2), args.weight_decay, device.type == "cuda"
     adamw = torch.optim.AdamW(model.parameters(), args.lr, betas, 1e-8, decay, fused=cuda, capturable=cuda)
     return model, adamw
 
@@ -181,16 +173,15 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 class CapturedStep:
     """step(x, y) replayed from a CUDA graph: one launch instead of the step's ~1000 kernels. The first 3
-    calls run eagerly on a side stream (cuBLAS, AdamW's state and the allocator set themselves up), the
-    4th records the step on static inputs, then each call copies its batch in and replays. Parameters,
-    gradients and AdamW's state keep their addresses, so a replay computes what the eager step would, bit
-    for bit; dropout advances the CUDA generator as the eager step does."""
+    calls run eagerly on a side stream (cuBLAS, AdamW and the allocator set up), the 4th records the step
+    on static inputs, then each call copies its batch in and replays. Parameters, gradients and AdamW's
+    state keep their addresses: a replay is the eager step bit for bit, dropout's generator included."""
 
     def __init__(self, step, warmup=3):
         self.step, self.warmup, self.graph, self.stream = step, warmup, None, torch.cuda.Stream()
 
     def __call__(self, x, y):
-        if self.graph is None and self.warmup > 0:
+        if self.warmup > 0:
             self.warmup -= 1
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
@@ -208,8 +199,6 @@ class CapturedStep:
 
 
 # -------------------------------------------------------------------------------------------- the run
-
-
 def train(args, ckpt):
     """The data, the model and its step, the run's files, then the loop."""
     start, elapsed0 = (ckpt["iter"], ckpt["elapsed_s"]) if ckpt else (0, 0.0)
@@ -228,8 +217,8 @@ def train(args, ckpt):
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
     model = torch.compile(raw_model) if args.compile else raw_model
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if WORLD > 1 else model
-    step = functools.partial(train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if WORLD > 1 else model
+    step = functools.partial(train_step, ddp, optimizer, scaler, ctx, grad_clip=args.grad_clip)
     eager = WORLD > 1 or args.compile or args.dtype == "float16"  # (DDP, compiled, fp16's loss scaling)
     if device.type == "cuda" and args.cuda_graph and not eager:
         step = CapturedStep(step)
@@ -238,18 +227,16 @@ def train(args, ckpt):
         info.update(data=data, world_size=WORLD, computed=computed(device, args, step))
         start_files(args.out_dir, info, start)
         describe(args, cfg, info, len(train_data), len(val_data), start)
-
     # batch -> step -> at log points: evaluate, log, checkpoint; until max_iters, a signal or the time limit
     b, n_starts = args.batch_size // WORLD, len(train_data) - args.block_size
     losses = torch.zeros(args.log_interval, device=device)  # each batch's loss, kept on the device
     t0 = t_resumed = time.time()  # (t_resumed: the end of the last log point)
-    it, val, times, slowest, pause = start, None, [], 0.0, 5.0  # (pause: the longest log point's work, s)
-    while it < args.max_iters:
-        starts = batch_starts(it, n_starts, args.batch_size, args.data_seed)[RANK * b : (RANK + 1) * b]
+    val, times, slowest, pause = None, [], 0.0, 5.0  # (pause: the longest log point's work, s)
+    for it in range(start + 1, args.max_iters + 1):  # it: the batches done once this one is
+        starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)[RANK * b : (RANK + 1) * b]
         x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
         losses[len(times)] = step(x, y)
         times.append(time.time())
-        it += 1
         slowest = max(slowest, times[-1] - (times[-2] if len(times) > 1 else t_resumed))
         asked = STOP["signal"] is not None or times[-1] + 2 * slowest + pause - t0 > seconds(args.time_limit)
         evaluate_now = args.eval_batches > 0 and (it % args.eval_interval == 0 or it == args.max_iters)
@@ -279,11 +266,9 @@ def train(args, ckpt):
 
 @torch.no_grad()
 def evaluate(model, args, val_data, device, ctx):
-    """The mean loss over a fixed validation set: eval_batches * batch_size windows spread evenly over
-    val.bin, the same at every evaluation; each batch is split over the processes as in training."""
+    """The mean loss over the same eval_batches x batch_size windows each time, spread evenly over val.bin."""
     n, b = args.eval_batches * args.batch_size, args.batch_size // WORLD
     starts = torch.from_numpy(np.linspace(0, len(val_data) - args.block_size - 1, n).round().astype(np.int64))
-    model = model.module if WORLD > 1 else model
     model.eval()
     total = torch.zeros((), device=device)
     for k in range(0, n, args.batch_size):
@@ -303,8 +288,7 @@ def mean_over_processes(t):
 
 
 def log(args, losses, times, it, val, tok_s, t_to_elapsed):
-    """The batches since the last log point, as (batch, loss) rows (under DDP each the mean over the
-    processes: the whole batch's loss), into log.csv. A cost that is not finite ends the run."""
+    """The batches since the last log point into log.csv (DDP: the whole batch's loss); nan or inf ends it."""
     rows = list(zip(range(it - len(times) + 1, it + 1), mean_over_processes(losses).tolist(), times))
     for i, v, _ in rows:
         if not math.isfinite(v):
@@ -332,12 +316,8 @@ def describe(args, cfg, info, n_train, n_val, start):
 
 
 # --------------------------------------------------------------------------- the run folder and ckpt.pt
-
-
 def default_out_dir(args):
-    """out/<mixer> (out/sa-<n> for attention) plus -<symbol><value> for each setting that is not Table
-    1's, e.g. out/me-m2-l64-b32: symbols are letters and values start with a digit, so no two runs share
-    a name (and values are exact: 12345678 is not 1.23457e+07)."""
+    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact): out/me-m2-l64-b32."""
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
     for flag, (symbol, value, _) in TABLE_1.items():
         v = getattr(args, flag)
@@ -347,8 +327,7 @@ def default_out_dir(args):
 
 
 def judge(args, parser, argv):
-    """The checkpoint to resume, with args set from it, or None to start the run. A folder holds a run
-    once it has ckpt.pt. --resume takes every setting from it; flags may change only MAY_CHANGE's."""
+    """The checkpoint to resume, args set from it (flags may change MAY_CHANGE's only), or None to start."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     if not args.resume:
         if os.path.exists(path) and not args.overwrite:
@@ -359,24 +338,17 @@ def judge(args, parser, argv):
         fail(f"no checkpoint {path} to resume; drop --resume to start the run")
     ckpt, unset = load_checkpoint(path), object()
     given = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset))))
-    differ = []
-    for k, v in given.items():
-        if k in THIS_COMMAND or k not in ckpt["args"]:
-            continue
-        if v is unset:
-            setattr(args, k, ckpt["args"][k])
-        elif k not in MAY_CHANGE and v != ckpt["args"][k]:
-            differ.append(f"--{k} {ckpt['args'][k]}")
+    saved = {k: ckpt["args"][k] for k in given if k in ckpt["args"] and k not in THIS_COMMAND}
+    differ = [f"--{k} {v}" for k, v in saved.items() if k not in MAY_CHANGE and given[k] not in (unset, v)]
     if differ:
         fail(f"{path} was trained with {', '.join(differ)}: --resume keeps its settings; drop those flags")
+    vars(args).update({k: v for k, v in saved.items() if given[k] is unset})
     return ckpt
 
 
 @contextmanager
 def locked(out_dir):
-    """The run folder, made if need be and locked while this train.py works in it (the OS releases the
-    lock even after kill -9), so that a second train.py on it is refused (on Windows: not). A folder that
-    this command made and leaves empty goes again."""
+    """The run folder, made if need be and locked against a second train.py (Unix; freed even by kill -9)."""
     made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     fd = os.open(out_dir, os.O_RDONLY) if os.name == "posix" else None
@@ -410,8 +382,7 @@ def load_checkpoint(path):
 
 
 def start_files(out_dir, info, start):
-    """run.json, and log.csv: new for a fresh start, once the old run's ckpt.pt has gone; resuming, cut
-    back to the checkpoint's batch (a run logs batches after its last checkpoint)."""
+    """run.json, and log.csv: new (the old ckpt.pt gone first), or resuming, cut back to the checkpoint."""
     path, rows = os.path.join(out_dir, "log.csv"), []
     if start and os.path.exists(path):
         with open(path) as f:
@@ -444,7 +415,7 @@ def restore(ckpt, model, optimizer, scaler, device):
         fail(f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as many (torchrun)")
     model.load_state_dict(ckpt["model"])
     saved, mine = ckpt["optimizer"], optimizer.param_groups  # AdamW's kind (fused, ...) stays this device's
-    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])  # noqa: E731
+    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])
     groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
     optimizer.load_state_dict(dict(saved, param_groups=groups))
     scaler.load_state_dict(ckpt["scaler"]) if ckpt["scaler"] else None
@@ -454,8 +425,6 @@ def restore(ckpt, model, optimizer, scaler, device):
 
 
 # ------------------------------------------------------------------------------ the device and its memory
-
-
 def pick_device(name):
     """--device as a torch.device: auto is cuda, then mps, then cpu; one line if it is not there."""
     if name == "auto":
@@ -477,8 +446,7 @@ def pick_device(name):
 
 
 def precision(device, dtype, tf32=True):
-    """Autocast and the loss scaler: float32 unless --dtype asks for bf16, or fp16 (whose small range
-    needs its loss scaled). On CUDA float32 matmuls run in TF32 unless --no-tf32."""
+    """Autocast to --dtype, the loss scaler (on for float16's small range), and CUDA's TF32 matmuls."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     kind, cache = getattr(torch, dtype), device.type != "cuda"  # (CUDA graphs want no autocast cache)
@@ -516,11 +484,8 @@ def report_peak_memory(args, device, exit_code):
 
 
 # -------------------------------------------------------------------------------- the console, stopping
-
-
 def say(*args):
-    """A console line at once (also under nohup), from process 0 only. A closed stdout (| head) stops the
-    run as a signal would."""
+    """A console line at once (nohup too), from process 0; a closed stdout (| head) acts as a signal."""
     if MASTER:
         try:
             print(*args, flush=True)
