@@ -56,8 +56,7 @@ def fmt_time(s):
 
 
 def atomic_write(path, data):
-    """Write data (bytes, str, or a function writing to a binary file, e.g. `lambda f: torch.save(obj, f)`)
-    to `.<name>.<pid>.tmp` beside path, then rename it: path is never half-written. An OSError names path."""
+    """Write data (bytes, str, or a function of a binary file) to a temporary file, then rename it to path."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -66,16 +65,14 @@ def atomic_write(path, data):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno is not None:
             raise OSError(e.errno, e.strerror, path) from e
         raise
 
 
 def read_books_tsv(path):
-    """[(ebook id, title, author)] of a list like books.tsv: a header line, then rank, ebook id, title,
-    author (tab-separated)."""
+    """[(ebook id, title, author)] of books.tsv: a header line, then rank, id, title, author (by tabs)."""
     try:
         with open(path, encoding="utf-8-sig") as f:
             rows = [(line + "\t\t\t").split("\t") for line in f.read().splitlines()[1:] if line.strip()]
@@ -88,8 +85,7 @@ def read_books_tsv(path):
 
 
 def fetch(url):
-    """The plain text at url, or None where there is none (4xx, an HTML page). No answer, a cut transfer,
-    5xx or 429 is tried again RETRIES times, BACKOFF s later and doubling; then ConnectionError."""
+    """Text at url, None if there is none (4xx, HTML); no answer, 5xx, 429: retries, then ConnectionError."""
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     for attempt in range(RETRIES + 1):
         try:
@@ -111,8 +107,7 @@ def fetch(url):
 
 
 def download_books(books, mirror, raw_dir, pause):
-    """Each book's file in raw_dir; those not there yet are downloaded one at a time, `pause` s apart,
-    from the first of URL_PATTERNS that has it, each saved whole as it arrives: a rerun resumes."""
+    """Each book's file in raw_dir; the missing ones are downloaded one at a time: a rerun resumes."""
     os.makedirs(raw_dir, exist_ok=True)
     paths = [os.path.join(raw_dir, f"{book_id}.txt") for book_id, _, _ in books]
     todo = [(book, path) for book, path in zip(books, paths) if not os.path.exists(path)]
@@ -147,23 +142,18 @@ def source_books(books, source):
     return paths
 
 
-# "*** START OF THIS PROJECT GUTENBERG EBOOK <TITLE> ***", in some "***START OF THE ..."; END alike
-START_RE, END_RE = (
-    re.compile(rf"^\*\*\* ?{w} OF TH(?:E|IS) PROJECT GUTENBERG EBOOK", re.M) for w in ("START", "END")
-)
+START_RE = re.compile(r"^\*\*\* ?START OF TH(?:E|IS) PROJECT GUTENBERG EBOOK", re.M)
+END_RE = re.compile(r"^\*\*\* ?END OF TH(?:E|IS) PROJECT GUTENBERG EBOOK", re.M)
 # the 1990s files have no START marker; their licence ends "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ..."
 SMALL_PRINT_END_RE = re.compile(r"^\*END THE SMALL PRINT", re.M)
-# "End of the Project Gutenberg EBook of <title>, by <author>", "End of Project Gutenberg's <title>"
 FOOTER_RE = re.compile(r"^End of (?:the )?Project Gutenberg", re.I | re.M)
-# paragraphs opening the text that are Project Gutenberg's: "Produced by ...", "E-text prepared by ...",
-# "Transcribed from the 1910 edition by ...", "Note: Project Gutenberg also has an HTML version ..."
+# paragraphs opening the text that are Project Gutenberg's: "Produced by ...", "Note: Project Gutenberg ..."
 CREDIT_RE = re.compile(r"(?is)(?:Produced by|Transcribed from|E-text prepared|This etext was)\s|.*Gutenberg")
 PARA_RE = re.compile(r"\s*(\S.*?)(?:\n[ \t]*\n|\Z)", re.S)  # the first paragraph
 
 
 def strip_gutenberg(text):
-    """The book without Project Gutenberg's header, licence, credits and footer, with \\n line ends, and
-    a warning (None when an END marker or footer was found)."""
+    """The book without Gutenberg's header, licence, credits and footer, \\n line ends; a warning or None."""
     text = text.replace("\r\n", "\n")
     m = START_RE.search(text)
     start = text.find("\n", m.end()) + 1 or len(text) if m else 0  # the line after the marker
@@ -198,8 +188,7 @@ def book_body(book, path, min_chars):
 
 
 def split_books(book_ids, texts, val_fraction):
-    """(train, val) indices: whole books in order of sha256(id) go to validation until they hold
-    val_fraction of the characters; at least one book is left for training."""
+    """(train, val) indices: books by sha256(id) go to validation until they hold val_fraction (not all)."""
     order = sorted(range(len(book_ids)), key=lambda i: hashlib.sha256(str(book_ids[i]).encode()).hexdigest())
     ahead = itertools.accumulate((len(texts[i]) for i in order), initial=0)  # characters of the books before
     target = val_fraction * sum(map(len, texts))
@@ -208,7 +197,6 @@ def split_books(book_ids, texts, val_fraction):
 
 
 def count_words(texts):
-    """How often each pre-tokenized piece (GPT-2's split pattern) occurs in texts."""
     return collections.Counter(w for t in texts for w in regex.findall(SPLIT_PATTERN, t))
 
 
@@ -224,17 +212,15 @@ def merge(word, pair, new):
 
 
 def train_bpe_reference(word_counts, n_tokens):
-    """Byte-pair encoding as its definition reads: start from the 256 bytes, then merge the most
-    frequent pair of adjacent tokens into a new token, again and again, until there are n_tokens.
-    word_counts: {piece: count}. Returns the tokens' bytes (index = rank = id). Ties go to the
-    smallest (left id, right id); a merge that makes bytes already known (x+yz after xy+z) reuses
-    that token. Worked example, words {"aaab": 2, "ab": 1}:
+    """Byte-pair encoding as its definition reads: from the 256 bytes, merge the most frequent pair of
+    adjacent tokens into a new token until there are n_tokens; ties go to the smallest (left id, right id),
+    and a merge making known bytes (x+yz after xy+z) reuses that token. word_counts: {piece: count};
+    returns the tokens' bytes (index = rank = id). Worked example, words {"aaab": 2, "ab": 1}:
       pairs (a,a) 2*2 = 4, (a,b) 2 + 1 = 3   -> 256 = "aa";   "aaab" is [256, a, b]
       pairs (256,a) 2, (a,b) 2 + 1 = 3       -> 257 = "ab";   "aaab" is [256, 257]
       pairs (256,257) 2                       -> 258 = "aaab"
     It counts every pair again before each merge; train_bpe gives the same tokens fast."""
     vocab = [bytes([b]) for b in range(256)]
-    ids = {t: i for i, t in enumerate(vocab)}
     words = {tuple(w.encode("utf-8")): c for w, c in word_counts.items()}
     while len(vocab) < n_tokens:
         pairs = collections.Counter()
@@ -243,19 +229,17 @@ def train_bpe_reference(word_counts, n_tokens):
                 pairs[pair] += c
         pair = min(pairs, key=lambda p: (-pairs[p], p))  # the most frequent; of ties, the smallest ids
         merged = vocab[pair[0]] + vocab[pair[1]]
-        if merged not in ids:
-            ids[merged] = len(vocab)
+        if merged not in vocab:
             vocab.append(merged)
-        words = {tuple(merge(list(w), pair, ids[merged])): c for w, c in words.items()}
+        new = vocab.index(merged)
+        words = {tuple(merge(list(w), pair, new)): c for w, c in words.items()}
     return vocab
 
 
 def train_bpe(word_counts, n_tokens):
-    """train_bpe_reference's tokens, fast: pair counts over the distinct words are updated only for the
-    words holding the merged pair, and a heap with lazy updates finds the most frequent pair (4 s for the
-    94 training books, where recounting takes 25 minutes). One line if the text runs out of pairs."""
+    """train_bpe_reference's tokens, fast: only the words holding the merged pair update the pair counts, and
+    a lazy heap finds the most frequent pair (4 s for the 94 training books, not 25 minutes of recounting)."""
     vocab = [bytes([b]) for b in range(256)]
-    ids = {t: i for i, t in enumerate(vocab)}
     words, counts = [list(w.encode("utf-8")) for w in word_counts], list(word_counts.values())
     pair_count, where = collections.Counter(), collections.defaultdict(set)  # pair -> the words holding it
     for wi, (w, c) in enumerate(zip(words, counts)):
@@ -272,10 +256,9 @@ def train_bpe(word_counts, n_tokens):
             fail(f"the books allow only {len(vocab) + 1} tokens: use a smaller --vocab_size or more books")
         pair = heap[0][1]  # the most frequent pair; of ties, the smallest ids
         merged = vocab[pair[0]] + vocab[pair[1]]
-        if merged not in ids:
-            ids[merged] = len(vocab)
+        if merged not in vocab:
             vocab.append(merged)
-        new, touched = ids[merged], set()
+        new, touched = vocab.index(merged), set()
         for wi in where.pop(pair):  # the pair's count drops to 0
             w, c, out = words[wi], counts[wi], merge(words[wi], pair, new)
             if len(out) == len(w):
@@ -294,20 +277,18 @@ def train_bpe(word_counts, n_tokens):
 
 
 def make_encoding(vocab):
-    """A tiktoken Encoding of the learned tokens (rank = id), <|endoftext|> taking the next id."""
     ranks, eot = {t: i for i, t in enumerate(vocab)}, {EOT: len(vocab)}
     return tiktoken.Encoding("bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=eot)
 
 
 def encode_books(enc, texts):
-    """The books' token ids, each book followed by <|endoftext|>, as one uint16 array."""
-    encode = lambda t: enc.encode_to_numpy(t, disallowed_special=())  # "<|endoftext|>" in a book is text
-    eot = np.array([enc.eot_token], dtype=np.uint32)
-    return np.concatenate([x for t in texts for x in (encode(t), eot)]).astype(np.uint16)
+    """The books' token ids, each followed by <|endoftext|> (one written in a book is text), as uint16."""
+    books = [np.append(enc.encode_to_numpy(t, disallowed_special=()), enc.eot_token) for t in texts]
+    return np.concatenate(books).astype(np.uint16)
 
 
 def write_outputs(data_dir, vocab, source, ids, texts, tokens):
-    """train.bin, val.bin, tokenizer.tiktoken, then meta.json, which vouches for them; returns meta."""
+    """train.bin, val.bin, tokenizer.tiktoken, then meta.json, which vouches for them."""
     files = {f"{s}.bin": tokens[s].tobytes() for s in ("train", "val")}
     files[TOKENIZER_FILE] = b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(vocab))
     sha = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
@@ -320,7 +301,6 @@ def write_outputs(data_dir, vocab, source, ids, texts, tokens):
     files["meta.json"] = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
     for name, data in files.items():
         atomic_write(os.path.join(data_dir, name), data)
-    return meta
 
 
 def prepare(args):
@@ -340,8 +320,8 @@ def prepare(args):
     print(f"validation: ebooks {', '.join(map(str, ids['val']))}; the BPE learns from the others")
     vocab = train_bpe(count_words(texts["train"]), args.vocab_size - 1)
     tokens = {s: encode_books(make_encoding(vocab), t) for s, t in texts.items()}
-    meta = write_outputs(args.data_dir, vocab, source, ids, texts, tokens)
-    n_train, n_val = meta["train_tokens"], meta["val_tokens"]
+    write_outputs(args.data_dir, vocab, source, ids, texts, tokens)
+    n_train, n_val = tokens["train"].size, tokens["val"].size
     print(f"wrote {args.data_dir}: {n_train:,} + {n_val:,} tokens (train, val), {fmt_time(time.time() - t0)}")
     return 0
 
@@ -365,8 +345,7 @@ def load_tokenizer(data_dir):
 
 
 def load_data(data_dir, block_size, batch_size):
-    """For train.py: (train, val) tokens memory-mapped, each checked against meta.json (size and sha256,
-    largest token), and the data's fingerprint {vocab_size, train_sha256, val_sha256, tokenizer_sha256}."""
+    """For train.py: (train, val) tokens memory-mapped, checked against meta.json, and their fingerprint."""
     tokens = []
     for split, need in (("train", block_size + batch_size), ("val", block_size + 1)):  # windows of l + 1
         path, raw, meta = checked_file(data_dir, f"{split}.bin", f"{split}_sha256")

@@ -62,8 +62,7 @@ def load_run_tokenizer(data_dir, ckpt):
 
 
 def stream(model, idx, enc, max_new_tokens, **kw):
-    """Print each new token as soon as it is sampled. A token may end inside a UTF-8 character, so the bytes
-    go through an incremental decoder that prints only whole characters."""
+    """Print each new token as it is sampled, by an incremental decoder: it may end inside a character."""
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for tok in model.generate_stream(idx, max_new_tokens, **kw):  # (1, 1) each
         print(text.decode(enc.decode_single_token_bytes(tok.item())), end="", flush=True)
@@ -85,7 +84,6 @@ def main(argv=None):
     ids = enc.encode(args.prompt, disallowed_special=()) or [enc.eot_token]  # none: a new document
     if len(ids) > model.cfg.block_size:
         print(f"note: {len(ids)} prompt tokens, more than l: it goes on from the last l", file=sys.stderr)
-        ids = ids[-model.cfg.block_size :]
     print(f"# {args.out_dir} after {ckpt['iter']} batches, seed {args.seed}", file=sys.stderr)
     torch.manual_seed(args.seed)
     sys.stdout.reconfigure(errors="replace")  # a character the terminal cannot show prints as '?'
