@@ -42,7 +42,6 @@ from prepare_data import atomic_write, fail  # noqa: E402
 # 5x on CUDA); the GEMM's n and the copy's MiB that measure the floor's rates (on the CPU <= 2048, 256)
 SIZES = dict(d=(128, 32), l=(128, 32), batch=(64, 4), vocab=(5000, 300), hidden=(512, 128), n_layer=(18, 1),
              rounds=(15, 2), step_rounds=(4, 1), gemm_n=(8192, 256), copy_mib=(1024, 16))  # fmt: skip
-SECTIONS = ("sublayer", "step", "memory")
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
 # section step: name -> (autocast dtype, how the step runs); CUDA runs the first four (captured: train.py's
 # way on CUDA, train.CapturedStep), the CPU eager; compiled with --compile
@@ -50,20 +49,17 @@ VARIANTS = {"captured": ("float32", "captured"), "eager": ("float32", "eager"), 
             "bf16-captured": ("bfloat16", "captured"), "compiled": ("float32", "compiled")}  # fmt: skip
 
 
-def sync(device):  # wait for the device's queued kernels (cuda, mps; the CPU's return at once)
-    getattr(torch, device.type).synchronize()
-
-
 def interleaved(fns, rounds, device, warmup=2):
     """{name: fn} -> {name: median seconds of one call}: `warmup` rounds, then `rounds` timed ones, in each
     of which every fn runs once, the order rotating each round."""
     names, times = list(fns), {k: [] for k in fns}
+    sync = getattr(torch, device.type).synchronize  # waits for the queued kernels (the CPU's return at once)
     for r in range(-warmup, rounds):
         for k in names[r % len(names) :] + names[: r % len(names)]:
-            sync(device)
+            sync()
             t0 = time.perf_counter()
             fns[k]()
-            sync(device)
+            sync()
             times[k] += [time.perf_counter() - t0] if r >= 0 else []
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -274,8 +270,7 @@ def memory_at_batch(s, args, mixer, batch, device):
     return state, saved, None if peak is None else peak + state
 
 
-# ------------------------------------- the paper's operation counts, Tables 3-7, in closed form: the tests
-# check them against the sums they stand for
+# ---------- the paper's operation counts, Tables 3-7, in closed form: the tests check them against their sums
 
 
 def complexity_training(d, l, n=1):
@@ -335,14 +330,15 @@ def print_table7(d=128, l=128):
     print(f"{'':>8}" + "".join(f"{label:>14}" for label in TABLE7))
     for r in ("mult", "add", "div", "exp", "params", "total"):
         line(r, [c[r] for c in table7(d, l).values()])
-    counted = [measured(m, d, l, n) for m, n in TABLE7.values()]
-    line("modules", [c[0] for c in counted])
-    line("flops", [c[1] for c in counted])
+    params, flops = zip(*(measured(m, d, l, n) for m, n in TABLE7.values()))
+    line("modules", params)
+    line("flops", flops)
     print(f"\nTables 5 and 6 (d = {d}): one new token at t = {l}")
     for r in ("mult", "add", "div", "exp"):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
+SECTIONS = {"sublayer": section_sublayer, "step": section_step, "memory": section_memory}  # --sections
 TABLES = {  # section: title, columns (a row's keys, each with its format), notes; filled from the settings
     "sublayer": ("Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads); median of "
                  "{rounds} rounds", "mixer path ms:.3f vs_sa:.3f", "path: what causal_fir computes (fir.py; "
@@ -363,11 +359,8 @@ TABLES = {  # section: title, columns (a row's keys, each with its format), note
 
 
 def show(name, rows, s):
-    """One section's rows as a table: the title, the columns, a dashed line, the rows, the notes. A
-    number with format si: 1234567 -> 1.23M."""
-    si = lambda v: next(
-        (f"{v / x:.2f}{u}" for u, x in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if v >= x), str(v)
-    )
+    """One section's rows as a table: title, columns, dashes, rows, notes; format si: 1234567 -> 1.23M."""
+    si = lambda v: next((f"{v / x:.2f}{u}" for u, x in zip("GMk", (1e9, 1e6, 1e3)) if v >= x), str(v))
     cell = lambda v, spec: "-" if v is None else si(v) if spec == "si" else format(v, spec)
     title, columns, notes = TABLES[name]
     columns = [c.partition(":")[::2] for c in columns.split()]  # (key, format)
@@ -390,20 +383,16 @@ def parse_args(argv):
     p.add_argument("--floor", action="store_true", help="section step against its floor also off CUDA")
     p.add_argument("--compile", action="store_true", help="section step also with torch.compile(model)")
     p.add_argument("--n_head", type=int, default=32, help="heads of sa, n (Table 1's)")
-    p.add_argument(
-        "--gpu_gib", type=float, default=6.0, help="section memory: the GPU's GiB (the paper's card)"
-    )
+    p.add_argument("--gpu_gib", type=float, default=6.0, help="section memory: the GPU's GiB (the paper's)")
     p.add_argument("--json", default=argparse.SUPPRESS, help="also write every table's rows to this file")
     p.add_argument("--table7", action="store_true", help="print Tables 3-7 and the FLOPs counted, and exit")
     args = p.parse_args(argv)
     args.sections = [k.strip() for k in args.sections.split(",") if k.strip()]
     if not args.sections or not set(args.sections) <= set(SECTIONS):
         fail(f"--sections takes a comma list of {', '.join(SECTIONS)}, got {','.join(args.sections)!r}")
-    names = (
-        [*extractor.MIXERS, *extractor.SYNTHESIZERS]
-        if args.mixers.strip() == "all"
-        else args.mixers.split(",")
-    )
+    names = args.mixers.split(",")
+    if args.mixers.strip() == "all":
+        names = [*extractor.MIXERS, *extractor.SYNTHESIZERS]
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
     for m in args.mixers:
         try:
@@ -426,12 +415,11 @@ def main(argv=None):
     info = dict(device=str(device), threads=torch.get_num_threads(), torch=torch.__version__)
     print("bench.py: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ", quick" * args.quick)
     results, t0 = dict(settings=s | info, sections={}), time.perf_counter()
-    run = dict(sublayer=section_sublayer, step=section_step, memory=section_memory)
     for name in args.sections:
         print(f"[{name}] {time.perf_counter() - t0:.0f} s so far", file=sys.stderr, flush=True)
         torch.manual_seed(0)
         try:
-            rows = results["sections"][name] = run[name](s, args, device)
+            rows = results["sections"][name] = SECTIONS[name](s, args, device)
         except torch.OutOfMemoryError:
             fail(f"out of memory in section {name}; pick fewer --sections or --mixers, or use --quick")
         show(name, rows, s)

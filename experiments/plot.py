@@ -17,6 +17,7 @@ runs, a seeds.csv among --seeds: the rows no run gives again stay.
 """
 
 import argparse
+import contextlib
 import csv
 import gzip
 import io
@@ -57,12 +58,10 @@ def read_log(run_dir):
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}; pass folders written by train.py")
     good = []
-    for row in rows:
-        try:
+    for row in rows:  # left out: a half-written last row of a run still going, or not train.py's log
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             it, loss, tok_s = (float(row[c]) for c in ("iter", "train_loss", "tokens_per_s"))
             good.append([it, loss, tok_s, float(row["val_loss"] or "nan")])
-        except (KeyError, TypeError, ValueError):
-            continue  # a half-written last row of a run still going, or not train.py's log
     if not good:
         fail(f"{path} holds no row of train.py's log; wait for the run's first log line, or restore it")
     it, loss, tok_s, val = np.array(good).T  # (rows,) each
@@ -71,8 +70,7 @@ def read_log(run_dir):
 
 
 def cut(log, until):
-    """read_log's arrays up to batch `until` (all of them for None)."""
-    until = np.inf if until is None else until
+    """read_log's arrays up to batch `until`."""
     return {k: v[log["val_iter" if k.startswith("val") else "iter"] <= until] for k, v in log.items()}
 
 
@@ -92,7 +90,7 @@ def read_runs(run_dirs, until=None):
             fail(f"cannot read {path}: {e.strerror}; pass folders written by train.py")
         except (ValueError, KeyError, TypeError) as e:  # a cut or hand-edited file
             fail(f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out")
-        runs.append({"dir": d, "settings": s, "log": cut(read_log(d), until)})
+        runs.append({"dir": d, "settings": s, "log": cut(read_log(d), until or np.inf)})
     names, depth = [label(r["settings"]) for r in runs], 0
     while len(set(names)) < len(names):  # two of one label: the last parts of their paths that differ
         depth += 1

@@ -14,7 +14,7 @@ this script on Linux.
 """
 
 import argparse
-import csv
+import contextlib
 import ctypes
 import gzip
 import os
@@ -23,24 +23,21 @@ import signal
 import subprocess
 import sys
 
+from plot import read_log
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = {  # Table 1's six models: train.py's defaults but the mixer (and attention's heads)
-    "sa-1": ["--mixer=sa", "--n_head=1"],
-    "sa-32": ["--mixer=sa"],
-    "she": ["--mixer=she"],
-    "he": ["--mixer=he"],
-    "we": ["--mixer=we"],
-    "me": ["--mixer=me"],
-}
+TRAIN = os.path.join(ROOT, "train.py")
+PLOT = [sys.executable, os.path.join(ROOT, "experiments", "plot.py")]  # the command that draws the figures
+# Table 1's six models: train.py's defaults but the mixer (and attention's heads)
+RUNS = {"sa-1": ["--mixer=sa", "--n_head=1"], "sa-32": ["--mixer=sa"]}
+RUNS |= {mixer: [f"--mixer={mixer}"] for mixer in ("she", "he", "we", "me")}
 WINDOW, TOLERANCE = 10, 0.05  # the check: batches per window, the largest gap to the CPU run
 
 
 def die_with_parent():
     """Linux: the kernel sends the child SIGTERM (it checkpoints) if this script dies, even by kill -9."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # (no libc.so.6 or no prctl: not Linux)
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def train_all(names, flags, work):
@@ -51,33 +48,23 @@ def train_all(names, flags, work):
         for name in names:
             out = os.path.join(work, name)
             resume = ["--resume"] if os.path.exists(os.path.join(out, "ckpt.pt")) else []
-            cmd = [
-                sys.executable,
-                os.path.join(ROOT, "train.py"),
-                *RUNS[name],
-                *flags,
-                f"--out_dir={out}",
-                *resume,
-            ]
+            cmd = [sys.executable, TRAIN, *RUNS[name], *flags, f"--out_dir={out}", *resume]
             os.makedirs(out, exist_ok=True)
             console = open(os.path.join(out, "console.txt"), "a")
-            procs.append(
-                subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            )
+            proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            procs.append(proc)
             print(f"{name}: {' '.join(cmd[1:])}", flush=True)
         return [p.wait() for p in procs]
     finally:  # Ctrl-C, kill, an error: every child gets SIGTERM, checkpoints and stops
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGTERM)  # (nothing for a child that has exited)
         for p in procs:
             p.wait()
 
 
-def window_means(path):
-    """The mean training cost of each 10-batch window of a log.csv (or log.csv.gz)."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        costs = [float(r["train_loss"]) for r in csv.DictReader(f)]
+def window_means(run_dir):
+    """The mean training cost of each 10-batch window of a run's log.csv (or log.csv.gz)."""
+    costs = read_log(run_dir)["train_loss"]
     return [sum(costs[i : i + WINDOW]) / WINDOW for i in range(0, len(costs) - WINDOW + 1, WINDOW)]
 
 
@@ -85,28 +72,26 @@ def check(names, args):
     """Each model's first 100 batches here against its committed CPU run: the windows' gaps, a table."""
     flags = ["--max_iters=100", "--log_interval=10", "--overwrite", f"--device={args.device}"]
     train_all(names, flags + [f"--data_dir={args.data_dir}"], os.path.join(args.work, "check"))
-    lines, worst = (
-        [f"{'run':6s} " + " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW)) + "   worst"],
-        0,
-    )
+    ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
+    lines = [f"mean training cost here minus on the CPU, windows of {WINDOW} batches ending at:"]
+    lines.append(f"{'run':6s} {ends}   worst")
+    worst = 0
     for name in names:
-        here = window_means(os.path.join(args.work, "check", name, "log.csv"))
-        cpu = window_means(os.path.join(args.results, "logs", "table1-cpu", name, "log.csv.gz"))
-        gaps = (
-            [a - b for a, b in zip(here, cpu)] if len(here) == len(cpu) == 100 // WINDOW else [float("inf")]
-        )
-        worst = max(worst, max(map(abs, gaps)))
-        lines.append(f"{name:6s} " + " ".join(f"{g:+7.4f}" for g in gaps) + f" {max(map(abs, gaps)):7.4f}")
+        here = window_means(os.path.join(args.work, "check", name))
+        cpu = window_means(os.path.join(args.results, "logs", "table1-cpu", name))
+        same_length = len(here) == len(cpu) == 100 // WINDOW
+        gaps = [a - b for a, b in zip(here, cpu)] if same_length else [float("inf")]
+        gap = max(map(abs, gaps))
+        worst = max(worst, gap)
+        lines.append(f"{name:6s} " + " ".join(f"{g:+7.4f}" for g in gaps) + f" {gap:7.4f}")
     verdict = "passed" if worst <= TOLERANCE else "FAILED"
     lines.append(f"{verdict}: every 10-batch window within {TOLERANCE} of the CPU run's (worst {worst:.4f})")
-    text = f"mean training cost here minus on the CPU, windows of {WINDOW} batches ending at:\n" + "\n".join(
-        lines
-    )
+    text = "\n".join(lines)
     os.makedirs(os.path.join(args.results, "gpu"), exist_ok=True)
     with open(os.path.join(args.results, "gpu", "check.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
-    return 0 if worst <= TOLERANCE else 1
+    return 0 if verdict == "passed" else 1
 
 
 def keep_and_redraw(names, args):
@@ -117,18 +102,15 @@ def keep_and_redraw(names, args):
         if not os.path.exists(os.path.join(src, "log.csv")):
             continue
         os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(src, "log.csv"), "rb") as f:
-            data = gzip.compress(f.read(), mtime=0)
-        with open(os.path.join(dst, "log.csv.gz"), "wb") as f:
-            f.write(data)
+        with open(os.path.join(src, "log.csv"), "rb") as f, open(os.path.join(dst, "log.csv.gz"), "wb") as g:
+            g.write(gzip.compress(f.read(), mtime=0))
         shutil.copy(os.path.join(src, "run.json"), os.path.join(dst, "run.json"))
     kept = [os.path.join(logs, n) for n in RUNS if os.path.exists(os.path.join(logs, n, "log.csv.gz"))]
     figures = os.path.join(args.results, "table1")
-    plot = [sys.executable, os.path.join(ROOT, "experiments", "plot.py")]
-    subprocess.run(plot + kept + ["--results", figures, "-o", os.path.join(figures, "fig8.png")], check=False)
+    subprocess.run(PLOT + kept + ["--results", figures, "-o", os.path.join(figures, "fig8.png")])
     pair = [r for r in kept if os.path.basename(r) in ("sa-32", "she")]
     if len(pair) == 2:
-        subprocess.run(plot + pair + ["--raw", "-o", os.path.join(figures, "fig9.png")], check=False)
+        subprocess.run(PLOT + pair + ["--raw", "-o", os.path.join(figures, "fig9.png")])
 
 
 def main(argv=None):
@@ -142,10 +124,9 @@ def main(argv=None):
     p.add_argument("--results", default=os.path.join(ROOT, "results"), help="where logs and figures go")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # (so that `finally` runs)
-    if not set(args.runs) <= set(RUNS):
-        sys.exit(
-            f"error: unknown run {sorted(set(args.runs) - set(RUNS))[0]!r}; choose from {', '.join(RUNS)}"
-        )
+    unknown = sorted(set(args.runs) - set(RUNS))
+    if unknown:
+        sys.exit(f"error: unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
     if args.check:
         return check(args.runs, args)
     flags = [f"--time_limit={args.time_limit}", f"--device={args.device}", f"--data_dir={args.data_dir}"]
