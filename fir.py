@@ -118,9 +118,15 @@ def diagonal_sums(m):
     return diagonals.sum(-1).movedim(-1, 0)
 
 
+def toeplitz_times(T, z):
+    """T z for z (B, t, d): T (t, t) of scalar taps, or T (d, t, t) of vector taps, a matrix per channel."""
+    if T.dim() == 2:  # one GEMM whose batch stride over T is 0 (neither T nor z copied)
+        return torch.bmm(T.expand(z.shape[0], -1, -1), z)  # Eq. (29): (B, t, t) @ (B, t, d)
+    return torch.bmm(T, z.permute(2, 1, 0)).permute(2, 1, 0)  # Eq. (26), (28): (d, t, t) @ (d, t, B)
+
+
 class ToeplitzStrided(torch.autograd.Function):
-    """fir_full as T x with T = toeplitz_strided(w). Scalar taps: one batched GEMM whose batch stride over T
-    is 0 (neither T nor x copied); vector taps: a (t x t) matrix per channel. The backward, dx = T^T g and
+    """fir_full as T x with T = toeplitz_strided(w) (toeplitz_times). The backward, dx = T^T g and
     dw = diagonal_sums(sum over the batch of g x^T), is written out so that its GEMMs run in ieee_float32
     and dw is one reduction (autograd through unfold sums each tap's t terms in one GPU thread)."""
 
@@ -129,26 +135,19 @@ class ToeplitzStrided(torch.autograd.Function):
         T = toeplitz_strided(w)  # (t, t) or (d, t, t)
         ctx.save_for_backward(x, T)
         with ieee_float32(x.device):
-            if T.dim() == 2:
-                return torch.bmm(T.expand(x.shape[0], -1, -1), x)  # Eq. (29): (B, t, t) @ (B, t, d)
-            return torch.bmm(T, x.permute(2, 1, 0)).permute(2, 1, 0)  # Eq. (26), (28): (d, t, t) @ (d, t, B)
+            return toeplitz_times(T, x)  # Eq. (26), (28), (29)
 
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
         x, T = ctx.saved_tensors
         dx = dw = None
         with ieee_float32(g.device):
-            if T.dim() == 2:
-                if ctx.needs_input_grad[0]:
-                    dx = torch.bmm(T.mT.expand(g.shape[0], -1, -1), g)  # (B, t, d)
-                if ctx.needs_input_grad[1]:
-                    dw = diagonal_sums(torch.bmm(g, x.mT).sum(0))  # (t, t) -> (t,)
-                return dx, dw
-            g_c = g.permute(2, 1, 0)  # (d, t, B)
             if ctx.needs_input_grad[0]:
-                dx = torch.bmm(T.mT, g_c).permute(2, 1, 0)  # (B, t, d)
-            if ctx.needs_input_grad[1]:
-                dw = diagonal_sums(torch.bmm(g_c, x.permute(2, 0, 1)))  # (d, t, t) -> (t, d)
+                dx = toeplitz_times(T.mT, g)  # (B, t, d)
+            if ctx.needs_input_grad[1] and T.dim() == 2:
+                dw = diagonal_sums(torch.bmm(g, x.mT).sum(0))  # (t, t) -> (t,)
+            elif ctx.needs_input_grad[1]:
+                dw = diagonal_sums(torch.bmm(g.permute(2, 1, 0), x.permute(2, 0, 1)))  # (d, t, t) -> (t, d)
         return dx, dw
 
 
@@ -170,6 +169,13 @@ def fft_size(t):
         n += 1
 
 
+def irfft_fbd(Y, n, t, cuda_layout):
+    """irfft's first t positions, Y (F, B, d) -> (B, t, d): along F (cuda_layout) or in rfft's (B, d, F)."""
+    if cuda_layout:
+        return torch.fft.irfft(Y, n=n, dim=0)[:t].transpose(0, 1)
+    return torch.fft.irfft(Y.permute(1, 2, 0), n=n, dim=-1)[..., :t].transpose(1, 2)
+
+
 class FIRFFT(torch.autograd.Function):
     """fir_full through rfft/irfft along time, the last axis (the transposes are the copy a transform along
     another axis makes inside). The backward, written out (autograd's is 1.4-1.6x slower), reuses the spectra:
@@ -181,49 +187,34 @@ class FIRFFT(torch.autograd.Function):
     def forward(ctx, x, w, cuda_layout):  # x (B, t, d), w (t, ...)
         t = x.shape[1]
         n = fft_size(t)
-        ctx.cuda_layout = cuda_layout
+        ctx.t, ctx.n, ctx.cuda_layout = t, n, cuda_layout
         X = torch.fft.rfft(x.transpose(1, 2), n=n, dim=-1)  # (B, d, F), F = n // 2 + 1
         if w.dim() == 3:  # matrices
             X = X.permute(2, 0, 1).contiguous()  # (F, B, d)
             W = torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1).permute(2, 0, 1).contiguous()  # (F, d, d)
             ctx.save_for_backward(X, W)
             with ieee_float32(x.device):
-                Y = torch.bmm(X, W)  # Eq. (23) per frequency: (F, B, d)
-            if cuda_layout:
-                return torch.fft.irfft(Y, n=n, dim=0)[:t].transpose(0, 1)  # (B, t, d)
-            Y = Y.permute(1, 2, 0)  # (B, d, F)
-        else:  # vectors (d, F) or scalars (F,)
-            W = torch.fft.rfft(w.t(), n=n, dim=-1)
-            Y = X * W  # Eq. (26), (28), (29) per frequency: (B, d, F)
-            ctx.save_for_backward(X, W)
-        return torch.fft.irfft(Y, n=n, dim=-1)[..., :t].transpose(1, 2)  # (B, t, d)
+                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout)  # Eq. (23) per frequency, (B, t, d)
+        W = torch.fft.rfft(w.t(), n=n, dim=-1)  # vectors (d, F) or scalars (F,)
+        ctx.save_for_backward(X, W)
+        return torch.fft.irfft(X * W, n=n, dim=-1)[..., :t].transpose(1, 2)  # Eq. (26), (28), (29), (B, t, d)
 
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
         X, W = ctx.saved_tensors
-        t = g.shape[1]
-        n = fft_size(t)
+        t, n = ctx.t, ctx.n
         G = torch.fft.rfft(g.transpose(1, 2), n=n, dim=-1)  # (B, d, F)
         dx = dw = None
         if W.dim() == 3:
             G = G.permute(2, 0, 1).contiguous()  # (F, B, d)
-            if ctx.cuda_layout:  # W^H, X^H as views; irfft along F
-                with ieee_float32(g.device):
-                    if ctx.needs_input_grad[0]:
-                        dx = torch.fft.irfft(torch.bmm(G, W.mH), n=n, dim=0)[:t].transpose(0, 1)  # (B, t, d)
-                    if ctx.needs_input_grad[1]:
-                        dw = torch.fft.irfft(torch.bmm(X.mH, G), n=n, dim=0)[:t]  # (t, d, d), batch summed
-                return dx, dw, None
-            if ctx.needs_input_grad[0]:
-                W_H = W.transpose(1, 2).conj().resolve_conj()  # conj resolved: MKL's fast path
-                with ieee_float32(g.device):
-                    dX = torch.bmm(G, W_H).permute(1, 2, 0)  # (B, d, F)
-                dx = torch.fft.irfft(dX, n=n, dim=-1)[..., :t].transpose(1, 2)
-            if ctx.needs_input_grad[1]:
-                X_H = X.conj().resolve_conj().transpose(1, 2)  # (F, d, B)
-                with ieee_float32(g.device):
-                    dW = torch.bmm(X_H, G).permute(1, 2, 0)  # (d, d, F), summed over the batch
-                dw = torch.fft.irfft(dW, n=n, dim=-1)[..., :t].permute(2, 0, 1)  # (t, d, d)
+            W_H, X_H = W.mH, X.mH  # views (cuda_layout), or with the conj resolved: MKL's fast path
+            if not ctx.cuda_layout:
+                W_H, X_H = W_H.resolve_conj(), X_H.resolve_conj()
+            with ieee_float32(g.device):
+                if ctx.needs_input_grad[0]:
+                    dx = irfft_fbd(torch.bmm(G, W_H), n, t, ctx.cuda_layout)  # (B, t, d)
+                if ctx.needs_input_grad[1]:  # (d, t, d) -> (t, d, d), summed over the batch
+                    dw = irfft_fbd(torch.bmm(X_H, G), n, t, ctx.cuda_layout).transpose(0, 1)
             return dx, dw, None
         if ctx.needs_input_grad[0]:
             dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t].transpose(1, 2)  # (B, t, d)

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from extractor import normal_weight  # N(0, 0.01²), the Extractors paper's Section 6
+
 # Synthesizer equations are cited as `# Synthesizer Eq. (k)`, to tell them from the Extractors
 # paper's `# Eq. (k)` (its self-attention equations, reused here). Each head j replaces
 # Q_j K_j^T / sqrt(h) of Eq. (13) by synthesized logits S_j, masks them as Eq. (14) does, and keeps
@@ -31,10 +33,6 @@ import torch.nn.functional as F
 # of the position-indexed matrices. A new token costs one row of logits plus the cached values.
 
 SYN_RANK = 8  # k of the Factorized Random Synthesizer ("In practice, we use a small value of k = 8")
-
-
-def normal_weight(*shape):
-    return nn.Parameter(torch.randn(*shape) * 0.01)  # the Extractors paper's Section 6: N(0, 0.01²)
 
 
 def _syn_factors(l):
@@ -60,8 +58,7 @@ def _syn_cache(cache, name, z):
 def _syn_softmax(s, past):
     """Eq. (14) for synthesized logits: row i (absolute position past + i) keeps columns j <= past + i,
     normalises over them only. s (..., t, T) -> (..., t, T)."""
-    t, T = s.shape[-2:]
-    keep = torch.ones(t, T, dtype=torch.bool, device=s.device).tril(diagonal=past)
+    keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(diagonal=past)
     return s.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # Eq. (14)
 
 
@@ -69,21 +66,12 @@ def _syn_attend(q, k, v, past, bias=None):
     """softmax(q k^T + bias) v over the causal rows, Eq. (14), (15), by F.scaled_dot_product_attention
     with no 1/sqrt scale (the caller scales). q (B, n, t, e), k (B, n, T, e), v (B, n, T, h), bias
     (n, t, T): a float bias that needs a gradient runs torch's plain math on the CPU."""
-    t, T = q.shape[2], k.shape[2]
     if bias is None and past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)  # Eq. (14), (15)
-    keep = torch.ones(t, T, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
     if bias is not None:
         keep = bias.to(q.dtype).masked_fill(~keep, float("-inf"))  # additive float mask
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=1.0)  # Eq. (14), (15)
-
-
-def _syn_global(p, v):
-    """p (n, t, T), one alignment per head shared by the batch, times v (B, n, T, h) -> (B, n, t, h):
-    one (t x T) @ (T x B h) GEMM per head instead of B n small ones."""
-    B, n, T, h = v.shape
-    vv = v.permute(1, 2, 0, 3).reshape(n, T, B * h)  # (n, T, B h)
-    return (p.to(v.dtype) @ vv).view(n, -1, B, h).permute(2, 0, 1, 3)  # Eq. (15), (B, n, t, h)
 
 
 class _Synthesizer(nn.Module):
@@ -94,28 +82,33 @@ class _Synthesizer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
-        self.h = d // self.n
-        self.W_V = nn.Linear(d, d, bias=False)  # G(X) = X W_j^[V] of all heads
-        self.W_out_att = nn.Linear(d, d, bias=False)  # W^[out_att]
+        self.d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
+        self.h = self.d // self.n
+        self.W_V = nn.Linear(self.d, self.d, bias=False)  # G(X) = X W_j^[V] of all heads
+        self.W_out_att = nn.Linear(self.d, self.d, bias=False)  # W^[out_att]
 
     def forward(self, x, cache=None):
         B, t, d = x.shape
         past = cache["v"].shape[2] if cache else 0  # positions cached before x
         if past + t > self.l:
             raise ValueError(f"sequence length {past + t} exceeds block_size l={self.l}")
-        v = self.heads(self.W_V(x))  # Eq. (12), (B, n, t, h)
-        v = _syn_cache(cache, "v", v)  # (B, n, T, h), T = past + t
-        r = self.mix(x, v, past, cache)  # Eq. (15), (B, n, t, h)
-        r = r.transpose(1, 2).reshape(B, t, d)  # Eq. (16), concatenate heads
-        return self.W_out_att(r)  # Eq. (17)
+        v = _syn_cache(cache, "v", self.heads(self.W_V(x)))  # Eq. (12), (B, n, T, h), T = past + t
+        return self.W_out_att(self.mix(x, v, past, cache).transpose(1, 2).reshape(B, t, d))  # Eq. (15)-(17)
 
     def heads(self, z):  # (B, t, d) -> (B, n, t, h)
         return z.view(z.shape[0], z.shape[1], self.n, self.h).transpose(1, 2)
 
     def mix(self, x, v, past, cache):
-        """The input-independent Synthesizers: one (n, t, T) alignment for the whole batch."""
-        return _syn_global(_syn_softmax(self.logits(past, v.shape[2]), past), v)
+        """The input-independent Synthesizers: one (n, t, T) alignment per head for the whole batch,
+        times v (B, n, T, h) as one (t x T) @ (T x B h) GEMM per head instead of B n small ones."""
+        B, n, T, h = v.shape
+        p = _syn_softmax(self.logits(past, T), past)  # (n, t, T)
+        vv = v.permute(1, 2, 0, 3).reshape(n, T, B * h)  # (n, T, B h)
+        return (p.to(v.dtype) @ vv).view(n, -1, B, h).permute(2, 0, 1, 3)  # Eq. (15), (B, n, t, h)
+
+    def scaled_qk(self, x, cache, a_SA):  # +sa mixtures: alpha_SA Q / sqrt(h) (B, n, t, h), K (B, n, T, h)
+        q, k = (self.heads(z) for z in self.W_QK(x).chunk(2, dim=-1))  # Eq. (10), (11)
+        return q * (a_SA / math.sqrt(self.h)), _syn_cache(cache, "k", k)  # Eq. (13)
 
     def mixing_weights(self):
         w = self.alpha.softmax(dim=-1)  # alpha_{1,h}, alpha_{2,h} > 0, sum 1; zeros at init: 1/2 each
@@ -127,8 +120,7 @@ class DenseSynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        d = cfg.n_embd
-        self.W_1 = nn.Linear(d, d, bias=False)  # W_{1,h} of all heads, h hidden units each
+        self.W_1 = nn.Linear(self.d, self.d, bias=False)  # W_{1,h} of all heads, h hidden units each
         self.W_2 = normal_weight(self.n, self.l, self.h)  # W_{2,h}: h -> l per head, stored (out, in)
 
     def hidden(self, x):
@@ -152,9 +144,8 @@ class FactorizedDenseSynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        d = cfg.n_embd
         self.a, self.b = _syn_factors(self.l)
-        self.W_1 = nn.Linear(d, d, bias=False)  # as the Dense Synthesizer's W_{1,h}
+        self.W_1 = nn.Linear(self.d, self.d, bias=False)  # as the Dense Synthesizer's W_{1,h}
         self.W_A = normal_weight(self.n, self.h, self.a)  # F_{A,h}: h -> a per head
         self.W_B = normal_weight(self.n, self.h, self.b)  # F_{B,h}: h -> b per head
 
@@ -170,15 +161,13 @@ class RandomSynthesizer(_Synthesizer):
     input, initialised N(0, 0.01²) like every weight of the Extractors paper (Section 6)."""
 
     fixed = False
-    init_std = 0.01
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        R = torch.randn(self.n, self.l, self.l) * self.init_std  # R_h
-        if self.fixed:
-            self.register_buffer("R", R)  # in the state_dict, never in parameters(): not trained
+        if self.fixed:  # R_h ~ N(0, 1), in the state_dict, never in parameters(): not trained
+            self.register_buffer("R", torch.randn(self.n, self.l, self.l))
         else:
-            self.R = nn.Parameter(R)
+            self.R = normal_weight(self.n, self.l, self.l)  # R_h
 
     def logits(self, past, T):
         return self.R[:, past:T, :T]  # Synthesizer Eq. (4), (n, t, T)
@@ -193,7 +182,6 @@ class FixedRandomSynthesizer(RandomSynthesizer):
     against 1/l = 0.0078."""
 
     fixed = True
-    init_std = 1.0
 
 
 class FactorizedRandomSynthesizer(_Synthesizer):
@@ -234,16 +222,13 @@ class RandomSASynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        d = cfg.n_embd
-        self.W_QK = nn.Linear(d, 2 * d, bias=False)  # W_j^[Q], W_j^[K] of all heads
+        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)  # W_j^[Q], W_j^[K] of all heads
         self.R = normal_weight(self.n, self.l, self.l)  # Random's R_h
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):
         a_R, a_SA = self.mixing_weights()
-        q, k = (self.heads(z) for z in self.W_QK(x).chunk(2, dim=-1))  # Eq. (10), (11), (B, n, t, h)
-        k = _syn_cache(cache, "k", k)  # (B, n, T, h)
-        q = q * (a_SA / math.sqrt(self.h))  # alpha_SA Q K^T / sqrt(h): Eq. (13)
+        q, k = self.scaled_qk(x, cache, a_SA)  # alpha_SA Q K^T / sqrt(h): Eq. (13)
         bias = a_R * self.R[:, past : v.shape[2], : v.shape[2]]  # alpha_R R: Synthesizer Eq. (4)
         return _syn_attend(q, k, v, past, bias)  # the mixture
 
@@ -255,15 +240,13 @@ class DenseSASynthesizer(DenseSynthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        d = cfg.n_embd
-        self.W_QK = nn.Linear(d, 2 * d, bias=False)  # W_j^[Q], W_j^[K] of all heads
+        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)  # W_j^[Q], W_j^[K] of all heads
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):
         a_D, a_SA = self.mixing_weights()
-        q, k = (self.heads(z) for z in self.W_QK(x).chunk(2, dim=-1))  # Eq. (10), (11), (B, n, t, h)
-        k = _syn_cache(cache, "k", k)  # (B, n, T, h)
-        q = torch.cat([q * (a_SA / math.sqrt(self.h)), a_D * self.hidden(x)], dim=-1)  # (B, n, t, 2h)
+        q, k = self.scaled_qk(x, cache, a_SA)  # alpha_SA Q K^T / sqrt(h): Eq. (13)
+        q = torch.cat([q, a_D * self.hidden(x)], dim=-1)  # (B, n, t, 2h)
         k = torch.cat([k, self.keys(x.shape[0], v.shape[2])], dim=-1)  # (B, n, T, 2h)
         return _syn_attend(q, k, v, past)  # alpha_SA Eq. (13) + alpha_D Synthesizer Eq. (1), (2): the mixture
 
