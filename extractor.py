@@ -42,15 +42,27 @@ class Config:
     mixer: str = "sa"  # the first sublayer: a name find_mixer knows
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_embd", "n_hidden", "n_layer", "n_head"):
+        for name in (
+            "vocab_size",
+            "block_size",
+            "n_embd",
+            "n_hidden",
+            "n_layer",
+            "n_head",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if getattr(find_mixer(self.mixer), "uses_heads", False) and self.n_embd % self.n_head != 0:
+        if (
+            getattr(find_mixer(self.mixer), "uses_heads", False)
+            and self.n_embd % self.n_head != 0
+        ):
             why = f"for mixer {self.mixer!r} (each head has d/n features)"
-            raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd} {why}")
+            raise ValueError(
+                f"n_head={self.n_head} must divide n_embd={self.n_embd} {why}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -70,8 +82,9 @@ class FFN(nn.Module):
 
 
 class Layer(nn.Module):
-    """One layer, Eq. (9)-(20). Eq. (18) and (20) share one dropout draw of the first sublayer's
-    output (Notes on the paper, 4), which makes the layer the usual pre-LN residual block."""
+    """One layer, Eq. (9)-(20). Eq. (18) and (20) share one dropout draw of the first
+    sublayer's output (Notes on the paper, 4), which makes the layer the usual pre-LN
+    residual block."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -102,12 +115,15 @@ class Transformer(nn.Module):
         self.apply(init_weights)
 
     def forward(self, idx, targets=None, cache=None):
-        """idx (B, t) token indices; targets (B, t) the next tokens, or None. Returns logits
-        (B, t, u) and the loss of Eq. (3) (None without targets). With `cache` (from new_cache),
-        idx holds only new tokens, placed after those already cached."""
+        """idx (B, t) token indices; targets (B, t) the next tokens, or None. Returns
+        logits (B, t, u) and the loss of Eq. (3) (None without targets). With `cache`
+        (from new_cache), idx holds only new tokens, placed after those already
+        cached."""
         B, t = idx.shape
         if t == 0:
-            raise ValueError(f"idx {tuple(idx.shape)} holds no tokens; give each sequence at least one")
+            raise ValueError(
+                f"idx {tuple(idx.shape)} holds no tokens; give each sequence at least one"
+            )
         past, l = 0 if cache is None else cache["t"], self.cfg.block_size
         if past + t > l:
             raise ValueError(
@@ -115,7 +131,9 @@ class Transformer(nn.Module):
             )
         pos = torch.arange(past, past + t, device=idx.device)
         scale = math.sqrt(self.cfg.n_embd)  # Section 4: embeddings times sqrt(d)
-        x = self.drop(self.emb_tok(idx) * scale + self.emb_pos(pos) * scale)  # Eq. (4), (5), (7)
+        x = self.drop(
+            self.emb_tok(idx) * scale + self.emb_pos(pos) * scale
+        )  # Eq. (4), (5), (7)
         for i, layer in enumerate(self.layers):
             x = layer(x, None if cache is None else cache["layers"][i])  # Eq. (9)-(20)
         if cache is not None:
@@ -123,7 +141,9 @@ class Transformer(nn.Module):
         logits = self.soft(self.ln_f(x))  # Eq. (21) before the softmax, (B, t, u)
         loss = None
         if targets is not None:  # Eq. (3): mean of -ln P-hat, Eq. (22)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.reshape(-1)
+            )
         return logits, loss
 
     def new_cache(self):
@@ -139,20 +159,45 @@ class Transformer(nn.Module):
         return c
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
-        """Append max_new_tokens sampled tokens to idx (B, t) and return it, as nanoGPT's does."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache))
+    def generate(
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        use_cache=True,
+    ):
+        """Append max_new_tokens sampled tokens to idx (B, t) and return it, as
+        nanoGPT's does.
+        """
+        new = list(
+            self.generate_stream(
+                idx, max_new_tokens, temperature, top_k, top_p, use_cache
+            )
+        )
         return torch.cat([idx] + new, dim=1)
 
     @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True):
-        """Yield each new token (B, 1) as soon as it is sampled from the last l tokens, Eq. (2). While
-        the sequence fits in l, a cache makes a new token cost one row per layer (Tables 5, 6); beyond
-        l every position shifts, so each token is a forward over the last l tokens, as with
-        use_cache=False throughout. Runs in eval mode, then puts the model back in its mode."""
+    def generate_stream(
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        use_cache=True,
+    ):
+        """Yield each new token (B, 1) as soon as it is sampled from the last l tokens, Eq.
+        (2). While the sequence fits in l, a cache makes a new token cost one row per
+        layer (Tables 5, 6); beyond l every position shifts, so each token is a forward
+        over the last l tokens, as with use_cache=False throughout. Runs in eval mode,
+        then puts the model back in its mode."""
         check_sampling(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(f"idx must be (B, t) token ids with t >= 1 (a prompt), got {tuple(idx.shape)}")
+            raise ValueError(
+                f"idx must be (B, t) token ids with t >= 1 (a prompt), got {tuple(idx.shape)}"
+            )
         l, was_training = self.cfg.block_size, self.training
         self.eval()
         try:
@@ -184,29 +229,36 @@ def normal_weight(*shape):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Token mixers, the first sublayer. A mixer is an nn.Module built as cls(cfg), with forward(x, cache=None)
-# mapping X^[in_sub1] (B, t, d) to X^[out_sub1] (B, t, d) causally, with no dropout inside, and
-# optionally a class attribute `uses_heads` (True: cfg.n_head must divide cfg.n_embd). With `cache` (a
-# dict per layer, for generation) x holds only the new positions, and the mixer keeps in the dict what
-# later tokens need. Your own mixer class needs no registering: --mixer=module.Class names it.
+# Token mixers, the first sublayer. A mixer is an nn.Module built as cls(cfg), with
+# forward(x, cache=None) mapping X^[in_sub1] (B, t, d) to X^[out_sub1] (B, t, d)
+# causally, with no dropout inside, and optionally a class attribute `uses_heads` (True:
+# cfg.n_head must divide cfg.n_embd). With `cache` (a dict per layer, for generation) x
+# holds only the new positions, and the mixer keeps in the dict what later tokens need.
+# Your own mixer class needs no registering: --mixer=module.Class names it.
 
 
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention, Eq. (10)-(17), with a KV cache (Table 5's O(t d + d^2))."""
+    """Multi-head causal self-attention, Eq. (10)-(17), with a KV cache (Table 5's O(t
+    d + d^2)).
+    """
 
     uses_heads = True
 
     def __init__(self, cfg):
         super().__init__()
         d, self.n = cfg.n_embd, cfg.n_head
-        self.W_QKV = nn.Linear(d, 3 * d, bias=False)  # W_j^[Q], W_j^[K], W_j^[V] of all heads
+        self.W_QKV = nn.Linear(
+            d, 3 * d, bias=False
+        )  # W_j^[Q], W_j^[K], W_j^[V] of all heads
         self.W_out_att = nn.Linear(d, d, bias=False)  # W^[out_att]
 
     def forward(self, x, cache=None):
         B, t, d = x.shape
         h = d // self.n
         q, k, v = self.W_QKV(x).split(d, dim=2)  # Eq. (10)-(12), (B, t, d) each
-        q, k, v = (z.view(B, t, self.n, h).transpose(1, 2) for z in (q, k, v))  # (B, n, t, h)
+        q, k, v = (
+            z.view(B, t, self.n, h).transpose(1, 2) for z in (q, k, v)
+        )  # (B, n, t, h)
         past = 0
         if cache is not None:
             if "k" in cache:
@@ -214,13 +266,16 @@ class SelfAttention(nn.Module):
                 k = torch.cat([cache["k"], k], dim=2)  # (B, n, T, h)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        # Eq. (13) Z_j = Q_j K_j^T / sqrt(h); Eq. (14) A_j = softmax of Z_j over the unmasked k <= i
-        # (the denominator sums over f <= i: Notes on the paper, 1); Eq. (15) R_j = A_j V_j.
-        # One fused kernel computes all three; tests.py holds them written out as loops.
+        # Eq. (13) Z_j = Q_j K_j^T / sqrt(h); Eq. (14) A_j = softmax of Z_j over the
+        # unmasked k <= i (the denominator sums over f <= i: Notes on the paper, 1); Eq.
+        # (15) R_j = A_j V_j. One fused kernel computes all three; tests.py holds them
+        # written out as loops.
         if past == 0:
             r = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n, t, h)
         else:  # new rows past .. past+t-1 see the columns up to their own position
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(
+                diagonal=past
+            )
             r = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         r = r.transpose(1, 2).reshape(B, t, d)  # Eq. (16), concatenate the heads
         return self.W_out_att(r)  # Eq. (17)
@@ -239,7 +294,9 @@ class SHE(nn.Module):
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
     def forward(self, x, cache=None):
-        x_ext = causal_fir(x, self.W_ext, cache)  # Eq. (23): x_i^ext = sum_j x_j W_{i-j+1}
+        x_ext = causal_fir(
+            x, self.W_ext, cache
+        )  # Eq. (23): x_i^ext = sum_j x_j W_{i-j+1}
         x_adj = self.W_adj(x) * x_ext  # Eq. (24): X^adj = (X W^adj) o X^ext
         return self.W_out(x_adj)  # Eq. (25): X^out_sub1 = X^adj W^out
 
@@ -252,18 +309,24 @@ class WE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
-        self.w_ext = normal_weight(l, d)  # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
+        self.w_ext = normal_weight(
+            l, d
+        )  # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
         self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
     def forward(self, x, cache=None):
-        x_ext = causal_fir(x, self.w_ext, cache)  # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
+        x_ext = causal_fir(
+            x, self.w_ext, cache
+        )  # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
         x_adj = self.W_adj(x) * x_ext  # Eq. (24)
         return self.W_out(x_adj)  # Eq. (25)
 
 
 class HE(nn.Module):
-    """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map, then vector taps."""
+    """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map, then
+    vector taps.
+    """
 
     uses_heads = False
 
@@ -277,7 +340,9 @@ class HE(nn.Module):
 
     def forward(self, x, cache=None):
         x_e = self.W_in_ext(x)  # Eq. (27): X^ext = X W^in_ext
-        x_ext = causal_fir(x_e, self.w_ext, cache)  # Eq. (28): x_i^out_ext = sum_j x^ext_j o w_{i-j+1}
+        x_ext = causal_fir(
+            x_e, self.w_ext, cache
+        )  # Eq. (28): x_i^out_ext = sum_j x^ext_j o w_{i-j+1}
         x_adj = self.W_adj(x) * x_ext  # Eq. (24)
         return self.W_out(x_adj)  # Eq. (25)
 
@@ -292,7 +357,9 @@ class ME(nn.Module):
         self.w_ext = normal_weight(cfg.block_size)  # the taps w_1^[ext] .. w_l^[ext]
 
     def forward(self, x, cache=None):
-        return causal_fir(x, self.w_ext, cache)  # Eq. (29): x_i^out_sub1 = sum_j x_j w_{i-j+1}
+        return causal_fir(
+            x, self.w_ext, cache
+        )  # Eq. (29): x_i^out_sub1 = sum_j x_j w_{i-j+1}
 
 
 class HEExtraction(nn.Module):
@@ -311,12 +378,22 @@ class HEExtraction(nn.Module):
         return causal_fir(self.W_in_ext(x), self.w_ext, cache)  # Eq. (27), (28)
 
 
-MIXERS.update({"sa": SelfAttention, "she": SHE, "he": HE, "we": WE, "me": ME, "he-ext": HEExtraction})
+MIXERS.update(
+    {
+        "sa": SelfAttention,
+        "she": SHE,
+        "he": HE,
+        "we": WE,
+        "me": ME,
+        "he-ext": HEExtraction,
+    }
+)
 
 
 def find_mixer(name):
-    """The mixer class called `name`: a key of MIXERS, a key of SYNTHESIZERS (synthesizer.py is imported
-    only then) or "module.Class", a class of your own, imported by that name."""
+    """The mixer class called `name`: a key of MIXERS, a key of SYNTHESIZERS
+    (synthesizer.py is imported only then) or "module.Class", a class of your own,
+    imported by that name."""
     if name in MIXERS:
         return MIXERS[name]
     if name in SYNTHESIZERS:
@@ -329,30 +406,37 @@ def find_mixer(name):
         why = f" ({e})"
     if isinstance(found, type) and issubclass(found, nn.Module):
         return found
-    choices = ", ".join([*MIXERS, *SYNTHESIZERS, "or module.Class (a mixer class of yours)"])
+    choices = ", ".join(
+        [*MIXERS, *SYNTHESIZERS, "or module.Class (a mixer class of yours)"]
+    )
     raise ValueError(f"unknown mixer {name!r}{why}; choose one of: {choices}")
 
 
 # ----------------------------------------------------------------------------------------------------
-# The extraction shared by the four Extractors: a causal FIR filter along time, Eq. (23), (26), (28),
-# (29). The same tap k serves every position (the weights follow "the reverse order of the input").
+# The extraction shared by the four Extractors: a causal FIR filter along time, Eq.
+# (23), (26), (28), (29). The same tap k serves every position (the weights follow "the
+# reverse order of the input").
 
 
 def causal_fir_reference(x, w):
-    """Eq. (23)/(26)/(28)/(29) as written: y_i = sum_{j<=i} x_j (*) w_{i-j+1}, a direct double sum.
+    """Eq. (23)/(26)/(28)/(29) as written: y_i = sum_{j<=i} x_j (*) w_{i-j+1}, a direct
+    double sum.
 
-    x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w (WE, HE) or (l,) scalars
-    x_j w (ME). The reading copy: causal_fir computes the same faster (fir.py says how)."""
+    x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w (WE, HE) or
+    (l,) scalars x_j w (ME). The reading copy: causal_fir computes the same faster
+    (fir.py says how)."""
     tap = (lambda x_j, w_k: x_j @ w_k) if w.dim() == 3 else (lambda x_j, w_k: x_j * w_k)
-    rows = [sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])]
+    rows = [
+        sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])
+    ]
     return torch.stack(rows, dim=1)  # (B, t, d)
 
 
 def causal_fir(x, w, cache=None):
-    """causal_fir_reference, fast, and with a cache for generation. Without a cache, x is the whole
-    (B, t, d) sequence. With one, x holds the new positions and cache["x"] the earlier inputs: a
-    single new token costs one row of the sum, O(t d) for vector or scalar taps and O(t d^2) for
-    matrix taps, as Tables 5 and 6 count."""
+    """causal_fir_reference, fast, and with a cache for generation. Without a cache, x is
+    the whole (B, t, d) sequence. With one, x holds the new positions and cache["x"] the
+    earlier inputs: a single new token costs one row of the sum, O(t d) for vector or
+    scalar taps and O(t d^2) for matrix taps, as Tables 5 and 6 count."""
     if cache is None:
         return fir_full(x, w)
     past = cache.get("x")
@@ -364,32 +448,44 @@ def causal_fir(x, w, cache=None):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Generation, Eq. (2): Transformer.generate_stream turns the last position's logits into the next token
+# Generation, Eq. (2): Transformer.generate_stream turns the last position's logits into
+# the next token
 
 
 def check_sampling(temperature, top_k, top_p):
     """ValueError for settings that cannot sample."""
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
+        )
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1 (or None for all tokens), got {top_k}")
+        raise ValueError(
+            f"top_k must be at least 1 (or None for all tokens), got {top_k}"
+        )
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or None for all tokens), got {top_p}")
+        raise ValueError(
+            f"top_p must be in (0, 1] (or None for all tokens), got {top_p}"
+        )
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
-    """logits (B, u) -> token (B, 1). temperature 0 is greedy; top_k keeps exactly the k most likely
-    tokens; top_p keeps the smallest set of most likely tokens whose probability reaches p (nucleus
-    sampling, the paper's Table 2 uses p = 0.6). Uses torch's global RNG."""
+    """logits (B, u) -> token (B, 1). temperature 0 is greedy; top_k keeps exactly the k
+    most likely tokens; top_p keeps the smallest set of most likely tokens whose
+    probability reaches p (nucleus sampling, the paper's Table 2 uses p = 0.6). Uses
+    torch's global RNG."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # top at 0: a tiny T stays finite
+    logits = (
+        logits - logits.amax(dim=-1, keepdim=True)
+    ) / temperature  # top at 0: a tiny T stays finite
     if top_k is not None:
         k = min(top_k, logits.size(-1))
         keep = logits.topk(k, dim=-1).indices  # (B, k)
-        logits = torch.full_like(logits, -math.inf).scatter(-1, keep, logits.gather(-1, keep))
+        logits = torch.full_like(logits, -math.inf).scatter(
+            -1, keep, logits.gather(-1, keep)
+        )
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, u)
         p = sorted_logits.softmax(dim=-1)

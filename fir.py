@@ -12,10 +12,10 @@ the newest position only (one token of generation). The paths (PATHS: the taps' 
     toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too, a matrix per channel)
     fft               rfft, a product per frequency, irfft: O(t log t) per channel instead of O(t^2)
     fft-cuda          matrix taps on CUDA: the fft path in the layouts that cuBLAS and cuFFT take as they are
-TF32: train.py lets CUDA's float32 matmuls run in TF32 (a 10-bit mantissa; cuBLAS's TF32 mode covers
-complex64 GEMMs too). Every GEMM here runs in IEEE float32 instead (ieee_float32), unless ALLOW_TF32 = True,
-which lets them follow the global setting, to measure what TF32 does.
-"""
+TF32: train.py lets CUDA's float32 matmuls run in TF32 (a 10-bit mantissa; cuBLAS's TF32
+mode covers complex64 GEMMs too). Every GEMM here runs in IEEE float32 instead
+(ieee_float32), unless ALLOW_TF32 = True, which lets them follow the global setting, to
+measure what TF32 does."""
 
 import contextlib
 
@@ -23,16 +23,23 @@ import torch
 import torch.nn.functional as F
 
 FFT_MIN_T_SCALAR = 1024  # scalar taps: Toeplitz below this t (measured faster on the CPU), FFT from here on
-CUDA_TOEPLITZ_MAX_T_VECTOR = 0  # vector taps on CUDA: toeplitz-strided up to this t, else the FFT (0:
+CUDA_TOEPLITZ_MAX_T_VECTOR = (
+    0  # vector taps on CUDA: toeplitz-strided up to this t, else the FFT (0:
+)
 # never, until bench.py section 1 on a GPU shows it faster at t = l = 128)
 ALLOW_TF32 = False  # True: the FIR's GEMMs follow torch.backends.cuda.matmul.allow_tf32 (see TF32 above)
-PATHS = {"toeplitz": (1,), "toeplitz-strided": (1, 2), "fft": (1, 2, 3), "fft-cuda": (3,)}  # w.dim()s
+PATHS = {
+    "toeplitz": (1,),
+    "toeplitz-strided": (1, 2),
+    "fft": (1, 2, 3),
+    "fft-cuda": (3,),
+}  # w.dim()s
 _forced = None  # the path every fir_full call takes inside forcing()
 
 
 def default_path(device_type, taps_dim, t):
-    """fir_full's path on this device type for taps of taps_dim axes (1 scalars, 2 vectors, 3 matrices)
-    over t positions; CPU and MPS take the paths measured on the CPU."""
+    """fir_full's path on this device type for taps of taps_dim axes (1 scalars, 2 vectors,
+    3 matrices) over t positions; CPU and MPS take the paths measured on the CPU."""
     if device_type == "cuda":
         if taps_dim == 3:
             return "fft-cuda"
@@ -43,7 +50,9 @@ def default_path(device_type, taps_dim, t):
 
 @contextlib.contextmanager
 def forcing(path):
-    """Every fir_full call inside takes this path (bench.py times each path through the mixers)."""
+    """Every fir_full call inside takes this path (bench.py times each path through the
+    mixers).
+    """
     global _forced
     if path not in PATHS:
         raise ValueError(f"no FIR path {path!r}; the paths are {', '.join(PATHS)}")
@@ -55,16 +64,21 @@ def forcing(path):
 
 
 def fir_full(x, w, path=None):
-    """The filter over the whole sequence: x (B, t, d), taps w (l, ...) with l >= t -> (B, t, d), from the
-    first t taps. path: one of PATHS, else forcing()'s, else default_path's. toeplitz follows autocast; the
-    other paths compute in float32 under it (float64 stays float64) and return the input's dtype."""
+    """The filter over the whole sequence: x (B, t, d), taps w (l, ...) with l >= t -> (B,
+    t, d), from the first t taps. path: one of PATHS, else forcing()'s, else
+    default_path's. toeplitz follows autocast; the other paths compute in float32 under
+    it (float64 stays float64) and return the input's dtype."""
     t = x.shape[1]
     if t > w.shape[0]:
-        raise ValueError(f"sequence length {t} exceeds the {w.shape[0]} taps (block_size l)")
+        raise ValueError(
+            f"sequence length {t} exceeds the {w.shape[0]} taps (block_size l)"
+        )
     w = w[:t]
     path = path or _forced or default_path(x.device.type, w.dim(), t)
     if w.dim() not in PATHS.get(path, ()):
-        raise ValueError(f"no FIR path {path!r} for taps of shape {tuple(w.shape)}; taps' dims: {PATHS}")
+        raise ValueError(
+            f"no FIR path {path!r} for taps of shape {tuple(w.shape)}; taps' dims: {PATHS}"
+        )
     if path == "toeplitz":
         return toeplitz(w).to(x.dtype) @ x  # Eq. (29): (t, t) @ (B, t, d) -> (B, t, d)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -76,10 +90,15 @@ def fir_full(x, w, path=None):
 
 @contextlib.contextmanager
 def ieee_float32(device):
-    """Inside, CUDA's float32 and complex64 GEMMs run in IEEE float32 even where TF32 is on (not so with
-    ALLOW_TF32). It sets allow_tf32, the flag train.py sets, which keeps PyTorch's old and new precision
-    settings in step, and reads fp32_precision, which answers under either (allow_tf32 raises after a mix)."""
-    tf32 = device.type == "cuda" and not ALLOW_TF32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    """Inside, CUDA's float32 and complex64 GEMMs run in IEEE float32 even where TF32 is on
+    (not so with ALLOW_TF32). It sets allow_tf32, the flag train.py sets, which keeps
+    PyTorch's old and new precision settings in step, and reads fp32_precision, which
+    answers under either (allow_tf32 raises after a mix)."""
+    tf32 = (
+        device.type == "cuda"
+        and not ALLOW_TF32
+        and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    )
     if tf32:
         torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -91,8 +110,9 @@ def ieee_float32(device):
 
 # ---- short sequences: the sum as a Toeplitz matrix times X
 def toeplitz(w):
-    """(t,) taps -> (t, t) lower-triangular Toeplitz matrix T[i, j] = w[i - j] for j <= i, gathered through
-    an index tensor (its gradient is a scatter, index_put: a sort on CUDA, hence toeplitz_strided there)."""
+    """(t,) taps -> (t, t) lower-triangular Toeplitz matrix T[i, j] = w[i - j] for j <= i,
+    gathered through an index tensor (its gradient is a scatter, index_put: a sort on
+    CUDA, hence toeplitz_strided there)."""
     t = w.shape[0]
     k = torch.arange(t, device=w.device)
     lag = k[:, None] - k[None, :]  # (t, t), i - j
@@ -100,35 +120,46 @@ def toeplitz(w):
 
 
 def toeplitz_strided(w):
-    """toeplitz as a view, for scalar taps (t,) -> (t, t) or vector taps (t, d) -> (d, t, t), one matrix per
-    channel. With t - 1 zeros before the taps, z, row i of a sliding window (unfold) reads z[i : i + t];
-    flipped (the one copy), it holds z[i + t - 1 - j] = w[i - j]."""
+    """toeplitz as a view, for scalar taps (t,) -> (t, t) or vector taps (t, d) -> (d, t,
+    t), one matrix per channel. With t - 1 zeros before the taps, z, row i of a sliding
+    window (unfold) reads z[i : i + t]; flipped (the one copy), it holds z[i + t - 1 -
+    j] = w[i - j]."""
     t = w.shape[0]
     z = torch.cat([w.new_zeros((t - 1,) + w.shape[1:]), w])  # (2t - 1, ...)
     return z.unfold(0, t, 1).movedim(0, -2).flip(-1)  # (t, ..., t) -> (..., t, t)
 
 
 def diagonal_sums(m):
-    """(..., t, t) -> (t, ...): out[k] = sum_j m[..., j + k, j], the k-th diagonal below the main one: tap
-    k's gradient from its Toeplitz matrix's. Below t rows of zeros, a step of t + 1 elements goes one row
-    down and one column right, so a strided view holds diagonal k as row k."""
+    """(..., t, t) -> (t, ...): out[k] = sum_j m[..., j + k, j], the k-th diagonal below
+    the main one: tap k's gradient from its Toeplitz matrix's. Below t rows of zeros, a
+    step of t + 1 elements goes one row down and one column right, so a strided view
+    holds diagonal k as row k."""
     t = m.shape[-1]
     padded = F.pad(m, (0, 0, 0, t))  # (..., 2t, t), contiguous
-    diagonals = padded.as_strided(m.shape, padded.stride()[:-2] + (t, t + 1))  # [k, j]: m[j + k, j]
+    diagonals = padded.as_strided(
+        m.shape, padded.stride()[:-2] + (t, t + 1)
+    )  # [k, j]: m[j + k, j]
     return diagonals.sum(-1).movedim(-1, 0)
 
 
 def toeplitz_times(T, z):
-    """T z for z (B, t, d): T (t, t) of scalar taps, or T (d, t, t) of vector taps, a matrix per channel."""
+    """T z for z (B, t, d): T (t, t) of scalar taps, or T (d, t, t) of vector taps, a
+    matrix per channel.
+    """
     if T.dim() == 2:  # one GEMM whose batch stride over T is 0 (neither T nor z copied)
-        return torch.bmm(T.expand(z.shape[0], -1, -1), z)  # Eq. (29): (B, t, t) @ (B, t, d)
-    return torch.bmm(T, z.permute(2, 1, 0)).permute(2, 1, 0)  # Eq. (26), (28): (d, t, t) @ (d, t, B)
+        return torch.bmm(
+            T.expand(z.shape[0], -1, -1), z
+        )  # Eq. (29): (B, t, t) @ (B, t, d)
+    return torch.bmm(T, z.permute(2, 1, 0)).permute(
+        2, 1, 0
+    )  # Eq. (26), (28): (d, t, t) @ (d, t, B)
 
 
 class ToeplitzStrided(torch.autograd.Function):
-    """fir_full as T x with T = toeplitz_strided(w) (toeplitz_times). The backward, dx = T^T g and
-    dw = diagonal_sums(sum over the batch of g x^T), is written out so that its GEMMs run in ieee_float32
-    and dw is one reduction (autograd through unfold sums each tap's t terms in one GPU thread)."""
+    """fir_full as T x with T = toeplitz_strided(w) (toeplitz_times). The backward, dx =
+    T^T g and dw = diagonal_sums(sum over the batch of g x^T), is written out so that
+    its GEMMs run in ieee_float32 and dw is one reduction (autograd through unfold sums
+    each tap's t terms in one GPU thread)."""
 
     @staticmethod
     def forward(ctx, x, w):  # x (B, t, d), w (t,) or (t, d)
@@ -147,15 +178,19 @@ class ToeplitzStrided(torch.autograd.Function):
             if ctx.needs_input_grad[1] and T.dim() == 2:
                 dw = diagonal_sums(torch.bmm(g, x.mT).sum(0))  # (t, t) -> (t,)
             elif ctx.needs_input_grad[1]:
-                dw = diagonal_sums(torch.bmm(g.permute(2, 1, 0), x.permute(2, 0, 1)))  # (d, t, t) -> (t, d)
+                dw = diagonal_sums(
+                    torch.bmm(g.permute(2, 1, 0), x.permute(2, 0, 1))
+                )  # (d, t, t) -> (t, d)
         return dx, dw
 
 
-# ---- the rest: products in frequency space; zero-padded to n >= 2t - 1 points, the circular convolution
-# that the FFT computes equals the linear one (nothing wraps around)
+# ---- the rest: products in frequency space; zero-padded to n >= 2t - 1 points, the
+# circular convolution that the FFT computes equals the linear one (nothing wraps
+# around)
 def fft_size(t):
-    """The smallest n >= 2t - 1 with no prime factor above 5. FFTs of such lengths are fast; n = 2t can be
-    slow: t = 127 gives 254 = 2 * 127, 2.1x the time of t = 128 (measured)."""
+    """The smallest n >= 2t - 1 with no prime factor above 5. FFTs of such lengths are
+    fast; n = 2t can be slow: t = 127 gives 254 = 2 * 127, 2.1x the time of t = 128
+    (measured)."""
     if t < 1:
         raise ValueError(f"an FFT over {t} positions: the sequence needs at least one")
     n = 2 * t - 1
@@ -170,18 +205,22 @@ def fft_size(t):
 
 
 def irfft_fbd(Y, n, t, cuda_layout):
-    """irfft's first t positions, Y (F, B, d) -> (B, t, d): along F (cuda_layout) or in rfft's (B, d, F)."""
+    """irfft's first t positions, Y (F, B, d) -> (B, t, d): along F (cuda_layout) or in
+    rfft's (B, d, F).
+    """
     if cuda_layout:
         return torch.fft.irfft(Y, n=n, dim=0)[:t].transpose(0, 1)
     return torch.fft.irfft(Y.permute(1, 2, 0), n=n, dim=-1)[..., :t].transpose(1, 2)
 
 
 class FIRFFT(torch.autograd.Function):
-    """fir_full through rfft/irfft along time, the last axis (the transposes are the copy a transform along
-    another axis makes inside). The backward, written out (autograd's is 1.4-1.6x slower), reuses the spectra:
-    dx = irfft(G W^H), dw = irfft(sum over the batch of X^H G). Matrix taps: a (d x d) GEMM per frequency in
-    (F, B, d) layout (MKL's is 2.5-3.5x slower on rfft's layout or a lazy conjugate); cuda_layout: cuBLAS
-    reads W^H and X^H as views through its conjugate-transpose flag, irfft the products' (F, B, d) layout."""
+    """fir_full through rfft/irfft along time, the last axis (the transposes are the copy a
+    transform along another axis makes inside). The backward, written out (autograd's is
+    1.4-1.6x slower), reuses the spectra: dx = irfft(G W^H), dw = irfft(sum over the
+    batch of X^H G). Matrix taps: a (d x d) GEMM per frequency in (F, B, d) layout
+    (MKL's is 2.5-3.5x slower on rfft's layout or a lazy conjugate); cuda_layout: cuBLAS
+    reads W^H and X^H as views through its conjugate-transpose flag, irfft the products'
+    (F, B, d) layout."""
 
     @staticmethod
     def forward(ctx, x, w, cuda_layout):  # x (B, t, d), w (t, ...)
@@ -191,13 +230,21 @@ class FIRFFT(torch.autograd.Function):
         X = torch.fft.rfft(x.transpose(1, 2), n=n, dim=-1)  # (B, d, F), F = n // 2 + 1
         if w.dim() == 3:  # matrices
             X = X.permute(2, 0, 1).contiguous()  # (F, B, d)
-            W = torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1).permute(2, 0, 1).contiguous()  # (F, d, d)
+            W = (
+                torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1)
+                .permute(2, 0, 1)
+                .contiguous()
+            )  # (F, d, d)
             ctx.save_for_backward(X, W)
             with ieee_float32(x.device):
-                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout)  # Eq. (23) per frequency, (B, t, d)
+                return irfft_fbd(
+                    torch.bmm(X, W), n, t, cuda_layout
+                )  # Eq. (23) per frequency, (B, t, d)
         W = torch.fft.rfft(w.t(), n=n, dim=-1)  # vectors (d, F) or scalars (F,)
         ctx.save_for_backward(X, W)
-        return torch.fft.irfft(X * W, n=n, dim=-1)[..., :t].transpose(1, 2)  # Eq. (26), (28), (29), (B, t, d)
+        return torch.fft.irfft(X * W, n=n, dim=-1)[..., :t].transpose(
+            1, 2
+        )  # Eq. (26), (28), (29), (B, t, d)
 
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
@@ -207,17 +254,28 @@ class FIRFFT(torch.autograd.Function):
         dx = dw = None
         if W.dim() == 3:
             G = G.permute(2, 0, 1).contiguous()  # (F, B, d)
-            W_H, X_H = W.mH, X.mH  # views (cuda_layout), or with the conj resolved: MKL's fast path
+            W_H, X_H = (
+                W.mH,
+                X.mH,
+            )  # views (cuda_layout), or with the conj resolved: MKL's fast path
             if not ctx.cuda_layout:
                 W_H, X_H = W_H.resolve_conj(), X_H.resolve_conj()
             with ieee_float32(g.device):
                 if ctx.needs_input_grad[0]:
-                    dx = irfft_fbd(torch.bmm(G, W_H), n, t, ctx.cuda_layout)  # (B, t, d)
-                if ctx.needs_input_grad[1]:  # (d, t, d) -> (t, d, d), summed over the batch
-                    dw = irfft_fbd(torch.bmm(X_H, G), n, t, ctx.cuda_layout).transpose(0, 1)
+                    dx = irfft_fbd(
+                        torch.bmm(G, W_H), n, t, ctx.cuda_layout
+                    )  # (B, t, d)
+                if ctx.needs_input_grad[
+                    1
+                ]:  # (d, t, d) -> (t, d, d), summed over the batch
+                    dw = irfft_fbd(torch.bmm(X_H, G), n, t, ctx.cuda_layout).transpose(
+                        0, 1
+                    )
             return dx, dw, None
         if ctx.needs_input_grad[0]:
-            dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t].transpose(1, 2)  # (B, t, d)
+            dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t].transpose(
+                1, 2
+            )  # (B, t, d)
         if ctx.needs_input_grad[1]:
             dW = (X.conj() * G).sum(0)  # (d, F), summed over the batch
             if W.dim() == 1:
@@ -227,8 +285,9 @@ class FIRFFT(torch.autograd.Function):
 
 
 def fir_last_row(x, w):
-    """Row t-1 of the sum for x (B, t, d), the newest token's output (B, d): a direct product, O(t d) for
-    vector or scalar taps and O(t d^2) for matrix taps (Tables 5 and 6)."""
+    """Row t-1 of the sum for x (B, t, d), the newest token's output (B, d): a direct
+    product, O(t d) for vector or scalar taps and O(t d^2) for matrix taps (Tables 5 and
+    6)."""
     x_back = x.flip(1)  # x_back[:, k] is the token k steps back, which meets tap k
     w = w[: x.shape[1]]
     if w.dim() == 3:

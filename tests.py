@@ -27,7 +27,9 @@ import subprocess
 import sys
 import threading
 import time
-from statistics import median  # the tests' own medians, not numpy's, which plot.py takes
+from statistics import (
+    median,
+)  # the tests' own medians, not numpy's, which plot.py takes
 
 import numpy as np
 import pytest
@@ -42,7 +44,9 @@ import synthesizer
 import train
 from extractor import MIXERS, SYNTHESIZERS, Config, Transformer, find_mixer
 
-ROOT = os.path.dirname(os.path.abspath(__file__))  # the scripts run here in subprocesses
+ROOT = os.path.dirname(
+    os.path.abspath(__file__)
+)  # the scripts run here in subprocesses
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import bench  # noqa: E402
 import plot  # noqa: E402
@@ -50,16 +54,26 @@ import taps  # noqa: E402
 
 
 def _test_device():
-    """The device named by TEST_DEVICE (default cpu), and why it cannot be used (None if it can)."""
+    """The device named by TEST_DEVICE (default cpu), and why it cannot be used (None
+    if it can).
+    """
     name = os.environ.get("TEST_DEVICE", "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        return torch.device("cpu"), f"TEST_DEVICE={name!r} is not a device name; use cpu, cuda, cuda:N or mps"
+        return torch.device(
+            "cpu"
+        ), f"TEST_DEVICE={name!r} is not a device name; use cpu, cuda, cuda:N or mps"
     cuda = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    if not {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(device.type, False):
-        return torch.device("cpu"), f"TEST_DEVICE={name}: torch sees no such device here; unset it"
-    if device.type == "cuda":  # the same numbers every time, so "bit for bit" means what it does on the CPU
+    if not {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(
+        device.type, False
+    ):
+        return torch.device(
+            "cpu"
+        ), f"TEST_DEVICE={name}: torch sees no such device here; unset it"
+    if (
+        device.type == "cuda"
+    ):  # the same numbers every time, so "bit for bit" means what it does on the CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     return device, None
@@ -68,7 +82,9 @@ def _test_device():
 DEVICE, _NO_DEVICE = _test_device()
 FLOAT = torch.float32 if DEVICE.type == "mps" else torch.float64  # MPS has no float64
 TOL = 1e-9 if FLOAT == torch.float64 else 1e-4
-on_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA device test: TEST_DEVICE=cuda")
+on_cuda = pytest.mark.skipif(
+    DEVICE.type != "cuda", reason="a CUDA device test: TEST_DEVICE=cuda"
+)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -78,8 +94,12 @@ def _test_device_is_there():
 
 
 def dev(obj):
-    """A copy of a CPU tensor or module on the test device in FLOAT; the original stays the reference."""
-    return (copy.deepcopy(obj) if isinstance(obj, torch.nn.Module) else obj).to(DEVICE, FLOAT)
+    """A copy of a CPU tensor or module on the test device in FLOAT; the original stays
+    the reference.
+    """
+    return (copy.deepcopy(obj) if isinstance(obj, torch.nn.Module) else obj).to(
+        DEVICE, FLOAT
+    )
 
 
 def cpu64(*tensors):
@@ -87,8 +107,9 @@ def cpu64(*tensors):
 
 
 def error_line(capsys, fn, *args, **kw):
-    """fn(*args, **kw), a script's main or one of its functions, must end with exit status 1 (returned or
-    raised as SystemExit) and one line "error: ..." on stderr, no traceback; returns that line."""
+    """fn(*args, **kw), a script's main or one of its functions, must end with exit status
+    1 (returned or raised as SystemExit) and one line "error: ..." on stderr, no
+    traceback; returns that line."""
     capsys.readouterr()
     try:
         rc = fn(*args, **kw)
@@ -100,21 +121,35 @@ def error_line(capsys, fn, *args, **kw):
 
 
 def run_script(*argv, **kw):
-    """python <argv> from the project's root, as a user runs it: (exit status, stdout, stderr)."""
-    r = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, **kw)
+    """python <argv> from the project's root, as a user runs it: (exit status, stdout,
+    stderr).
+    """
+    r = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, **kw
+    )
     return r.returncode, r.stdout, r.stderr
 
 
 def tiny_model(mixer, l=16, d=16, n_head=4, n_layer=2, vocab=50, n_hidden=32, seed=0):
-    """A small Transformer on the CPU in float32, with the paper's initialisation, in eval mode."""
+    """A small Transformer on the CPU in float32, with the paper's initialisation, in
+    eval mode.
+    """
     torch.manual_seed(seed)
-    sizes = dict(vocab_size=vocab, block_size=l, n_embd=d, n_hidden=n_hidden, n_layer=n_layer, n_head=n_head)
+    sizes = dict(
+        vocab_size=vocab,
+        block_size=l,
+        n_embd=d,
+        n_hidden=n_hidden,
+        n_layer=n_layer,
+        n_head=n_head,
+    )
     return Transformer(Config(**sizes, mixer=mixer)).eval()
 
 
 def scrambled(module, std):
-    """module in float64 with every parameter and buffer drawn again ~ N(0, std²): larger than the paper's
-    init, so that every term matters and greedy choices are not ties."""
+    """module in float64 with every parameter and buffer drawn again ~ N(0, std²): larger
+    than the paper's init, so that every term matters and greedy choices are not
+    ties."""
     module = module.double()
     with torch.no_grad():
         for p in list(module.parameters()) + list(module.buffers()):
@@ -123,11 +158,14 @@ def scrambled(module, std):
 
 
 def make_data(path, vocab=64, n_words=5000, seed=0):
-    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json with token counts and
-    sha256), from made-up 'words': fixed random token strings, so that there is something to learn."""
+    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json with token
+    counts and sha256), from made-up 'words': fixed random token strings, so that there
+    is something to learn."""
     rng = np.random.default_rng(seed)
     words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
-    ids = np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(np.uint16)
+    ids = np.concatenate([words[i] for i in rng.integers(0, 40, size=n_words)]).astype(
+        np.uint16
+    )
     os.makedirs(path, exist_ok=True)
     meta, cut = {"vocab_size": vocab}, int(0.9 * len(ids))
     for split, part in (("train", ids[:cut]), ("val", ids[cut:])):
@@ -144,7 +182,8 @@ def data(tmp_path_factory):
     return make_data(tmp_path_factory.mktemp("data") / "data")
 
 
-# ======== the model and its equations (extractor.py, synthesizer.py) as literal float64 loops ========
+# ======== the model and its equations (extractor.py, synthesizer.py) as literal float64
+# loops ========
 
 PAPER = ["sa", "she", "he", "we", "me", "he-ext"]
 SYNTHS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
@@ -152,16 +191,22 @@ ALL = PAPER + SYNTHS
 
 
 def literal_fir(x, w):
-    """Eq. (23)/(26)/(28)/(29) as the paper writes them: x_i = sum_{j<=i} x_j (*) w_{i-j+1}."""
+    """Eq. (23)/(26)/(28)/(29) as the paper writes them: x_i = sum_{j<=i} x_j (*)
+    w_{i-j+1}.
+    """
     y = torch.zeros_like(x)
     for i in range(x.shape[1]):
         for j in range(i + 1):
-            y[:, i] += x[:, j] @ w[i - j] if w.dim() == 3 else x[:, j] * w[i - j]  # tap k = i - j + 1
+            y[:, i] += (
+                x[:, j] @ w[i - j] if w.dim() == 3 else x[:, j] * w[i - j]
+            )  # tap k = i - j + 1
     return y
 
 
 def causal_softmax_rows(S, V):
-    """Eq. (14) (only k <= i, the denominator over f <= i) and Eq. (15): S (B, t, t), V (B, t, h)."""
+    """Eq. (14) (only k <= i, the denominator over f <= i) and Eq. (15): S (B, t, t), V
+    (B, t, h).
+    """
     R = torch.zeros(V.shape, dtype=V.dtype)
     for i in range(S.shape[1]):
         e = torch.exp(S[:, i, : i + 1])
@@ -172,39 +217,73 @@ def causal_softmax_rows(S, V):
 def literal_sa(m, x):
     """Eq. (10)-(17), head by head."""
     d, n = x.shape[2], m.n
-    h, W = d // n, m.W_QKV.weight.T  # (d, 3d): the columns of W^Q, W^K, W^V of all heads
+    h, W = (
+        d // n,
+        m.W_QKV.weight.T,
+    )  # (d, 3d): the columns of W^Q, W^K, W^V of all heads
     heads = []
     for j in range(n):
         WQ, WK, WV = (W[:, s * d + j * h : s * d + (j + 1) * h] for s in range(3))
         Q, K, V = x @ WQ, x @ WK, x @ WV  # Eq. (10)-(12)
-        heads.append(causal_softmax_rows(Q @ K.transpose(1, 2) / math.sqrt(h), V))  # Eq. (13)-(15)
+        heads.append(
+            causal_softmax_rows(Q @ K.transpose(1, 2) / math.sqrt(h), V)
+        )  # Eq. (13)-(15)
     return torch.cat(heads, dim=2) @ m.W_out_att.weight.T  # Eq. (16), (17)
 
 
 def literal_synth(name, m, x):
-    """Synthesizer Eq. (1)-(7) and the mixtures give each head's logits S_j, then Eq. (14)-(17)."""
+    """Synthesizer Eq. (1)-(7) and the mixtures give each head's logits S_j, then Eq.
+    (14)-(17).
+    """
     B, t, d = x.shape
-    h, b = d // m.n, getattr(m, "b", 0)  # b: the second factor of l = a b (Factorized Dense)
+    h, b = (
+        d // m.n,
+        getattr(m, "b", 0),
+    )  # b: the second factor of l = a b (Factorized Dense)
     V = x @ m.W_V.weight.T  # Eq. (12), all heads
     heads = []
     for j in range(m.n):
         c = slice(j * h, (j + 1) * h)
-        hid = lambda: torch.relu(x @ m.W_1.weight.T)[:, :, c]  # Synthesizer Eq. (2), head j's h units
-        W = lambda: m.W_QK.weight.T  # (d, 2d): the columns of W^Q of all heads, then of W^K
+        hid = lambda: torch.relu(x @ m.W_1.weight.T)[
+            :, :, c
+        ]  # Synthesizer Eq. (2), head j's h units
+        W = lambda: (
+            m.W_QK.weight.T
+        )  # (d, 2d): the columns of W^Q of all heads, then of W^K
         logits = {
-            "dense": lambda: hid() @ m.W_2[j, :t].T,  # Synthesizer Eq. (1): B_i, the first t of l
-            "dense-fact": lambda: torch.stack(  # Synthesizer Eq. (5), (6): C_{i, u b + v} = A_{i,u} B_{i,v}
-                [(hid() @ m.W_A[j])[:, :, p // b] * (hid() @ m.W_B[j])[:, :, p % b] for p in range(t)], dim=2
+            "dense": lambda: (
+                hid() @ m.W_2[j, :t].T
+            ),  # Synthesizer Eq. (1): B_i, the first t of l
+            "dense-fact": lambda: (
+                torch.stack(  # Synthesizer Eq. (5), (6): C_{i, u b + v} = A_{i,u} B_{i,v}
+                    [
+                        (hid() @ m.W_A[j])[:, :, p // b]
+                        * (hid() @ m.W_B[j])[:, :, p % b]
+                        for p in range(t)
+                    ],
+                    dim=2,
+                )
             ),
             "random": lambda: m.R[j, :t, :t],  # Synthesizer Eq. (4)
             "random-fixed": lambda: m.R[j, :t, :t],
-            "random-fact": lambda: torch.stack(  # Synthesizer Eq. (7): R_1 R_2^T, entry by entry
-                [torch.stack([(m.R_1[j, i] * m.R_2[j, k]).sum() for k in range(t)]) for i in range(t)]
+            "random-fact": lambda: (
+                torch.stack(  # Synthesizer Eq. (7): R_1 R_2^T, entry by entry
+                    [
+                        torch.stack(
+                            [(m.R_1[j, i] * m.R_2[j, k]).sum() for k in range(t)]
+                        )
+                        for i in range(t)
+                    ]
+                )
             ),
-            "sa": lambda: (x @ W()[:, c]) @ (x @ W()[:, d:][:, c]).transpose(1, 2) / math.sqrt(h),  # (13)
+            "sa": lambda: (
+                (x @ W()[:, c]) @ (x @ W()[:, d:][:, c]).transpose(1, 2) / math.sqrt(h)
+            ),  # (13)
         }
         S = [logits[part]() for part in name.split("+")]
-        if len(S) == 2:  # the mixtures: alpha_1 S_1 + alpha_2 S_2 with (alpha_1, alpha_2) = softmax(alpha_h)
+        if (
+            len(S) == 2
+        ):  # the mixtures: alpha_1 S_1 + alpha_2 S_2 with (alpha_1, alpha_2) = softmax(alpha_h)
             e = torch.exp(m.alpha[j])
             S = [e[0] / e.sum() * S[0] + e[1] / e.sum() * S[1]]
         heads.append(causal_softmax_rows(S[0].expand(B, t, t), V[:, :, c]))
@@ -217,29 +296,45 @@ def literal_mixer(name, m, x):
         return literal_synth(name, m, x)
     return {
         "sa": lambda: literal_sa(m, x),
-        "she": lambda: lin(m.W_out, lin(m.W_adj, x) * literal_fir(x, m.W_ext)),  # Eq. (23)-(25)
-        "we": lambda: lin(m.W_out, lin(m.W_adj, x) * literal_fir(x, m.w_ext)),  # Eq. (26), (24), (25)
-        "he": lambda: lin(m.W_out, lin(m.W_adj, x) * literal_fir(lin(m.W_in_ext, x), m.w_ext)),  # (27)-(28)
+        "she": lambda: lin(
+            m.W_out, lin(m.W_adj, x) * literal_fir(x, m.W_ext)
+        ),  # Eq. (23)-(25)
+        "we": lambda: lin(
+            m.W_out, lin(m.W_adj, x) * literal_fir(x, m.w_ext)
+        ),  # Eq. (26), (24), (25)
+        "he": lambda: lin(
+            m.W_out, lin(m.W_adj, x) * literal_fir(lin(m.W_in_ext, x), m.w_ext)
+        ),  # (27)-(28)
         "me": lambda: literal_fir(x, m.w_ext),  # Eq. (29)
         "he-ext": lambda: literal_fir(lin(m.W_in_ext, x), m.w_ext),  # Eq. (27), (28)
     }[name]()
 
 
 def random_mixer(name, d=8, l=12, n=2, seed=0, std=0.5):
-    """A mixer on the CPU, every parameter (and Fixed Random's R) drawn ~ N(0, std²), in float64."""
+    """A mixer on the CPU, every parameter (and Fixed Random's R) drawn ~ N(0, std²),
+    in float64.
+    """
     torch.manual_seed(seed)
-    return scrambled(find_mixer(name)(Config(n_embd=d, block_size=l, n_head=n, mixer=name)), std)
+    return scrambled(
+        find_mixer(name)(Config(n_embd=d, block_size=l, n_head=n, mixer=name)), std
+    )
 
 
 def output_and_grads(m, x, g, forward):
-    """forward(m, x) and the gradients of x and of every parameter of m for the output gradient g."""
+    """forward(m, x) and the gradients of x and of every parameter of m for the output
+    gradient g.
+    """
     x = x.detach().requires_grad_()
     y = forward(m, x)
     return cpu64(y, *torch.autograd.grad(y, [x, *m.parameters()], g))
 
 
 def test_the_mixers_and_their_names():
-    assert list(MIXERS) == PAPER and SYNTHESIZERS == SYNTHS and list(synthesizer.SYNTHESIZERS) == SYNTHS
+    assert (
+        list(MIXERS) == PAPER
+        and SYNTHESIZERS == SYNTHS
+        and list(synthesizer.SYNTHESIZERS) == SYNTHS
+    )
     for name, cls in [*MIXERS.items(), *synthesizer.SYNTHESIZERS.items()]:
         assert find_mixer(name) is cls and name in ALL
 
@@ -247,12 +342,19 @@ def test_the_mixers_and_their_names():
 @pytest.mark.parametrize("name", ALL)
 def test_mixer_forward_and_backward_equal_literal_equations(name):
     moved = {}
-    for trial, (d, l, n, t) in enumerate([(8, 12, 2, 1), (8, 12, 2, 7), (12, 6, 3, 6), (8, 16, 1, 9)]):
+    for trial, (d, l, n, t) in enumerate(
+        [(8, 12, 2, 1), (8, 12, 2, 7), (12, 6, 3, 6), (8, 16, 1, 9)]
+    ):
         m = random_mixer(name, d, l, n, seed=trial)
-        x, g = torch.randn(2, t, d, dtype=torch.float64), torch.randn(2, t, d, dtype=torch.float64)
+        x, g = (
+            torch.randn(2, t, d, dtype=torch.float64),
+            torch.randn(2, t, d, dtype=torch.float64),
+        )
         got = output_and_grads(dev(m), dev(x), dev(g), lambda mixer, x: mixer(x))
         ref = output_and_grads(m, x, g, lambda mixer, x: literal_mixer(name, mixer, x))
-        for what, a, b in zip(["y", "x"] + [k for k, _ in m.named_parameters()], got, ref):
+        for what, a, b in zip(
+            ["y", "x"] + [k for k, _ in m.named_parameters()], got, ref
+        ):
             assert torch.allclose(a, b, atol=TOL, rtol=0), (what, t)
             moved[what] = moved.get(what, False) or bool(b.abs().max() > 0)
     assert all(moved.values()), moved  # every parameter has a gradient to compare
@@ -265,15 +367,20 @@ def test_mixer_is_causal(name):
     y = m(x)
     for i in (0, 5, 11):
         (g,) = torch.autograd.grad(y[:, i].sum(), x, retain_graph=True)
-        past, future = g[:, : i + 1].abs().max(), g[:, i + 1 :].abs().amax(dim=(0, 2)).sum()
+        past, future = (
+            g[:, : i + 1].abs().max(),
+            g[:, i + 1 :].abs().amax(dim=(0, 2)).sum(),
+        )
         assert past > 0, f"output {i} ignores its inputs"
-        assert future <= TOL * 1e-3 * past, f"output {i} depends on later positions"  # FFT: round-off only
+        assert future <= TOL * 1e-3 * past, (
+            f"output {i} depends on later positions"
+        )  # FFT: round-off only
 
 
 def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
-    """extractor.causal_fir_reference as a filter, not as another copy of its sum: a unit impulse in
-    channel c at position j gives the taps back from j on (w_1 at j), nothing before, and the map is
-    linear, so these impulse responses are the whole map."""
+    """extractor.causal_fir_reference as a filter, not as another copy of its sum: a unit
+    impulse in channel c at position j gives the taps back from j on (w_1 at j), nothing
+    before, and the map is linear, so these impulse responses are the whole map."""
     torch.manual_seed(5)
     fir = lambda x, w: cpu64(extractor.causal_fir_reference(dev(x), dev(w)))[0]
     for shape in ((7,), (7, 3), (7, 3, 3)):
@@ -286,57 +393,88 @@ def test_fir_reading_copy_is_the_causal_filter_with_these_taps():
                 want[j + k] = w[k][c] if w.dim() == 3 else w[k] * x[0, j]
             assert torch.allclose(fir(x, w)[0], want, atol=TOL, rtol=0), (shape, j, c)
         x1, x2 = torch.randn(2, 2, 7, 3, dtype=torch.float64)
-        assert torch.allclose(fir(2 * x1 - x2, w), 2 * fir(x1, w) - fir(x2, w), atol=TOL, rtol=0)
+        assert torch.allclose(
+            fir(2 * x1 - x2, w), 2 * fir(x1, w) - fir(x2, w), atol=TOL, rtol=0
+        )
 
 
 # ---- the whole Transformer, Section 4 alone, against `Transformer` on the same weights
 def literal_transformer(model, idx, targets, masks=None):
-    """Eq. (3)-(22) with model's weights, on the CPU in float64: logits (inside Eq. 21's softmax), Y-hat
-    and the loss. masks: what each dropout keeps, in the paper's order (Eq. 7, then per layer the one
-    draw of Eq. 18 and 20 and that of Eq. 20), or None for no dropout (evaluation)."""
+    """Eq. (3)-(22) with model's weights, on the CPU in float64: logits (inside Eq. 21's
+    softmax), Y-hat and the loss. masks: what each dropout keeps, in the paper's order
+    (Eq. 7, then per layer the one draw of Eq. 18 and 20 and that of Eq. 20), or None
+    for no dropout (evaluation)."""
     cfg, t = model.cfg, idx.shape[1]
     u, l, d, p = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout
     draws = iter(masks or [])
-    dropout = lambda X: X if masks is None else torch.where(next(draws), X / (1 - p), 0.0)  # Eq. (6)
+    dropout = lambda X: (
+        X if masks is None else torch.where(next(draws), X / (1 - p), 0.0)
+    )  # Eq. (6)
 
-    def layernorm(X, ln):  # Eq. (8), mean and standard deviation of each row (torch's eps 1e-5 inside)
+    def layernorm(
+        X, ln
+    ):  # Eq. (8), mean and standard deviation of each row (torch's eps 1e-5 inside)
         mu = X.mean(-1, keepdim=True)
-        return ln.weight * (X - mu) / ((X - mu) ** 2).mean(-1, keepdim=True).add(1e-5).sqrt() + ln.bias
+        return (
+            ln.weight
+            * (X - mu)
+            / ((X - mu) ** 2).mean(-1, keepdim=True).add(1e-5).sqrt()
+            + ln.bias
+        )
 
     X_in_tok = F.one_hot(idx, u).double()  # (B, t, u): [s_i = j - 1]
     X_in_pos = torch.eye(l, dtype=torch.float64)[:t]  # (t, l): [i = j]
-    X_emb_tok = X_in_tok @ (model.emb_tok.weight * math.sqrt(d))  # Eq. (4), W^[emb_tok] times sqrt(d)
-    X_emb_pos = X_in_pos @ (model.emb_pos.weight * math.sqrt(d))  # Eq. (5), W^[emb_pos] times sqrt(d)
+    X_emb_tok = X_in_tok @ (
+        model.emb_tok.weight * math.sqrt(d)
+    )  # Eq. (4), W^[emb_tok] times sqrt(d)
+    X_emb_pos = X_in_pos @ (
+        model.emb_pos.weight * math.sqrt(d)
+    )  # Eq. (5), W^[emb_pos] times sqrt(d)
     X = dropout(X_emb_tok + X_emb_pos)  # Eq. (7): X^[in_lay1]
     for lay in model.layers:
-        X_out_sub1 = literal_mixer(cfg.mixer, lay.mixer, layernorm(X, lay.ln1))  # Eq. (9), the mixer
+        X_out_sub1 = literal_mixer(
+            cfg.mixer, lay.mixer, layernorm(X, lay.ln1)
+        )  # Eq. (9), the mixer
         D1 = dropout(X_out_sub1)  # one draw, used by Eq. (18) and (20)
         X_in_sub2 = layernorm(D1 + X, lay.ln2)  # Eq. (18)
         f1, f2 = lay.ffn.sub2_1, lay.ffn.sub2_2
-        X_out_sub2 = torch.relu(X_in_sub2 @ f1.weight.T + f1.bias) @ f2.weight.T + f2.bias  # Eq. (19)
+        X_out_sub2 = (
+            torch.relu(X_in_sub2 @ f1.weight.T + f1.bias) @ f2.weight.T + f2.bias
+        )  # Eq. (19)
         X = dropout(X_out_sub2) + D1 + X  # Eq. (20)
-    Z = layernorm(X, model.ln_f) @ model.soft.weight.T + model.soft.bias  # Eq. (21), (B, t, u)
+    Z = (
+        layernorm(X, model.ln_f) @ model.soft.weight.T + model.soft.bias
+    )  # Eq. (21), (B, t, u)
     Y_hat = torch.exp(Z) / torch.exp(Z).sum(-1, keepdim=True)  # Eq. (21), (22)
-    loss = -torch.log(Y_hat.gather(-1, targets[..., None])).mean()  # Eq. (3), over every row of the batch
+    loss = -torch.log(
+        Y_hat.gather(-1, targets[..., None])
+    ).mean()  # Eq. (3), over every row of the batch
     return Z, Y_hat, loss
 
 
 def dropout_masks(model):
-    """Records, in call order, what each nn.Dropout of model keeps (its nonzero outputs)."""
+    """Records, in call order, what each nn.Dropout of model keeps (its nonzero
+    outputs).
+    """
     masks = []
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
-            m.register_forward_hook(lambda mod, args, out: masks.append((out != 0).cpu()))
+            m.register_forward_hook(
+                lambda mod, args, out: masks.append((out != 0).cpu())
+            )
     return masks
 
 
 @pytest.mark.parametrize("name", PAPER)
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_transformer_equals_section4_written_out(name, mode):
-    """Forward (logits, Y-hat, loss) and backward (every parameter's gradient) of the whole model, in
-    evaluation and in training with the dropout masks the model drew applied to the literal model."""
+    """Forward (logits, Y-hat, loss) and backward (every parameter's gradient) of the whole
+    model, in evaluation and in training with the dropout masks the model drew applied
+    to the literal model."""
     torch.manual_seed(1)
-    sizes = dict(vocab_size=11, block_size=8, n_embd=8, n_hidden=12, n_layer=2, n_head=2)
+    sizes = dict(
+        vocab_size=11, block_size=8, n_embd=8, n_hidden=12, n_layer=2, n_head=2
+    )
     ref = scrambled(Transformer(Config(**sizes, dropout=0.3, mixer=name)), 0.4)
     model, t = dev(ref).train(mode == "train"), 8 if mode == "eval" else 6
     idx, targets = torch.randint(0, 11, (2, t)), torch.randint(0, 11, (2, t))
@@ -344,8 +482,12 @@ def test_transformer_equals_section4_written_out(name, mode):
     logits, loss = model(dev(idx).long(), dev(targets).long())
     loss.backward()
     if mode == "train":
-        assert len(masks) == 1 + 2 * 2 and all(0 < (~m).sum() < m.numel() for m in masks), len(masks)
-    Z, Y_hat, L = literal_transformer(ref, idx, targets, masks if mode == "train" else None)
+        assert len(masks) == 1 + 2 * 2 and all(
+            0 < (~m).sum() < m.numel() for m in masks
+        ), len(masks)
+    Z, Y_hat, L = literal_transformer(
+        ref, idx, targets, masks if mode == "train" else None
+    )
     L.backward()
     got = cpu64(logits, logits.softmax(-1), loss)
     for what, a, b in zip(["logits", "Y_hat", "loss"], got, (Z, Y_hat, L)):
@@ -367,10 +509,11 @@ def ks_distance_from_normal(v, sigma):
 
 @pytest.mark.parametrize("mixer", PAPER)
 def test_initialisation_follows_section6(mixer):
-    """Biases 0, LayerNorm gains 1, every weight tensor ~ N(0, 0.01²). Bands from each tensor's size n
-    pass a true N(0, 0.01²) sample with probability 1 - 1e-6: 5 standard errors for the std (0.01 /
-    sqrt(2(n-1))) and the mean (0.01 / sqrt(n)); the Kolmogorov-Smirnov distance below
-    sqrt(ln(2 / 1e-6) / 2n) (DKW), which checks the shape too (a uniform of std 0.01 is 0.058 away)."""
+    """Biases 0, LayerNorm gains 1, every weight tensor ~ N(0, 0.01²). Bands from each
+    tensor's size n pass a true N(0, 0.01²) sample with probability 1 - 1e-6: 5 standard
+    errors for the std (0.01 / sqrt(2(n-1))) and the mean (0.01 / sqrt(n)); the
+    Kolmogorov-Smirnov distance below sqrt(ln(2 / 1e-6) / 2n) (DKW), which checks the
+    shape too (a uniform of std 0.01 is 0.058 away)."""
     model = tiny_model(mixer, l=64, d=128, n_hidden=256, vocab=500)
     for name, p in model.named_parameters():
         n = p.numel()
@@ -379,42 +522,77 @@ def test_initialisation_follows_section6(mixer):
         elif ".ln" in name or name.startswith("ln_f"):
             assert (p == 1).all(), name
         else:
-            assert abs(p.std().item() - 0.01) < 5 * 0.01 / math.sqrt(2 * (n - 1)), (name, p.std().item())
-            assert abs(p.mean().item()) < 5 * 0.01 / math.sqrt(n), (name, p.mean().item())
-            assert ks_distance_from_normal(p, 0.01) < math.sqrt(math.log(2 / 1e-6) / (2 * n)), name
+            assert abs(p.std().item() - 0.01) < 5 * 0.01 / math.sqrt(2 * (n - 1)), (
+                name,
+                p.std().item(),
+            )
+            assert abs(p.mean().item()) < 5 * 0.01 / math.sqrt(n), (
+                name,
+                p.mean().item(),
+            )
+            assert ks_distance_from_normal(p, 0.01) < math.sqrt(
+                math.log(2 / 1e-6) / (2 * n)
+            ), name
 
 
 def test_synth_initialisation():
-    """Weights ~ N(0, 0.01²) as Section 6, mixing alphas zero (1/2 each), Fixed Random's R N(0, 1)."""
+    """Weights ~ N(0, 0.01²) as Section 6, mixing alphas zero (1/2 each), Fixed
+    Random's R N(0, 1).
+    """
     for name in SYNTHS:
         mixer = tiny_model(name, l=64, d=64, n_layer=1).layers[0].mixer
         for p_name, p in list(mixer.named_parameters()) + list(mixer.named_buffers()):
             std = 1.0 if (name, p_name) == ("random-fixed", "R") else 0.01
             if p_name == "alpha":
-                assert (p == 0).all() and torch.allclose(mixer.mixing_weights()[0], torch.tensor(0.5))
+                assert (p == 0).all() and torch.allclose(
+                    mixer.mixing_weights()[0], torch.tensor(0.5)
+                )
             else:
-                assert abs(p.std().item() - std) < 0.15 * std and abs(p.mean().item()) < 0.1 * std, p_name
+                assert (
+                    abs(p.std().item() - std) < 0.15 * std
+                    and abs(p.mean().item()) < 0.1 * std
+                ), p_name
 
 
-# ---- parameter counts: Tables 3 and 4 (no biases, ERRATA) and the Synthesizer paper's Table 1
+# ---- parameter counts: Tables 3 and 4 (no biases, ERRATA) and the Synthesizer paper's
+# Table 1
 def paper_params(name, d, l):  # Tables 3 and 4 (ERRATA: no biases)
-    sa, she, he, we = 4 * d * d, l * d * d + 2 * d * d, l * d + 3 * d * d, l * d + 2 * d * d
-    return {"sa": sa, "she": she, "he": he, "we": we, "me": l, "he-ext": l * d + d * d}[name]
+    sa, she, he, we = (
+        4 * d * d,
+        l * d * d + 2 * d * d,
+        l * d + 3 * d * d,
+        l * d + 2 * d * d,
+    )
+    return {"sa": sa, "she": she, "he": he, "we": we, "me": l, "he-ext": l * d + d * d}[
+        name
+    ]
 
 
 def synth_params(name, d, l, n, a, b, k=8):
-    """Table 1 of the Synthesizer paper and its text (a b = l, k = 8), plus W_V and W_out_att (2 d^2)."""
-    part = {"dense": d * d + d * l, "dense-fact": d * d + d * (a + b), "random": n * l * l}  # "adds d x N"
-    part.update({"random-fixed": 0, "random-fact": 2 * n * l * k, "sa": 2 * d * d})  # "N^2", "2(Nk)"
-    return 2 * d * d + sum(part[p] for p in name.split("+")) + 2 * n * ("+" in name)  # mixtures: 2n alphas
+    """Table 1 of the Synthesizer paper and its text (a b = l, k = 8), plus W_V and
+    W_out_att (2 d^2).
+    """
+    part = {
+        "dense": d * d + d * l,
+        "dense-fact": d * d + d * (a + b),
+        "random": n * l * l,
+    }  # "adds d x N"
+    part.update(
+        {"random-fixed": 0, "random-fact": 2 * n * l * k, "sa": 2 * d * d}
+    )  # "N^2", "2(Nk)"
+    return (
+        2 * d * d + sum(part[p] for p in name.split("+")) + 2 * n * ("+" in name)
+    )  # mixtures: 2n alphas
 
 
 @pytest.mark.parametrize(
-    "d,l,n,a,b", [(128, 128, 32, 8, 16), (24, 12, 3, 3, 4), (16, 9, 4, 3, 3), (8, 1, 1, 1, 1)]
+    "d,l,n,a,b",
+    [(128, 128, 32, 8, 16), (24, 12, 3, 3, 4), (16, 9, 4, 3, 3), (8, 1, 1, 1, 1)],
 )
 def test_parameter_counts_equal_formulas(d, l, n, a, b):
     count = lambda name: sum(
-        p.numel() for p in find_mixer(name)(Config(n_embd=d, block_size=l, n_head=n)).parameters()
+        p.numel()
+        for p in find_mixer(name)(Config(n_embd=d, block_size=l, n_head=n)).parameters()
     )
     for name in PAPER:
         assert count(name) == paper_params(name, d, l), name
@@ -427,17 +605,32 @@ def test_parameter_counts_equal_formulas(d, l, n, a, b):
 def test_whole_model_parameter_count(name):
     u, l, d, c, m = 97, 16, 24, 40, 3
     model = Transformer(
-        Config(vocab_size=u, block_size=l, n_embd=d, n_hidden=c, n_layer=m, n_head=4, mixer=name)
+        Config(
+            vocab_size=u,
+            block_size=l,
+            n_embd=d,
+            n_hidden=c,
+            n_layer=m,
+            n_head=4,
+            mixer=name,
+        )
     )
-    mixer = paper_params(name, d, l) if name in PAPER else synth_params(name, d, l, 4, 4, 4)
+    mixer = (
+        paper_params(name, d, l) if name in PAPER else synth_params(name, d, l, 4, 4, 4)
+    )
     want = {
         "embeddings": u * d + l * d,  # Eq. (4), (5)
         "mixers": m * mixer,
         "ffns": m * (d * c + c + c * d + d),  # Eq. (19)
-        "norms_and_head": m * 2 * 2 * d + 2 * d + d * u + u,  # Eq. (8) twice a layer, and before Eq. (21)
+        "norms_and_head": m * 2 * 2 * d
+        + 2 * d
+        + d * u
+        + u,  # Eq. (8) twice a layer, and before Eq. (21)
     }
     want["total"] = sum(want.values())
-    assert model.param_counts() == want and want["total"] == sum(p.numel() for p in model.parameters())
+    assert model.param_counts() == want and want["total"] == sum(
+        p.numel() for p in model.parameters()
+    )
 
 
 # ---- bad configurations and inputs: one clear ValueError each
@@ -449,9 +642,20 @@ def refused(message, fn, *args, **kw):
 
 
 def test_bad_config_gives_one_clear_value_error():
-    for field in ("n_layer", "n_embd", "block_size", "vocab_size", "n_hidden", "n_head"):
+    for field in (
+        "n_layer",
+        "n_embd",
+        "block_size",
+        "vocab_size",
+        "n_hidden",
+        "n_head",
+    ):
         for bad in (0, -1, 2.0, True):
-            refused(f"{field} must be a positive integer, got {bad!r}", Config, **{field: bad})
+            refused(
+                f"{field} must be a positive integer, got {bad!r}",
+                Config,
+                **{field: bad},
+            )
     for bad in (-0.1, 1.0, 1.5):
         refused(f"dropout must be in [0, 1), got {bad}", Config, dropout=bad)
     Config(dropout=0.0, n_layer=1, vocab_size=1, n_hidden=1)
@@ -459,7 +663,12 @@ def test_bad_config_gives_one_clear_value_error():
         why = f"n_head=3 must divide n_embd=128 for mixer '{name}' (each head has d/n features)"
         refused(why, Config, n_head=3, mixer=name)
     Config(n_head=3, mixer="me")  # heads mean nothing to the Extractors
-    for l, fix in ((2, 4), (3, 4), (7, 8), (127, 128)):  # Factorized Dense needs l = a b with a, b > 1
+    for l, fix in (
+        (2, 4),
+        (3, 4),
+        (7, 8),
+        (127, 128),
+    ):  # Factorized Dense needs l = a b with a, b > 1
         why = f"dense-fact needs block_size l = a b with a, b > 1, but l={l} is prime: try block_size={fix}"
         refused(why, tiny_model, "dense-fact", l=l)
 
@@ -468,7 +677,11 @@ def test_bad_inputs_give_one_clear_value_error():
     model = dev(scrambled(tiny_model("me", l=8), 0.3))
     tokens = lambda t: torch.zeros(1, t, dtype=torch.long, device=DEVICE)
     model(tokens(8))  # l tokens fit
-    refused("sequence length 9 exceeds block_size l=8; crop it to its last l tokens", model, tokens(9))
+    refused(
+        "sequence length 9 exceeds block_size l=8; crop it to its last l tokens",
+        model,
+        tokens(9),
+    )
     cache = model.new_cache()
     model(tokens(5), cache=cache)
     refused(
@@ -477,15 +690,21 @@ def test_bad_inputs_give_one_clear_value_error():
         tokens(4),
         cache=cache,
     )
-    why, empty = "idx (2, 0) holds no tokens; give each sequence at least one", tokens(0).expand(2, 0)
+    why, empty = (
+        "idx (2, 0) holds no tokens; give each sequence at least one",
+        tokens(0).expand(2, 0),
+    )
     for name in ("sa", "me", "dense"):
         for cache in (None, model.new_cache()):
             refused(why, tiny_model(name), empty, cache=cache)
     x = torch.zeros(1, 13, 8, dtype=torch.float64)
-    refused("sequence length 13 exceeds block_size l=12", random_mixer("dense"), x)  # a Synthesizer alone
+    refused(
+        "sequence length 13 exceeds block_size l=12", random_mixer("dense"), x
+    )  # a Synthesizer alone
 
 
-# ---- find_mixer: the paper's names, the Synthesizers' (imported only then), module.Class
+# ---- find_mixer: the paper's names, the Synthesizers' (imported only then),
+# module.Class
 USER_MIXER = '''
 import torch, torch.nn as nn
 
@@ -501,27 +720,49 @@ NOT_A_CLASS = 3
 '''
 
 
-def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(tmp_path, monkeypatch):
+def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
+    tmp_path, monkeypatch
+):
     (tmp_path / "my_mixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
     Mean = importlib.import_module("my_mixers").Mean
     assert find_mixer("my_mixers.Mean") is Mean and find_mixer("she") is extractor.SHE
-    cfg = Config(vocab_size=9, block_size=6, n_embd=10, n_head=3, n_layer=1, mixer="my_mixers.Mean")
-    model = Transformer(Config(**dataclasses.asdict(cfg)))  # a checkpoint's config: no flag, no registering
-    assert type(model.layers[0].mixer) is Mean and model(torch.zeros(1, 6).long())[0].shape == (1, 6, 9)
+    cfg = Config(
+        vocab_size=9,
+        block_size=6,
+        n_embd=10,
+        n_head=3,
+        n_layer=1,
+        mixer="my_mixers.Mean",
+    )
+    model = Transformer(
+        Config(**dataclasses.asdict(cfg))
+    )  # a checkpoint's config: no flag, no registering
+    assert type(model.layers[0].mixer) is Mean and model(torch.zeros(1, 6).long())[
+        0
+    ].shape == (1, 6, 9)
     choices = ", ".join(ALL) + ", or module.Class (a mixer class of yours)"
     nope = " (module 'my_mixers' has no attribute 'Nope')"
     for bad, why in [("xx", ""), ("he.ext", " (No module named 'he')"), ("math.pi", "")] + [
         ("my_mixers.Nope", nope), ("my_mixers.NOT_A_CLASS", "")]:  # fmt: skip
-        refused(f"unknown mixer {bad!r}{why}; choose one of: {choices}", Config, mixer=bad)
+        refused(
+            f"unknown mixer {bad!r}{why}; choose one of: {choices}", Config, mixer=bad
+        )
 
 
 def test_the_synthesizers_are_imported_only_when_used(monkeypatch):
     monkeypatch.delitem(sys.modules, "synthesizer")
     for name in PAPER:
-        Transformer(Config(mixer=name, n_layer=1, block_size=4, n_embd=8, n_head=2, vocab_size=5))
+        Transformer(
+            Config(
+                mixer=name, n_layer=1, block_size=4, n_embd=8, n_head=2, vocab_size=5
+            )
+        )
     assert "synthesizer" not in sys.modules
-    assert find_mixer("random+sa").__name__ == "RandomSASynthesizer" and "synthesizer" in sys.modules
+    assert (
+        find_mixer("random+sa").__name__ == "RandomSASynthesizer"
+        and "synthesizer" in sys.modules
+    )
 
 
 # ---- generation (Eq. 2) and sampling
@@ -533,14 +774,22 @@ def scrambled_model(name, l=16):
 def test_cached_generation_equals_uncached(name, monkeypatch):
     model = scrambled_model(name, l=12)
     idx = torch.randint(0, 50, (2, 5), device=DEVICE)
-    cached = model.generate(idx, 7, temperature=0, use_cache=True)  # fills l = 12 exactly
+    cached = model.generate(
+        idx, 7, temperature=0, use_cache=True
+    )  # fills l = 12 exactly
     assert torch.equal(cached, model.generate(idx, 7, temperature=0, use_cache=False))
-    cache = model.new_cache()  # a token, chunks of 4 and 2, then one token at a time: one full forward
+    cache = (
+        model.new_cache()
+    )  # a token, chunks of 4 and 2, then one token at a time: one full forward
     steps = [model(cached[:, i:j], cache=cache)[0] for i, j in ((0, 1), (1, 5), (5, 7))]
     full = model(cached)[0]
-    monkeypatch.setattr(extractor, "fir_full", None)  # one new token: one row of Eq. (23) or (29), O(t d)
+    monkeypatch.setattr(
+        extractor, "fir_full", None
+    )  # one new token: one row of Eq. (23) or (29), O(t d)
     steps += [model(cached[:, i : i + 1], cache=cache)[0] for i in range(7, 12)]
-    assert cache["t"] == 12 and torch.allclose(torch.cat(steps, 1), full, atol=TOL, rtol=0)
+    assert cache["t"] == 12 and torch.allclose(
+        torch.cat(steps, 1), full, atol=TOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -550,21 +799,32 @@ def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
     prompt = torch.randint(0, 50, (2, 5), device=DEVICE)
     idx = prompt
     for _ in range(10):  # the plain sliding-window loop
-        idx = torch.cat([idx, model(idx[:, -8:])[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+        idx = torch.cat(
+            [idx, model(idx[:, -8:])[0][:, -1].argmax(-1, keepdim=True)], dim=1
+        )
     assert torch.equal(model.generate(prompt, 10, temperature=0), idx)
     for use_cache in (True, False):  # a prompt longer than l: its last l tokens
-        assert torch.equal(model.generate(idx[:, :12], 3, temperature=0, use_cache=use_cache), idx[:, :15])
+        assert torch.equal(
+            model.generate(idx[:, :12], 3, temperature=0, use_cache=use_cache),
+            idx[:, :15],
+        )
 
 
 def sampled_from(monkeypatch, logits, **kw):
-    """The probabilities sample_next draws from (what it hands torch.multinomial), and its token."""
+    """The probabilities sample_next draws from (what it hands torch.multinomial), and
+    its token.
+    """
     drawn, multinomial = [], torch.multinomial
     monkeypatch.setattr(
-        torch, "multinomial", lambda p, num_samples: drawn.append(p) or multinomial(p, num_samples)
+        torch,
+        "multinomial",
+        lambda p, num_samples: drawn.append(p) or multinomial(p, num_samples),
     )
     token = extractor.sample_next(torch.tensor(logits, dtype=torch.float64), **kw)
     monkeypatch.undo()
-    assert token.shape == (len(logits), 1) and (not drawn or drawn[0][0, token[0, 0]] > 0)
+    assert token.shape == (len(logits), 1) and (
+        not drawn or drawn[0][0, token[0, 0]] > 0
+    )
     return drawn[0].double() if drawn else None, token
 
 
@@ -572,28 +832,48 @@ def test_temperature_top_k_and_top_p_draw_from_exactly_these_probabilities(monke
     def near(logits, want, **kw):
         p, _ = sampled_from(monkeypatch, logits, **kw)
         want = torch.tensor(want, dtype=torch.float64)
-        assert torch.allclose(p, want / want.sum(-1, keepdim=True), atol=1e-6, rtol=0), (kw, p)
+        assert torch.allclose(
+            p, want / want.sum(-1, keepdim=True), atol=1e-6, rtol=0
+        ), (kw, p)
 
     e = math.exp
     near([[2.0, 1.0, 0.0, -1.0]], [[e(2), e(1), 1, e(-1)]])  # softmax
-    near([[2.0, 1.0, 0.0, -1.0]], [[e(4), e(2), 1, e(-2)]], temperature=0.5)  # softmax(logits / T)
+    near(
+        [[2.0, 1.0, 0.0, -1.0]], [[e(4), e(2), 1, e(-2)]], temperature=0.5
+    )  # softmax(logits / T)
     two_rows = [[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]]
-    near(two_rows, [[e(1), e(0.5), 0, 0], [0, e(1.5), 0, e(1)]], temperature=2, top_k=2)  # the 2 largest
-    near([[2.0, 1.0, 0.0, -1.0]], [[e(2), e(1), 1, e(-1)]], top_k=9)  # k beyond u: every token
+    near(
+        two_rows, [[e(1), e(0.5), 0, 0], [0, e(1.5), 0, e(1)]], temperature=2, top_k=2
+    )  # the 2 largest
+    near(
+        [[2.0, 1.0, 0.0, -1.0]], [[e(2), e(1), 1, e(-1)]], top_k=9
+    )  # k beyond u: every token
     probs = [[0.5, 0.2, 0.15, 0.1, 0.05]]
     logp = torch.tensor(probs).log().tolist()
-    near(logp, [[0.5, 0.2, 0, 0, 0]], top_p=0.6)  # 0.5 < 0.6 needs the second token, 0.7 reaches it
+    near(
+        logp, [[0.5, 0.2, 0, 0, 0]], top_p=0.6
+    )  # 0.5 < 0.6 needs the second token, 0.7 reaches it
     near(logp, [[0.5, 0, 0, 0, 0]], top_p=0.45)
     near(logp, [[0.5, 0.2, 0.15, 0, 0]], top_p=0.75)
     near(logp, probs, top_p=1.0)
-    near(logp, [[0.25, 0.04, 0, 0, 0]], top_p=0.8, temperature=0.5)  # p² / 0.335: 0.746, then 0.866
-    near(logp, [[0.5, 0.2, 0, 0, 0]], top_p=0.7, top_k=3)  # 0.5 / 0.85 = 0.59, then 0.82
-    p, _ = sampled_from(monkeypatch, [[3.0, 2.0, 2.0, 2.0, 0.0]], top_k=2)  # a tie at the boundary
+    near(
+        logp, [[0.25, 0.04, 0, 0, 0]], top_p=0.8, temperature=0.5
+    )  # p² / 0.335: 0.746, then 0.866
+    near(
+        logp, [[0.5, 0.2, 0, 0, 0]], top_p=0.7, top_k=3
+    )  # 0.5 / 0.85 = 0.59, then 0.82
+    p, _ = sampled_from(
+        monkeypatch, [[3.0, 2.0, 2.0, 2.0, 0.0]], top_k=2
+    )  # a tie at the boundary
     assert (p > 0).sum() == 2 and abs(p[0, 0] - e(3) / (e(3) + e(2))) < 1e-6
-    p, _ = sampled_from(monkeypatch, [[1.0, 1.0, 1.0, 1.0]], top_p=0.5)  # 0.25 each: 0.5 is reached by two
+    p, _ = sampled_from(
+        monkeypatch, [[1.0, 1.0, 1.0, 1.0]], top_p=0.5
+    )  # 0.25 each: 0.5 is reached by two
     assert sorted(p[0].tolist()) == [0, 0, 0.5, 0.5]
     for T in (0, 1e-38):  # greedy, and a tiny temperature stays finite
-        p, token = sampled_from(monkeypatch, [[0.0, 1.0, 2.0, -2.0], [7.0, 1.0, 5.0, -2.0]], temperature=T)
+        p, token = sampled_from(
+            monkeypatch, [[0.0, 1.0, 2.0, -2.0], [7.0, 1.0, 5.0, -2.0]], temperature=T
+        )
         assert token.tolist() == [[2], [0]] and (T == 0) == (p is None)
         assert T == 0 or p.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
 
@@ -605,9 +885,18 @@ def test_generate_refuses_bad_settings_and_samples_in_eval_mode():
         ({"top_k": 0}, "top_k must be at least 1 (or None for all tokens), got 0"),
         ({"top_p": 0}, "top_p must be in (0, 1] (or None for all tokens), got 0"),
         ({"top_p": 1.01}, "top_p must be in (0, 1] (or None for all tokens), got 1.01"),
-        ({"temperature": -1e-9}, "temperature must be a finite number >= 0 (0 is greedy), got -1e-09"),
-        ({"temperature": math.nan}, "temperature must be a finite number >= 0 (0 is greedy), got nan"),
-        ({"temperature": math.inf}, "temperature must be a finite number >= 0 (0 is greedy), got inf"),
+        (
+            {"temperature": -1e-9},
+            "temperature must be a finite number >= 0 (0 is greedy), got -1e-09",
+        ),
+        (
+            {"temperature": math.nan},
+            "temperature must be a finite number >= 0 (0 is greedy), got nan",
+        ),
+        (
+            {"temperature": math.inf},
+            "temperature must be a finite number >= 0 (0 is greedy), got inf",
+        ),
     ]:
         refused(says, model.generate, prompt, 0, **kw)  # at once, before any token
         refused(says, extractor.sample_next, prompt.float(), **kw)
@@ -621,26 +910,44 @@ def test_generate_refuses_bad_settings_and_samples_in_eval_mode():
             block.p = 0.9  # in training mode this would change every logit
     for training in (True, False):
         model.train(training)
-        assert torch.equal(model.generate(prompt, 6, temperature=0), greedy) and model.training == training
+        assert (
+            torch.equal(model.generate(prompt, 6, temperature=0), greedy)
+            and model.training == training
+        )
     torch.manual_seed(3)
-    sampled = model.generate(prompt.expand(64, 3), 1, temperature=100.0)[:, -1]  # nearly uniform over 50
+    sampled = model.generate(prompt.expand(64, 3), 1, temperature=100.0)[
+        :, -1
+    ]  # nearly uniform over 50
     assert len(set(sampled.tolist())) > 20
 
 
 # ---- the Synthesizers: Fixed Random, and the mixed precision of training
 def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
-    """N(0, 1) logits: rows far from the running mean a trained Random starts as (N(0, 0.01²))."""
+    """N(0, 1) logits: rows far from the running mean a trained Random starts as (N(0,
+    0.01²)).
+    """
     torch.manual_seed(0)
     l, cfg = 128, dict(n_embd=64, block_size=128, n_head=4)
-    uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)  # a running mean's mean row entropy
-    for name, low, high in (("random-fixed", 0, uniform - 0.4), ("random", uniform - 0.01, uniform)):
-        P = synthesizer._syn_softmax(find_mixer(name)(Config(**cfg, mixer=name)).logits(0, l), 0)  # (n, l, l)
+    uniform = sum(math.log(i + 1) for i in range(8, l)) / (
+        l - 8
+    )  # a running mean's mean row entropy
+    for name, low, high in (
+        ("random-fixed", 0, uniform - 0.4),
+        ("random", uniform - 0.01, uniform),
+    ):
+        P = synthesizer._syn_softmax(
+            find_mixer(name)(Config(**cfg, mixer=name)).logits(0, l), 0
+        )  # (n, l, l)
         assert low < -(P * P.clamp_min(1e-30).log()).sum(-1)[:, 8:].mean() < high, name
     model = tiny_model("random-fixed", l=8, d=16, vocab=40)
     assert not any("R" in name.split(".") for name, _ in model.named_parameters())
     model(torch.randint(0, 40, (4, 8)), torch.randint(0, 40, (4, 8)))[1].backward()
     mixer, R0 = model.layers[0].mixer, model.layers[0].mixer.R.clone()
-    assert not mixer.R.requires_grad and mixer.R.grad is None and mixer.W_V.weight.grad.abs().max() > 0
+    assert (
+        not mixer.R.requires_grad
+        and mixer.R.grad is None
+        and mixer.W_V.weight.grad.abs().max() > 0
+    )
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
@@ -652,26 +959,39 @@ def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
 
 @pytest.mark.parametrize("name", ALL)
 def test_training_under_bfloat16_autocast(name):
-    """train.py's --dtype bfloat16: float32 weights meet bf16 activations, the loss (Eq. 3) is computed
-    in float32, every parameter gets a gradient, and the loss stays near float32's."""
+    """train.py's --dtype bfloat16: float32 weights meet bf16 activations, the loss (Eq. 3)
+    is computed in float32, every parameter gets a gradient, and the loss stays near
+    float32's."""
     model = dev(scrambled(tiny_model(name, l=8), 0.2)).float()
     idx = torch.randint(0, 50, (2, 8), device=DEVICE)
     loss32 = model(idx, idx)[1]
     with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
         logits, loss = model(idx, idx)
     loss.backward()
-    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32 and abs(loss - loss32) < 0.05
-    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
+    assert (
+        logits.dtype == torch.bfloat16
+        and loss.dtype == torch.float32
+        and abs(loss - loss32) < 0.05
+    )
+    assert all(
+        p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters()
+    )
 
 
-# ======== the FIR's fast paths (fir.py): each against the literal sum, forward and backward ========
+# ======== the FIR's fast paths (fir.py): each against the literal sum, forward and
+# backward ========
 
-TAPS = {1: (13,), 2: (13, 5), 3: (13, 5, 5)}  # w.dim() -> l = 13 taps for d = 5: scalars, vectors, matrices
+TAPS = {
+    1: (13,),
+    2: (13, 5),
+    3: (13, 5, 5),
+}  # w.dim() -> l = 13 taps for d = 5: scalars, vectors, matrices
 
 
 def fir_by_taps(x, w):
-    """Eq. (23), (26), (28), (29), y_i = sum_{j <= i} x_j (*) w_{i-j+1}, summed tap by tap: w_k meets each
-    x_j with i - j + 1 = k, so all of x shifted k - 1 positions on (the reference loops over rows i)."""
+    """Eq. (23), (26), (28), (29), y_i = sum_{j <= i} x_j (*) w_{i-j+1}, summed tap by tap:
+    w_k meets each x_j with i - j + 1 = k, so all of x shifted k - 1 positions on (the
+    reference loops over rows i)."""
     t, y = x.shape[1], torch.zeros_like(x)
     for k in range(1, t + 1):  # the paper's tap index; w_k is stored at w[k - 1]
         shifted = x[:, : t - k + 1]  # x_j for i = j + k - 1 = k - 1 ... t - 1
@@ -680,33 +1000,50 @@ def fir_by_taps(x, w):
 
 
 def fir_and_grads(f, x, w, g, wrt=(0, 1)):
-    """f(x, w) and the gradients of the inputs numbered in wrt (0: x, 1: w) for the output gradient g."""
+    """f(x, w) and the gradients of the inputs numbered in wrt (0: x, 1: w) for the
+    output gradient g.
+    """
     x, w = [a.detach().requires_grad_(i in wrt) for i, a in enumerate((x, w))]
     y = f(x, w)
     return cpu64(y, *torch.autograd.grad(y, [(x, w)[i] for i in wrt], g))
 
 
 def close(got, want):
-    return all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(got, want, strict=True))
+    return all(
+        torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(got, want, strict=True)
+    )
 
 
 @pytest.mark.parametrize("dim", [1, 2, 3], ids=["scalar", "vector", "matrix"])
 def test_every_path_and_the_last_row_equal_the_literal_sum_forward_and_backward(dim):
-    """Each path, named (so each runs on every device), and fir_last_row against causal_fir_reference and
-    the sum tap by tap: odd and even t, t < l and t = l (n = 2t - 1 5-smooth at t = 5, 8, 13, not 2, 12)."""
+    """Each path, named (so each runs on every device), and fir_last_row against
+    causal_fir_reference and the sum tap by tap: odd and even t, t < l and t = l (n = 2t
+    - 1 5-smooth at t = 5, 8, 13, not 2, 12)."""
     torch.manual_seed(dim)
     for t in (1, 2, 5, 8, 12, 13):
         (x, g), w = torch.randn(2, 3, t, 5).double(), torch.randn(*TAPS[dim]).double()
         ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
-        assert close(fir_and_grads(fir_by_taps, x, w, g), ref) and (ref[2][t:] == 0).all()
+        assert (
+            close(fir_and_grads(fir_by_taps, x, w, g), ref) and (ref[2][t:] == 0).all()
+        )
         for path in [p for p, dims in fir.PATHS.items() if dim in dims]:
             f = functools.partial(fir.fir_full, path=path)
             assert close(fir_and_grads(f, dev(x), dev(w), dev(g)), ref), (path, t)
-            assert close(cpu64(f(dev(x), dev(w).float())), ref[:1]), (path, t)  # float32 taps, cast to x's
+            assert close(cpu64(f(dev(x), dev(w).float())), ref[:1]), (
+                path,
+                t,
+            )  # float32 taps, cast to x's
             for i in (0, 1):  # the other input a constant
-                assert close(fir_and_grads(f, dev(x), dev(w), dev(g), wrt=(i,)), ref[:1] + ref[1 + i : 2 + i])
-        assert close(cpu64(fir.fir_last_row(dev(x), dev(w).float())), [ref[0][:, -1]]), t
-        assert fir.fir_last_row(dev(x).float(), dev(w)).dtype == torch.float32  # the taps cast to x's dtype
+                assert close(
+                    fir_and_grads(f, dev(x), dev(w), dev(g), wrt=(i,)),
+                    ref[:1] + ref[1 + i : 2 + i],
+                )
+        assert close(
+            cpu64(fir.fir_last_row(dev(x), dev(w).float())), [ref[0][:, -1]]
+        ), t
+        assert (
+            fir.fir_last_row(dev(x).float(), dev(w)).dtype == torch.float32
+        )  # the taps cast to x's dtype
 
 
 # ---- which path runs: the device's default, a named path, a forced one
@@ -718,17 +1055,29 @@ def test_default_path_by_device_type_taps_and_length(monkeypatch):
         ("cuda", 2, 1): "fft", ("cuda", 3, 1): "fft-cuda", ("cuda", 3, 1024): "fft-cuda",
     }  # fmt: skip
     assert {key: fir.default_path(*key) for key in want} == want
-    monkeypatch.setattr(fir, "CUDA_TOEPLITZ_MAX_T_VECTOR", 256)  # once a GPU measures it faster
-    assert [fir.default_path("cuda", 2, t) for t in (1, 256, 257)] == ["toeplitz-strided"] * 2 + ["fft"]
+    monkeypatch.setattr(
+        fir, "CUDA_TOEPLITZ_MAX_T_VECTOR", 256
+    )  # once a GPU measures it faster
+    assert [fir.default_path("cuda", 2, t) for t in (1, 256, 257)] == [
+        "toeplitz-strided"
+    ] * 2 + ["fft"]
 
 
 def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypatch):
     taken, asked, fft, default_path = [], [], fir.FIRFFT.apply, fir.default_path
-    monkeypatch.setattr(fir, "default_path", lambda *args: asked.append(args[0]) or default_path(*args))
+    monkeypatch.setattr(
+        fir, "default_path", lambda *args: asked.append(args[0]) or default_path(*args)
+    )
     spy = lambda name, f: lambda *args: taken.append(name) or f(*args)
     monkeypatch.setattr(fir, "toeplitz", spy("toeplitz", fir.toeplitz))
-    monkeypatch.setattr(fir.ToeplitzStrided, "apply", spy("toeplitz-strided", fir.ToeplitzStrided.apply))
-    monkeypatch.setattr(fir.FIRFFT, "apply", lambda x, w, c: spy("fft-cuda" if c else "fft", fft)(x, w, c))
+    monkeypatch.setattr(
+        fir.ToeplitzStrided, "apply", spy("toeplitz-strided", fir.ToeplitzStrided.apply)
+    )
+    monkeypatch.setattr(
+        fir.FIRFFT,
+        "apply",
+        lambda x, w, c: spy("fft-cuda" if c else "fft", fft)(x, w, c),
+    )
     for dim, shape in TAPS.items():
         x, w = dev(torch.randn(2, 12, 5)), dev(torch.randn(*shape))
         default = default_path(DEVICE.type, dim, 12)
@@ -739,79 +1088,150 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
             with fir.forcing(path):
                 fir.fir_full(x, w)
                 with fir.forcing("fft"):
-                    fir.fir_full(x, w, path=path)  # the named path before the forced one
+                    fir.fir_full(
+                        x, w, path=path
+                    )  # the named path before the forced one
                 fir.fir_full(x, w)  # the outer forcing again
-            assert taken == [default] + [path] * 4, (dim, path)  # the default first: no forcing left over
+            assert taken == [default] + [path] * 4, (
+                dim,
+                path,
+            )  # the default first: no forcing left over
     with pytest.raises(KeyError), fir.forcing("fft"):
         raise KeyError  # an exception inside still ends the forcing
-    assert fir.fir_full(x, w[:, 0, 0]) is not None and taken[-1] == default_path(DEVICE.type, 1, 12)
+    assert fir.fir_full(x, w[:, 0, 0]) is not None and taken[-1] == default_path(
+        DEVICE.type, 1, 12
+    )
     assert set(asked) == {DEVICE.type}  # the device type of x
 
 
 def test_fir_full_refuses_a_path_that_cannot_compute_the_taps_too_few_taps_and_no_positions():
     dims = "{'toeplitz': (1,), 'toeplitz-strided': (1, 2), 'fft': (1, 2, 3), 'fft-cuda': (3,)}"
     x = torch.randn(1, 4, 5)
-    wrong = [("fft-cuda", (4, 5)), ("toeplitz", (6, 5)), ("toeplitz-strided", (4, 5, 5)), ("fftw", (4,))]
+    wrong = [
+        ("fft-cuda", (4, 5)),
+        ("toeplitz", (6, 5)),
+        ("toeplitz-strided", (4, 5, 5)),
+        ("fftw", (4,)),
+    ]
     for path, shape in wrong:
         why = f"no FIR path '{path}' for taps of shape {(4,) + shape[1:]}; taps' dims: {dims}"
         refused(why, fir.fir_full, x, torch.randn(*shape), path=path)
     paths = "toeplitz, toeplitz-strided, fft, fft-cuda"
     refused(f"no FIR path 'fftw'; the paths are {paths}", fir.forcing("fftw").__enter__)
-    refused("sequence length 4 exceeds the 3 taps (block_size l)", fir.fir_full, x, torch.randn(3, 5))
-    refused("an FFT over 0 positions: the sequence needs at least one", fir.fir_full, x[:, :0], x[0])
+    refused(
+        "sequence length 4 exceeds the 3 taps (block_size l)",
+        fir.fir_full,
+        x,
+        torch.randn(3, 5),
+    )
+    refused(
+        "an FFT over 0 positions: the sequence needs at least one",
+        fir.fir_full,
+        x[:, :0],
+        x[0],
+    )
 
 
-# ---- the FFT's length: zero-padded to n >= 2t - 1 nothing wraps around; n 5-smooth, as FFTs are fast then
+# ---- the FFT's length: zero-padded to n >= 2t - 1 nothing wraps around; n 5-smooth, as
+# FFTs are fast then
 def test_fft_size_is_the_smallest_5_smooth_n_from_2t_minus_1():
-    by_hand = {1: 1, 2: 3, 3: 5, 4: 8, 5: 9, 6: 12, 7: 15, 8: 15, 11: 24, 13: 25, 14: 27, 17: 36, 32: 64}
-    by_hand |= {64: 128, 127: 256, 128: 256, 129: 270}  # 253 = 11 * 23, 254 = 2 * 127, 255 = 3 * 5 * 17, ...
+    by_hand = {
+        1: 1,
+        2: 3,
+        3: 5,
+        4: 8,
+        5: 9,
+        6: 12,
+        7: 15,
+        8: 15,
+        11: 24,
+        13: 25,
+        14: 27,
+        17: 36,
+        32: 64,
+    }
+    by_hand |= {
+        64: 128,
+        127: 256,
+        128: 256,
+        129: 270,
+    }  # 253 = 11 * 23, 254 = 2 * 127, 255 = 3 * 5 * 17, ...
     assert {t: fir.fft_size(t) for t in by_hand} == by_hand
     refused("an FFT over 0 positions: the sequence needs at least one", fir.fft_size, 0)
 
 
 # ---- precision: the GEMMs in IEEE float32 while TF32 is on, and under autocast
 def test_ieee_float32_turns_tf32_off_for_cuda_inside_and_restores_it(monkeypatch):
-    """Needs no GPU (the switch is PyTorch's global flag): off inside for a CUDA device while TF32 is on, and
-    restored, also after an exception; the CPU, ALLOW_TF32 = True and TF32 already off leave it as it is."""
-    matmul, cuda, cpu, seen = torch.backends.cuda.matmul, torch.device("cuda"), torch.device("cpu"), []
-    cases = [(cuda, False, True), (cpu, False, True), (cuda, True, True), (cuda, False, False)]
+    """Needs no GPU (the switch is PyTorch's global flag): off inside for a CUDA device
+    while TF32 is on, and restored, also after an exception; the CPU, ALLOW_TF32 = True
+    and TF32 already off leave it as it is."""
+    matmul, cuda, cpu, seen = (
+        torch.backends.cuda.matmul,
+        torch.device("cuda"),
+        torch.device("cpu"),
+        [],
+    )
+    cases = [
+        (cuda, False, True),
+        (cpu, False, True),
+        (cuda, True, True),
+        (cuda, False, False),
+    ]
     for device, allow, tf32 in cases:  # (device, ALLOW_TF32, TF32 on before)
         monkeypatch.setattr(fir, "ALLOW_TF32", allow)
         monkeypatch.setattr(matmul, "allow_tf32", tf32)
         with pytest.raises(KeyError), fir.ieee_float32(device):
             seen.append(matmul.allow_tf32)
             raise KeyError
-        assert matmul.allow_tf32 == tf32 and matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+        assert matmul.allow_tf32 == tf32 and matmul.fp32_precision == (
+            "tf32" if tf32 else "ieee"
+        )
     assert seen == [False, True, True, False]
 
 
 def test_fir_under_autocast_computes_in_float32_and_returns_the_input_dtype():
-    """bf16 autocast: every path but toeplitz (which follows autocast) computes in float32, so the one
-    rounding is the output's to bf16 (2^-8 of it at most) and float32's; bf16 taps exceed it 30-390x."""
+    """bf16 autocast: every path but toeplitz (which follows autocast) computes in float32,
+    so the one rounding is the output's to bf16 (2^-8 of it at most) and float32's; bf16
+    taps exceed it 30-390x."""
     torch.manual_seed(2)
     for dim, path in [(dim, path) for path, dims in fir.PATHS.items() for dim in dims]:
         x, w = torch.randn(2, 13, 5), torch.randn(*TAPS[dim])
-        ref = extractor.causal_fir_reference(x.bfloat16().double(), w.double())  # the input rounded only
+        ref = extractor.causal_fir_reference(
+            x.bfloat16().double(), w.double()
+        )  # the input rounded only
         with torch.autocast(device_type=DEVICE.type, dtype=torch.bfloat16):
             y = fir.fir_full(x.bfloat16().to(DEVICE), w.to(DEVICE), path=path)
         err, bound = (y.cpu().double() - ref).abs(), 2**-8 * ref.abs() + 1e-5
-        assert y.dtype == torch.bfloat16 and (path == "toeplitz" or (err <= bound).all()), path
+        assert y.dtype == torch.bfloat16 and (
+            path == "toeplitz" or (err <= bound).all()
+        ), path
 
 
-# max |error| / max |reference| of fir_full in float32, forward and both gradients: float32 reaches 0.9-3.7e-7
-# (the CPU, every path, d = 32, t = 64, three seeds), the GEMMs' inputs rounded to TF32's 10-bit mantissa
-# 2.1-4.1e-4 (TF32's unit roundoff is 2^-11 = 4.9e-4); 1e-5 lies 25x above the one and 20x below the other
+# max |error| / max |reference| of fir_full in float32, forward and both gradients:
+# float32 reaches 0.9-3.7e-7 (the CPU, every path, d = 32, t = 64, three seeds), the
+# GEMMs' inputs rounded to TF32's 10-bit mantissa
+# 2.1-4.1e-4 (TF32's unit roundoff is 2^-11 = 4.9e-4); 1e-5 lies 25x above the one and
+# 20x below the other
 FIR_FLOAT32_BOUND = 1e-5
 
 
 def fir_float32_errors(name, path=None, d=32, l=64):
-    """fir_full in float32 on the test device (path: the device's default unless named) for mixer name's taps
-    as the paper initialises them: max |error| / max |reference| of y, dx and dw (reference: float64, CPU)."""
+    """fir_full in float32 on the test device (path: the device's default unless named) for
+    mixer name's taps as the paper initialises them: max |error| / max |reference| of y,
+    dx and dw (reference: float64, CPU)."""
     torch.manual_seed(7)
     m = extractor.MIXERS[name](Config(n_embd=d, block_size=l, mixer=name))
-    w, (x, g) = (m.W_ext if name == "she" else m.w_ext).detach(), torch.randn(2, 4, l, d)
+    w, (x, g) = (
+        (m.W_ext if name == "she" else m.w_ext).detach(),
+        torch.randn(2, 4, l, d),
+    )
     ref = fir_and_grads(fir_by_taps, x.double(), w.double(), g.double())
-    got = fir_and_grads(functools.partial(fir.fir_full, path=path), x.to(DEVICE), w.to(DEVICE), g.to(DEVICE))
+    got = fir_and_grads(
+        functools.partial(fir.fir_full, path=path),
+        x.to(DEVICE),
+        w.to(DEVICE),
+        g.to(DEVICE),
+    )
     return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref)]
 
 
@@ -819,44 +1239,78 @@ def fir_float32_errors(name, path=None, d=32, l=64):
 @pytest.mark.device
 @pytest.mark.parametrize("name", ["she", "he", "we", "me", "he-ext"])
 def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkeypatch):
-    """With TF32 on for CUDA's float32 matmuls (train.py's setting) each Extractor's FIR on its default path
-    keeps float32's accuracy, forward and backward (with fir.ALLOW_TF32 = True, expected to fail for SHE)."""
+    """With TF32 on for CUDA's float32 matmuls (train.py's setting) each Extractor's FIR on
+    its default path keeps float32's accuracy, forward and backward (with fir.ALLOW_TF32
+    = True, expected to fail for SHE)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert max(errors := fir_float32_errors(name)) < FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
+    assert max(errors := fir_float32_errors(name)) < FIR_FLOAT32_BOUND, (
+        f"y, dx, dw: {errors}"
+    )
 
 
 def tf32_rounded(a):
-    """float32 (or both parts of complex64) rounded to TF32's 10 explicit mantissa bits, to nearest."""
+    """float32 (or both parts of complex64) rounded to TF32's 10 explicit mantissa
+    bits, to nearest.
+    """
     if a.is_complex():
-        return torch.complex(tf32_rounded(a.resolve_conj().real), tf32_rounded(a.resolve_conj().imag))
+        return torch.complex(
+            tf32_rounded(a.resolve_conj().real), tf32_rounded(a.resolve_conj().imag)
+        )
     bits = a.contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)  # 23 - 10 = 13 low bits dropped, half added
+    return ((bits + 0x1000) & ~0x1FFF).view(
+        torch.float32
+    )  # 23 - 10 = 13 low bits dropped, half added
 
 
 @pytest.mark.parametrize(
-    "name,path", [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided"), ("me", "toeplitz-strided")]
+    "name,path",
+    [
+        ("she", "fft"),
+        ("she", "fft-cuda"),
+        ("we", "toeplitz-strided"),
+        ("me", "toeplitz-strided"),
+    ],
 )
 def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
-    """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a 10-bit mantissa (as cuBLAS
-    feeds the tensor cores) and ieee_float32 takes the CPU for CUDA. The GEMMs of y, dx and dw run in
-    ieee_float32; with ALLOW_TF32 = True each exceeds the bound (measured 20x and more). fft-cuda hands
-    cuBLAS the conjugate transposes as views, fft resolves them (MKL's fast path)."""
-    matmul, bmm, ieee, conj = torch.backends.cuda.matmul, torch.bmm, fir.ieee_float32, []
-    tf32 = lambda a, b: conj.append(a.is_conj() or b.is_conj()) or bmm(*map(tf32_rounded, (a, b)))
-    monkeypatch.setattr(torch, "bmm", lambda a, b: (tf32 if matmul.allow_tf32 else bmm)(a, b))
-    monkeypatch.setattr(fir, "ieee_float32", lambda d: ieee(torch.device(d.type.replace("cpu", "cuda"))))
+    """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a 10-bit
+    mantissa (as cuBLAS feeds the tensor cores) and ieee_float32 takes the CPU for CUDA.
+    The GEMMs of y, dx and dw run in ieee_float32; with ALLOW_TF32 = True each exceeds
+    the bound (measured 20x and more). fft-cuda hands cuBLAS the conjugate transposes as
+    views, fft resolves them (MKL's fast path)."""
+    matmul, bmm, ieee, conj = (
+        torch.backends.cuda.matmul,
+        torch.bmm,
+        fir.ieee_float32,
+        [],
+    )
+    tf32 = lambda a, b: (
+        conj.append(a.is_conj() or b.is_conj()) or bmm(*map(tf32_rounded, (a, b)))
+    )
+    monkeypatch.setattr(
+        torch, "bmm", lambda a, b: (tf32 if matmul.allow_tf32 else bmm)(a, b)
+    )
+    monkeypatch.setattr(
+        fir, "ieee_float32", lambda d: ieee(torch.device(d.type.replace("cpu", "cuda")))
+    )
     monkeypatch.setattr(matmul, "allow_tf32", True)
-    assert max(errors := fir_float32_errors(name, path)) < FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
+    assert max(errors := fir_float32_errors(name, path)) < FIR_FLOAT32_BOUND, (
+        f"y, dx, dw: {errors}"
+    )
     monkeypatch.setattr(fir, "ALLOW_TF32", True)
-    assert min(errors := fir_float32_errors(name, path)) > FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
+    assert min(errors := fir_float32_errors(name, path)) > FIR_FLOAT32_BOUND, (
+        f"y, dx, dw: {errors}"
+    )
     assert conj == [False] + [path == "fft-cuda"] * 2
 
 
-# ======== computational complexity (Section 7, Tables 3-7): bench.py's closed forms against the paper ====
+# ======== computational complexity (Section 7, Tables 3-7): bench.py's closed forms
+# against the paper ====
 
 
 def per_token_counts(d, t, n):
-    """Tables 5-6 summed for one new token at t (h = d/n): SA adds Table 3's t - 1, SHE d*d (ERRATA)."""
+    """Tables 5-6 summed for one new token at t (h = d/n): SA adds Table 3's t - 1, SHE
+    d*d (ERRATA).
+    """
     h, Z = d // n, dict(div=0, exp=0)
     return {
         "sa": dict(mult=(3 * d * h + t * h + t * h) * n + d * d, div=(t + t) * n, exp=t * n,
@@ -873,16 +1327,25 @@ def per_token_counts(d, t, n):
 OPS = ("mult", "add", "div", "exp", "params", "total")  # Table 7's rows
 
 
-@pytest.mark.parametrize("d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (12, 9, 3), (30, 7, 5)])
+@pytest.mark.parametrize(
+    "d,l,n", [(128, 128, 1), (128, 128, 32), (64, 32, 4), (12, 9, 3), (30, 7, 5)]
+)
 def test_tables_5_6_closed_forms_are_their_sums_and_add_up_to_tables_3_4(d, l, n):
     for t in range(1, l + 1):
         assert bench.complexity_inference(d, t, n) == per_token_counts(d, t, n), t
-        misprint = 2 * t * d - t * n + t + 4 * d * d - 5 * d - 1  # Table 5's printed SA additions
+        misprint = (
+            2 * t * d - t * n + t + 4 * d * d - 5 * d - 1
+        )  # Table 5's printed SA additions
         assert per_token_counts(d, t, n)["sa"]["add"] - misprint == (n - 1) * (t - 1)
     params = dict(sa=3 * d * (d // n) * n + d * d, she=d * d * l + d * d + d * d, we=d * l + d * d + d * d,
                   he=d * l + d * d + d * d + d * d, me=l)  # fmt: skip
-    for mixer, counts in bench.complexity_training(d, l, n).items():  # Tables 3 and 4: the sums over t
-        summed = {k: sum(per_token_counts(d, t, n)[mixer][k] for t in range(1, l + 1)) for k in OPS[:4]}
+    for mixer, counts in bench.complexity_training(
+        d, l, n
+    ).items():  # Tables 3 and 4: the sums over t
+        summed = {
+            k: sum(per_token_counts(d, t, n)[mixer][k] for t in range(1, l + 1))
+            for k in OPS[:4]
+        }
         assert counts == dict(summed, params=params[mixer]), mixer
 
 
@@ -895,107 +1358,222 @@ TABLE7 = {  # the paper's Table 7 (d = l = 128): mult, add, div, exp, params, to
 
 
 def test_table7_from_the_closed_forms_and_the_modules(capsys):
-    assert {label: tuple(c[k] for k in OPS) for label, c in bench.table7(128, 128).items()} == TABLE7
+    assert {
+        label: tuple(c[k] for k in OPS) for label, c in bench.table7(128, 128).items()
+    } == TABLE7
     bench.main(["--table7"])
     out = capsys.readouterr().out.split("\n\n")
     assert out[0].splitlines()[2].split() == "1-head SA 32-head SA SHE HE WE ME".split()
-    parse = lambda lines: {ln.split()[0]: [int(v.replace(",", "")) for v in ln.split()[1:]] for ln in lines}
+    parse = lambda lines: {
+        ln.split()[0]: [int(v.replace(",", "")) for v in ln.split()[1:]] for ln in lines
+    }
     rows, d, l = parse(out[0].splitlines()[3:]), 128, 128
-    for key, i in zip(OPS + ("modules",), (0, 1, 2, 3, 4, 5, 4)):  # the modules' parameters: column 4
+    for key, i in zip(
+        OPS + ("modules",), (0, 1, 2, 3, 4, 5, 4)
+    ):  # the modules' parameters: column 4
         assert rows[key] == [numbers[i] for numbers in TABLE7.values()], key
-    # FLOPs: SA four d x d maps, and QK^T and AV over all t x t (SDPA's kernel, counted so); ME T (t x t) x
-    assert [rows["flops"][i] for i in (0, 1, 5)] == [8 * l * d * d + 4 * l * l * d] * 2 + [2 * l * l * d]
-    # Tables 5 and 6 at t = l = d = 128: SA 2td + 4d^2 - 5d - n, SHE td^2 + 2d^2 - 3d, HE td + 3d^2 - 4d, ...
-    assert parse(out[1].splitlines()[1:])["add"] == [97663, 97632, 2129536, 65024, 48768, 16256]
+    # FLOPs: SA four d x d maps, and QK^T and AV over all t x t (SDPA's kernel, counted
+    # so); ME T (t x t) x
+    assert [rows["flops"][i] for i in (0, 1, 5)] == [
+        8 * l * d * d + 4 * l * l * d
+    ] * 2 + [2 * l * l * d]
+    # Tables 5 and 6 at t = l = d = 128: SA 2td + 4d^2 - 5d - n, SHE td^2 + 2d^2 - 3d,
+    # HE td + 3d^2 - 4d, ...
+    assert parse(out[1].splitlines()[1:])["add"] == [
+        97663,
+        97632,
+        2129536,
+        65024,
+        48768,
+        16256,
+    ]
 
 
-# ======== tools: the benchmark (bench.py): every section in quick mode, the arithmetic of each row ========
+# ======== tools: the benchmark (bench.py): every section in quick mode, the arithmetic
+# of each row ========
 def test_bench_quick_prints_a_row_per_mixer_and_each_rows_arithmetic(tmp_path, capsys):
-    out, dev = tmp_path / "b.json", str(DEVICE)  # on CUDA: a row per FIR path (sublayer), per variant (step)
-    bench.main(["--quick", "--floor", "--mixers", "me,he", "--device", dev, "--json", str(out)])
-    blocks, res = capsys.readouterr().out.split("\n\n")[1:4], json.loads(out.read_text())["sections"]
-    for block, name, (key, spec) in zip(blocks, res, (("vs_sa", ".3f"), ("vs_floor", ".1f"), ("fits", ""))):
-        rows = [ln.split() for ln in block.splitlines()]  # title, columns, ----, the rows, "name: ..." notes
-        assert [row[0] for row in rows[3:] if not row[0].endswith(":")] == [r["mixer"] for r in res[name]]
+    out, dev = (
+        tmp_path / "b.json",
+        str(DEVICE),
+    )  # on CUDA: a row per FIR path (sublayer), per variant (step)
+    bench.main(
+        ["--quick", "--floor", "--mixers", "me,he", "--device", dev, "--json", str(out)]
+    )
+    blocks, res = (
+        capsys.readouterr().out.split("\n\n")[1:4],
+        json.loads(out.read_text())["sections"],
+    )
+    for block, name, (key, spec) in zip(
+        blocks, res, (("vs_sa", ".3f"), ("vs_floor", ".1f"), ("fits", ""))
+    ):
+        rows = [
+            ln.split() for ln in block.splitlines()
+        ]  # title, columns, ----, the rows, "name: ..." notes
+        assert [row[0] for row in rows[3:] if not row[0].endswith(":")] == [
+            r["mixer"] for r in res[name]
+        ]
         printed = [row[rows[1].index(key)] for row in rows[3 : 3 + len(res[name])]]
         assert printed == [format(r[key], spec) for r in res[name]], name
-        assert list(dict.fromkeys(r["mixer"] for r in res[name])) == ["sa", "me", "he"], name
+        assert list(dict.fromkeys(r["mixer"] for r in res[name])) == [
+            "sa",
+            "me",
+            "he",
+        ], name
     close = lambda got, want: math.isclose(got, want, rel_tol=1e-12)
     sa_ms = res["sublayer"][0]["ms"]  # sa's row comes first
     sa_step = {r["variant"]: r["step_ms"] for r in res["step"] if r["mixer"] == "sa"}
     assert all(close(r["vs_sa"], r["ms"] / sa_ms) for r in res["sublayer"])
     for r in res["step"]:
-        ms, sa = r["step_ms"], sa_step[r["variant"]]  # below: --quick's batch of 4 x 32 = 128 tokens
+        ms, sa = (
+            r["step_ms"],
+            sa_step[r["variant"]],
+        )  # below: --quick's batch of 4 x 32 = 128 tokens
         pairs = [(r["vs_sa"], sa / ms), (r["vs_floor"], ms / r["floor_ms"]), (r["tokens_per_s"], 128e3 / ms),
                  (r["paper_hours"], 60 * ms / 3600), (r["flop_ms"], 1e3 * r["flops"] / r["flop_rate"]),
                  (r["byte_ms"], 1e3 * r["bytes"] / r["byte_rate"])]  # fmt: skip
-        assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]) and all(close(a, b) for a, b in pairs), r
+        assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]) and all(
+            close(a, b) for a, b in pairs
+        ), r
     params = {r["mixer"]: r["params"] for r in res["step"]}
     for r in res["memory"]:  # float32 parameters and AdamW's two moments, as large each
-        assert close(r["state_mib"], 12 * params[r["mixer"]] / 2**20) and r["saved_mib"] > 0, r
+        assert (
+            close(r["state_mib"], 12 * params[r["mixer"]] / 2**20)
+            and r["saved_mib"] > 0
+        ), r
         if "peak_mib" in r:  # Linux
-            per_seq = (r["peak_mib"] - r["peak_half_mib"]) / (4 - 2)  # --quick: batches 4 and 2
+            per_seq = (r["peak_mib"] - r["peak_half_mib"]) / (
+                4 - 2
+            )  # --quick: batches 4 and 2
             assert close(r["per_seq_mib"], per_seq) and r["fits"] == "yes", r
-            assert r["max_batch"] == 4 + math.floor((5 * 1024 - r["peak_mib"]) / per_seq), r  # 6 GiB less 1
-    for argv in (["--mixers", "nope"], ["--sections", "x"], ["--n_head", "5"], ["--gpu_gib", "1"], ["--x"]):
-        error_line(capsys, bench.main, argv + ["--quick"])  # bad flags: one line, exit status 1
+            assert r["max_batch"] == 4 + math.floor(
+                (5 * 1024 - r["peak_mib"]) / per_seq
+            ), r  # 6 GiB less 1
+    for argv in (
+        ["--mixers", "nope"],
+        ["--sections", "x"],
+        ["--n_head", "5"],
+        ["--gpu_gib", "1"],
+        ["--x"],
+    ):
+        error_line(
+            capsys, bench.main, argv + ["--quick"]
+        )  # bad flags: one line, exit status 1
 
 
 def test_bench_counts_a_known_steps_flops_bytes_and_peak():
-    lin, x = torch.nn.Linear(8, 8, bias=False), torch.randn(6, 8, requires_grad=True)  # 256 and 192 bytes
+    lin, x = (
+        torch.nn.Linear(8, 8, bias=False),
+        torch.randn(6, 8, requires_grad=True),
+    )  # 256 and 192 bytes
     opt = torch.optim.AdamW(lin.parameters())
 
     def step():  # forward (6, 8) @ (8, 8) and (8, 6) @ (6, 8); backward two products for each
-        h = lin(x)  # saves x (for the weight's gradient) and the weight (a parameter: no activation)
-        (h.t() @ h).sum().backward()  # saves h and its view h.t(): one storage, 192 bytes
+        h = lin(
+            x
+        )  # saves x (for the weight's gradient) and the weight (a parameter: no activation)
+        (
+            h.t() @ h
+        ).sum().backward()  # saves h and its view h.t(): one storage, 192 bytes
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step()  # AdamW's moments: 2 x 256 bytes
     flops, moved = bench.step_counts(lin, opt, step, logits=1000)
     assert flops == 3 * (2 * 6 * 8 * 8) + 3 * (2 * 8 * 6 * 8)
-    assert moved == 2 * (256 + 256 + 512 + 192 + 192 + 1000)  # parameters, gradients, moments, saved, logits
-    if os.path.exists("/proc/self/clear_refs"):  # Linux: the high-water mark is reset, not an earlier one
+    assert moved == 2 * (
+        256 + 256 + 512 + 192 + 192 + 1000
+    )  # parameters, gradients, moments, saved, logits
+    if os.path.exists(
+        "/proc/self/clear_refs"
+    ):  # Linux: the high-water mark is reset, not an earlier one
         torch.ones(2**26).sum()  # 256 MiB, freed
-        peak = bench.peak_bytes(lambda: torch.ones(2**24).add_(1), torch.device("cpu"))  # 64 MiB
-        assert 2**26 - 2**20 <= peak < 2**26 + 2**24, peak  # (freed heap it reused: under 1 MiB)
+        peak = bench.peak_bytes(
+            lambda: torch.ones(2**24).add_(1), torch.device("cpu")
+        )  # 64 MiB
+        assert 2**26 - 2**20 <= peak < 2**26 + 2**24, (
+            peak
+        )  # (freed heap it reused: under 1 MiB)
 
 
 def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, capsys):
-    cuda, module = torch.device("cuda"), lambda m: bench.sublayer(Config(n_embd=8, n_head=2, mixer=m))
-    paths = {m: bench.sublayer_paths(module(m), 16, cuda) for m in ("sa", "me", "we", "she")}
-    for m, dim in (("me", 1), ("we", 2), ("she", 3)):  # the default first, then every path for these taps
+    cuda, module = (
+        torch.device("cuda"),
+        lambda m: bench.sublayer(Config(n_embd=8, n_head=2, mixer=m)),
+    )
+    paths = {
+        m: bench.sublayer_paths(module(m), 16, cuda) for m in ("sa", "me", "we", "she")
+    }
+    for m, dim in (
+        ("me", 1),
+        ("we", 2),
+        ("she", 3),
+    ):  # the default first, then every path for these taps
         want = sorted(p for p, dims in fir.PATHS.items() if dim in dims)
-        assert paths[m][0] == fir.default_path("cuda", dim, 16) and sorted(paths[m]) == want, m
-        assert bench.sublayer_paths(module(m), 16, torch.device("cpu")) == [fir.default_path("cpu", dim, 16)]
+        assert (
+            paths[m][0] == fir.default_path("cuda", dim, 16)
+            and sorted(paths[m]) == want
+        ), m
+        assert bench.sublayer_paths(module(m), 16, torch.device("cpu")) == [
+            fir.default_path("cpu", dim, 16)
+        ]
     assert paths["sa"] == ["sdpa"] and len(paths["me"]) == 3 and len(paths["she"]) == 2
     sublayer_paths, forcing, forced = bench.sublayer_paths, fir.forcing, []
-    monkeypatch.setattr(bench, "sublayer_paths", lambda mod, t, _: sublayer_paths(mod, t, cuda))  # run here
-    monkeypatch.setattr(fir, "forcing", lambda path: forced.append(path) or forcing(path))
-    bench.main(["--quick", "--sections", "sublayer", "--mixers", "me,she", "--device", str(DEVICE)])
-    out = capsys.readouterr().out.split("\n\n")[1]  # the table: title, columns, ----, rows, notes
+    monkeypatch.setattr(
+        bench, "sublayer_paths", lambda mod, t, _: sublayer_paths(mod, t, cuda)
+    )  # run here
+    monkeypatch.setattr(
+        fir, "forcing", lambda path: forced.append(path) or forcing(path)
+    )
+    bench.main(
+        [
+            "--quick",
+            "--sections",
+            "sublayer",
+            "--mixers",
+            "me,she",
+            "--device",
+            str(DEVICE),
+        ]
+    )
+    out = capsys.readouterr().out.split("\n\n")[
+        1
+    ]  # the table: title, columns, ----, rows, notes
     rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
     assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
-    assert sorted(forced) == sorted(p for _, p in rows[1:] for _ in range(3 + 2))  # 3 warm-up rounds, 2 timed
+    assert sorted(forced) == sorted(
+        p for _, p in rows[1:] for _ in range(3 + 2)
+    )  # 3 warm-up rounds, 2 timed
 
 
 @pytest.mark.slow
 def test_bench_quick_as_users_run_it_every_mixer_and_a_closed_pipe():
     rc, out, err = run_script("experiments/bench.py", "--quick", "--mixers", "all")
-    names = [*MIXERS, *SYNTHESIZERS]  # sa first, the paper's mixers, then the Synthesizers
+    names = [
+        *MIXERS,
+        *SYNTHESIZERS,
+    ]  # sa first, the paper's mixers, then the Synthesizers
     for block in out.split("\n\n")[1:4]:
-        assert rc == 0 and [ln.split()[0] for ln in block.splitlines()[3:]][: len(names)] == names, err
+        assert (
+            rc == 0
+            and [ln.split()[0] for ln in block.splitlines()[3:]][: len(names)] == names
+        ), err
     r, w, argv = *os.pipe(), [sys.executable, "experiments/bench.py", "--table7"]
-    os.close(r)  # `bench.py --table7 | head -1`: the reader is gone before the first line
+    os.close(
+        r
+    )  # `bench.py --table7 | head -1`: the reader is gone before the first line
     p = subprocess.run(argv, cwd=ROOT, stdout=w, stderr=subprocess.PIPE)
     os.close(w)
-    assert p.returncode == -signal.SIGPIPE and b"Traceback" not in p.stderr, p.stderr[-300:]
+    assert p.returncode == -signal.SIGPIPE and b"Traceback" not in p.stderr, p.stderr[
+        -300:
+    ]
 
 
-# ======== the data (prepare_data.py): Gutenberg's wrappers, download, split, BPE, loaders ========
+# ======== the data (prepare_data.py): Gutenberg's wrappers, download, split, BPE,
+# loaders ========
 
-# A made-up book with what stripping must keep: the first line's indent, a chapter "END OF ...", an ornament
-# of asterisks, a paragraph opening like a credit and a line holding a footer's words, inside the text.
+# A made-up book with what stripping must keep: the first line's indent, a chapter "END
+# OF ...", an ornament of asterisks, a paragraph opening like a credit and a line
+# holding a footer's words, inside the text.
 BODY = """\
       THE LANTERN
 
@@ -1006,8 +1584,9 @@ CHAPTER I. END OF THE FERRY
 Produced by the mill, the flour crossed on "Tuesdays". The End of Project Gutenberg's
 ferry was the willow bank.
 """
-# What the 100 books put around their text, each form with how many use it (a survey of the mirror). The START
-# marker (or the 1990s licence) and the END marker: 91, 8, 1 books; none splits a marker over two lines.
+# What the 100 books put around their text, each form with how many use it (a survey of
+# the mirror). The START marker (or the 1990s licence) and the END marker: 91, 8, 1
+# books; none splits a marker over two lines.
 MARKERS = {
     "THIS": ("*** START OF THIS PROJECT GUTENBERG EBOOK {T} ***",
              "*** END OF THIS PROJECT GUTENBERG EBOOK {T} ***"),
@@ -1046,60 +1625,120 @@ def gutenberg_file(markers, credits, footer, body=BODY, title="The Lantern"):
     """body with a header, credits, footer and licence of the forms above, as text."""
     start, end = (m.format(T=title.upper()) for m in MARKERS[markers])
     head = f"The Project Gutenberg EBook of {title}, by Ada Quill\n\nTitle: {title}\n\nRelease Date: 2008\n\n"
-    tail = f"{end}\n\n***** This file should be named 1.txt or 1.zip *****\n\nA licence.\n" if end else ""
-    return f"{head}{start}\n\n\n\n{CREDITS[credits]}{body}\n\n\n\n{FOOTERS[footer]}{tail}"
+    tail = (
+        f"{end}\n\n***** This file should be named 1.txt or 1.zip *****\n\nA licence.\n"
+        if end
+        else ""
+    )
+    return (
+        f"{head}{start}\n\n\n\n{CREDITS[credits]}{body}\n\n\n\n{FOOTERS[footer]}{tail}"
+    )
 
 
 @pytest.mark.parametrize("markers, credits, footer", FORMS)
-def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(markers, credits, footer):
-    assert prepare_data.strip_gutenberg(gutenberg_file(markers, credits, footer)) == (BODY, None)
+def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(
+    markers, credits, footer
+):
+    assert prepare_data.strip_gutenberg(gutenberg_file(markers, credits, footer)) == (
+        BODY,
+        None,
+    )
 
 
-def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(tmp_path, capsys):
-    """None of the 100 files is cut short, has a byte-order mark or CRLF or is not UTF-8."""
-    cut = gutenberg_file("THIS", "none", "none").split("*** END")[0]  # no END marker, no footer: all kept
+def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(
+    tmp_path, capsys
+):
+    """None of the 100 files is cut short, has a byte-order mark or CRLF or is not
+    UTF-8.
+    """
+    cut = gutenberg_file("THIS", "none", "none").split("*** END")[
+        0
+    ]  # no END marker, no footer: all kept
     warning = "no END marker or footer: the file may be cut short"
     assert prepare_data.strip_gutenberg(cut) == (BODY, warning)
-    assert prepare_data.strip_gutenberg("\n  plain text \n\n") == ("  plain text\n", warning)
+    assert prepare_data.strip_gutenberg("\n  plain text \n\n") == (
+        "  plain text\n",
+        warning,
+    )
     body = BODY.replace('"Tuesdays"', "\u201cTuesdays\u201d")
     text = gutenberg_file("THIS", "Produced by", "Gutenberg's", body)
     bom_crlf = ("\ufeff" + text.replace("\n", "\r\n")).encode()
-    for raw in bom_crlf, text.encode("cp1252"), ("\ufeff" + body).encode():  # the last without markers
+    for raw in (
+        bom_crlf,
+        text.encode("cp1252"),
+        ("\ufeff" + body).encode(),
+    ):  # the last without markers
         (tmp_path / "1.txt").write_bytes(raw)
-        assert prepare_data.book_body((1, "The Lantern", ""), str(tmp_path / "1.txt"), 100) == body
-    (tmp_path / "1.txt").write_bytes(b"caf\xe9 \x81" * 20)  # cp1252, with a byte it leaves undefined
-    assert prepare_data.book_body((1, "", ""), str(tmp_path / "1.txt"), 120) == "caf\xe9 \ufffd" * 20 + "\n"
-    said = error_line(capsys, prepare_data.book_body, (1, "", ""), str(tmp_path / "1.txt"), 121)
+        assert (
+            prepare_data.book_body((1, "The Lantern", ""), str(tmp_path / "1.txt"), 100)
+            == body
+        )
+    (tmp_path / "1.txt").write_bytes(
+        b"caf\xe9 \x81" * 20
+    )  # cp1252, with a byte it leaves undefined
+    assert (
+        prepare_data.book_body((1, "", ""), str(tmp_path / "1.txt"), 120)
+        == "caf\xe9 \ufffd" * 20 + "\n"
+    )
+    said = error_line(
+        capsys, prepare_data.book_body, (1, "", ""), str(tmp_path / "1.txt"), 121
+    )
     assert "has 120 characters" in said
     end = MARKERS["THIS"][1].format(T="X")
-    for start in MARKERS["THIS"][0].format(T="X"), MARKERS["small print"][0]:  # the text right below
-        assert prepare_data.strip_gutenberg(f"{start}\nText.\n{end}\n") == ("Text.\n", None)
+    for start in (
+        MARKERS["THIS"][0].format(T="X"),
+        MARKERS["small print"][0],
+    ):  # the text right below
+        assert prepare_data.strip_gutenberg(f"{start}\nText.\n{end}\n") == (
+            "Text.\n",
+            None,
+        )
 
 
-# ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache, --source
+# ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache,
+# --source
 def fake_book(seed):
-    """Made-up prose: 239 lines of words of syllables (a few letters not ASCII), a paragraph every 6."""
-    rng, syllables = random.Random(seed), "ka lo mi ren tho va quil sa ne dor bri el tü ça wy".split()
+    """Made-up prose: 239 lines of words of syllables (a few letters not ASCII), a
+    paragraph every 6.
+    """
+    rng, syllables = (
+        random.Random(seed),
+        "ka lo mi ren tho va quil sa ne dor bri el tü ça wy".split(),
+    )
     words = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(200)]
-    lines = [" ".join(rng.choices(words, k=9)) + ("." if k % 6 else ".\n") for k in range(1, 240)]
+    lines = [
+        " ".join(rng.choices(words, k=9)) + ("." if k % 6 else ".\n")
+        for k in range(1, 240)
+    ]
     return "\n".join(lines) + "\n"
 
 
 BOOKS = [(9001, "Mossy Dell"), (9002, "Brass Kite"), (9003, "Oddly Far"), (9004, "Quince Hall"),
          (9005, "Lark Rise"), (9006, "Tin Fern"), (9007, "N\u00fcrnberg Stove")]  # fmt: skip
 BODIES = {i: fake_book(i) for i, _ in BOOKS}
-RAW = {i: gutenberg_file(*FORMS[k], BODIES[i], t).encode() for k, (i, t) in enumerate(BOOKS)}  # their files
+RAW = {
+    i: gutenberg_file(*FORMS[k], BODIES[i], t).encode()
+    for k, (i, t) in enumerate(BOOKS)
+}  # their files
 VOCAB = 400
-outputs = lambda d: {n: (d / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.tiktoken")}
+outputs = lambda d: {
+    n: (d / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.tiktoken")
+}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """server.files; faults[path] used up one per request: a status, html, timeout (1 s), truncate (half)."""
+    """server.files; faults[path] used up one per request: a status, html, timeout (1
+    s), truncate (half).
+    """
 
     def do_GET(self):
         self.server.log.append((self.path, self.headers["User-Agent"]))
         fault = (self.server.faults.get(self.path) or [""]).pop(0)
-        body = b"<!DOCTYPE html><p>Captcha</p>" if fault == "html" else self.server.files.get(self.path)
+        body = (
+            b"<!DOCTYPE html><p>Captcha</p>"
+            if fault == "html"
+            else self.server.files.get(self.path)
+        )
         time.sleep(1.0 if fault == "timeout" else 0)
         if fault.isdigit() or body is None:
             return self.send_error(int(fault or 404))
@@ -1113,10 +1752,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve(raws):
-    """A loopback mirror with each book ({ebook id: bytes}) at gutenberg.org's three paths."""
+    """A loopback mirror with each book ({ebook id: bytes}) at gutenberg.org's three
+    paths.
+    """
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.log, srv.faults, srv.handle_error, srv.daemon_threads = [], {}, lambda *a: None, True
-    srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in prepare_data.URL_PATTERNS}
+    srv.log, srv.faults, srv.handle_error, srv.daemon_threads = (
+        [],
+        {},
+        lambda *a: None,
+        True,
+    )
+    srv.files = {
+        p.format(id=i): raw
+        for i, raw in raws.items()
+        for p in prepare_data.URL_PATTERNS
+    }
     srv.url = f"http://127.0.0.1:{srv.server_port}"
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -1125,19 +1775,36 @@ def serve(raws):
 
 
 def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
-    """prepare_data.main with a 0.5 s timeout, retries 0.01 s and 0.02 s later, no pause; its exit status."""
+    """prepare_data.main with a 0.5 s timeout, retries 0.01 s and 0.02 s later, no
+    pause; its exit status.
+    """
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("no_proxy", "127.0.0.1")  # a user's proxy must not see loopback requests
+        mp.setenv(
+            "no_proxy", "127.0.0.1"
+        )  # a user's proxy must not see loopback requests
         for name, value in (("TIMEOUT", timeout), ("RETRIES", 2), ("BACKOFF", 0.01)):
             mp.setattr(prepare_data, name, value)
-        argv = ["--data_dir", str(data_dir), "--books", tsv, "--mirror", mirror, "--pause", "0"]
+        argv = [
+            "--data_dir",
+            str(data_dir),
+            "--books",
+            tsv,
+            "--mirror",
+            mirror,
+            "--pause",
+            "0",
+        ]
         return prepare_data.main([*argv, "--vocab_size", str(VOCAB), *flags])
 
 
 def folder(src, raws, names=("{}.txt",)):
-    """raws ({ebook id: bytes}) written to the folder src, a --source, the names taken in turn."""
+    """raws ({ebook id: bytes}) written to the folder src, a --source, the names taken
+    in turn.
+    """
     for k, (i, raw) in enumerate(raws.items()):
-        (src / names[k % len(names)].format(i)).parent.mkdir(parents=True, exist_ok=True)
+        (src / names[k % len(names)].format(i)).parent.mkdir(
+            parents=True, exist_ok=True
+        )
         (src / names[k % len(names)].format(i)).write_bytes(raw)
     return str(src)
 
@@ -1145,90 +1812,215 @@ def folder(src, raws, names=("{}.txt",)):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     root = tmp_path_factory.mktemp("clean")
-    (root / "books.tsv").write_text("id\n" + "".join(f"{r}\t{i}\t{t}\n" for r, (i, t) in enumerate(BOOKS)))
+    (root / "books.tsv").write_text(
+        "id\n" + "".join(f"{r}\t{i}\t{t}\n" for r, (i, t) in enumerate(BOOKS))
+    )
     with serve(RAW) as srv:
         assert prepare(root / "data", tsv=str(root / "books.tsv"), mirror=srv.url) == 0
     return root / "data", str(root / "books.tsv")
 
 
-def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_folder(clean, tmp_path, capsys):
+def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_folder(
+    clean, tmp_path, capsys
+):
     data_dir, _ = clean
-    meta, enc = json.loads((data_dir / "meta.json").read_text()), prepare_data.load_tokenizer(data_dir)
-    assert (meta["vocab_size"], enc.n_vocab, enc.decode([VOCAB - 1])) == (VOCAB, VOCAB, "<|endoftext|>")
-    assert sorted(meta["train_books"] + meta["val_books"]) == [i for i, _ in BOOKS] and meta["val_books"]
+    meta, enc = (
+        json.loads((data_dir / "meta.json").read_text()),
+        prepare_data.load_tokenizer(data_dir),
+    )
+    assert (meta["vocab_size"], enc.n_vocab, enc.decode([VOCAB - 1])) == (
+        VOCAB,
+        VOCAB,
+        "<|endoftext|>",
+    )
+    assert (
+        sorted(meta["train_books"] + meta["val_books"]) == [i for i, _ in BOOKS]
+        and meta["val_books"]
+    )
     for split in ("train", "val"):
         tokens = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16)
-        books = [i for i, _ in BOOKS if i in meta[f"{split}_books"]]  # in the list's order
-        assert enc.decode(tokens.tolist()) == "".join(BODIES[i] + "<|endoftext|>" for i in books)
-        assert (tokens == VOCAB - 1).sum() == len(books) and meta[f"{split}_tokens"] == len(tokens)
+        books = [
+            i for i, _ in BOOKS if i in meta[f"{split}_books"]
+        ]  # in the list's order
+        assert enc.decode(tokens.tolist()) == "".join(
+            BODIES[i] + "<|endoftext|>" for i in books
+        )
+        assert (tokens == VOCAB - 1).sum() == len(books) and meta[
+            f"{split}_tokens"
+        ] == len(tokens)
         assert meta[f"{split}_sha256"] == hashlib.sha256(tokens.tobytes()).hexdigest()
-    ranks = [int(line.split()[1]) for line in (data_dir / "tokenizer.tiktoken").read_bytes().splitlines()]
+    ranks = [
+        int(line.split()[1])
+        for line in (data_dir / "tokenizer.tiktoken").read_bytes().splitlines()
+    ]
     assert ranks == list(range(VOCAB - 1))
-    assert {i: (data_dir / f"raw/{i}.txt").read_bytes() for i, _ in BOOKS} == RAW  # byte for byte
-    texts = ["", "\n\t \r\n", "e\u0301\u0308", "<|endoftext|>", "\U0001f468\u200d\U0001f469 \u4f60\u597d"]
-    ids = prepare_data.encode_books(enc, [*texts, "".join(map(chr, range(32, 0x800, 7)))]).tolist()
-    ends = [k for k, t in enumerate(ids) if t == enc.eot_token]  # a written "<|endoftext|>" is text
+    assert {
+        i: (data_dir / f"raw/{i}.txt").read_bytes() for i, _ in BOOKS
+    } == RAW  # byte for byte
+    texts = [
+        "",
+        "\n\t \r\n",
+        "e\u0301\u0308",
+        "<|endoftext|>",
+        "\U0001f468\u200d\U0001f469 \u4f60\u597d",
+    ]
+    ids = prepare_data.encode_books(
+        enc, [*texts, "".join(map(chr, range(32, 0x800, 7)))]
+    ).tolist()
+    ends = [
+        k for k, t in enumerate(ids) if t == enc.eot_token
+    ]  # a written "<|endoftext|>" is text
     assert [enc.decode(ids[a + 1 : b]) for a, b in zip([-1] + ends, ends)][:-1] == texts
-    src = folder(tmp_path / "src", RAW, ("{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt"))
+    src = folder(
+        tmp_path / "src", RAW, ("{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt")
+    )
     for vocab in (VOCAB, 300):  # the same path, a new file: nothing cached survives
-        assert prepare(tmp_path, "--source", src, "--vocab_size", str(vocab), tsv=clean[1]) == 0
+        assert (
+            prepare(tmp_path, "--source", src, "--vocab_size", str(vocab), tsv=clean[1])
+            == 0
+        )
         enc = prepare_data.load_tokenizer(tmp_path)
-        assert (enc.n_vocab, enc.decode(enc.encode(BODIES[9002]))) == (vocab, BODIES[9002])
+        assert (enc.n_vocab, enc.decode(enc.encode(BODIES[9002]))) == (
+            vocab,
+            BODIES[9002],
+        )
         assert vocab != VOCAB or outputs(tmp_path) == outputs(clean[0])
     assert json.loads((tmp_path / "meta.json").read_text())["source"] == src
-    (tok := tmp_path / "tokenizer.tiktoken").write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
-    assert f"{tok} is not the file meta.json" in error_line(capsys, prepare_data.load_tokenizer, tmp_path)
-    assert "none/meta.json is missing" in error_line(capsys, prepare_data.load_tokenizer, tmp_path / "none")
+    (tok := tmp_path / "tokenizer.tiktoken").write_bytes(
+        tok.read_bytes().replace(b" 298\n", b" 297\n")
+    )
+    assert f"{tok} is not the file meta.json" in error_line(
+        capsys, prepare_data.load_tokenizer, tmp_path
+    )
+    assert "none/meta.json is missing" in error_line(
+        capsys, prepare_data.load_tokenizer, tmp_path / "none"
+    )
 
 
-def test_download_retries_skips_pauses_names_a_missing_book_resumes(clean, tmp_path, monkeypatch, capsys):
+def test_download_retries_skips_pauses_names_a_missing_book_resumes(
+    clean, tmp_path, monkeypatch, capsys
+):
     sleeps, sleep = [], time.sleep  # the main thread's (the server's threads sleep too)
-    mine = lambda s: threading.current_thread() is threading.main_thread() and sleeps.append(s)
+    mine = lambda s: (
+        threading.current_thread() is threading.main_thread() and sleeps.append(s)
+    )
     monkeypatch.setattr(time, "sleep", lambda s: (mine(s), sleep(s)))
-    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))  # an ASCII terminal
-    first, second = (lambda i, p=p: p.format(id=i) for p in prepare_data.URL_PATTERNS[:2])
-    faults = {9001: "500 500", 9002: "timeout", 9004: "truncate", 9005: "html", 9007: "429"}
-    with serve({i: raw for i, raw in RAW.items() if i != 9003}) as srv:  # 9003: 404 at its three paths
+    monkeypatch.setattr(
+        sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    )  # an ASCII terminal
+    first, second = (
+        lambda i, p=p: p.format(id=i) for p in prepare_data.URL_PATTERNS[:2]
+    )
+    faults = {
+        9001: "500 500",
+        9002: "timeout",
+        9004: "truncate",
+        9005: "html",
+        9007: "429",
+    }
+    with serve(
+        {i: raw for i, raw in RAW.items() if i != 9003}
+    ) as srv:  # 9003: 404 at its three paths
         srv.faults = {first(i): f.split() for i, f in faults.items()}
-        err = error_line(capsys, prepare, tmp_path, "--pause", "0.03", tsv=clean[1], mirror=srv.url)
-        n, kept = collections.Counter(p for p, _ in srv.log), sorted(os.listdir(tmp_path / "raw"))
+        err = error_line(
+            capsys, prepare, tmp_path, "--pause", "0.03", tsv=clean[1], mirror=srv.url
+        )
+        n, kept = (
+            collections.Counter(p for p, _ in srv.log),
+            sorted(os.listdir(tmp_path / "raw")),
+        )
         assert not os.path.exists(tmp_path / "train.bin")
-        srv.files.update({p.format(id=9003): RAW[9003] for p in prepare_data.URL_PATTERNS})
+        srv.files.update(
+            {p.format(id=9003): RAW[9003] for p in prepare_data.URL_PATTERNS}
+        )
         for _ in range(2):  # the first downloads 9003 alone, the second nothing
-            assert prepare(tmp_path, "--pause", "0.03", tsv=clean[1], mirror=srv.url) == 0
-    assert f"ebooks 9003 not found at {srv.url} (no plain text at their URLs); the others are kept" in err
+            assert (
+                prepare(tmp_path, "--pause", "0.03", tsv=clean[1], mirror=srv.url) == 0
+            )
+    assert (
+        f"ebooks 9003 not found at {srv.url} (no plain text at their URLs); the others are kept"
+        in err
+    )
     assert kept == [f"{i}.txt" for i in RAW if i != 9003]
-    assert [n[first(i)] for i, _ in BOOKS] == [3, 2, 1, 2, 1, 1, 2]  # 5xx, 429, no answer, cut short: again
-    assert [n[second(i)] for i, _ in BOOKS] == [0, 0, 1, 0, 1, 0, 0]  # 404, an HTML page: the next path
+    assert [n[first(i)] for i, _ in BOOKS] == [
+        3,
+        2,
+        1,
+        2,
+        1,
+        1,
+        2,
+    ]  # 5xx, 429, no answer, cut short: again
+    assert [n[second(i)] for i, _ in BOOKS] == [
+        0,
+        0,
+        1,
+        0,
+        1,
+        0,
+        0,
+    ]  # 404, an HTML page: the next path
     assert [p for p, _ in srv.log[sum(n.values()) :]] == [first(9003)]
     assert {agent for _, agent in srv.log} == {prepare_data.USER_AGENT}
-    assert sorted(s for s in sleeps if s) == [0.01] * 4 + [0.02] + [0.03] * 6  # backoff doubling; pauses
+    assert (
+        sorted(s for s in sleeps if s) == [0.01] * 4 + [0.02] + [0.03] * 6
+    )  # backoff doubling; pauses
     sys.stdout.flush()
     assert "N?rnberg Stove" in sys.stdout.buffer.getvalue().decode("ascii")
     assert outputs(tmp_path) == outputs(clean[0])
 
 
 def test_a_server_down_is_one_line_at_once_and_leaves_nothing(clean, tmp_path, capsys):
-    err = error_line(capsys, prepare, tmp_path, tsv=clean[1], timeout=30)  # port 9: nobody listens
-    assert err.startswith("error: cannot download ebook 9001 (http://127.0.0.1:9/cache/epub/9001/pg9001.txt:")
-    assert err.endswith("re-run, or use --mirror or --source") and os.listdir(tmp_path / "raw") == []
+    err = error_line(
+        capsys, prepare, tmp_path, tsv=clean[1], timeout=30
+    )  # port 9: nobody listens
+    assert err.startswith(
+        "error: cannot download ebook 9001 (http://127.0.0.1:9/cache/epub/9001/pg9001.txt:"
+    )
+    assert (
+        err.endswith("re-run, or use --mirror or --source")
+        and os.listdir(tmp_path / "raw") == []
+    )
 
 
 def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
-    data, err = make_data(tmp_path, vocab=64), lambda *a: error_line(capsys, prepare_data.load_data, *a)
+    data, err = (
+        make_data(tmp_path, vocab=64),
+        lambda *a: error_line(capsys, prepare_data.load_data, *a),
+    )
     train, val, fp = prepare_data.load_data(data, 8, 4)
     for tokens, split in ((train, "train"), (val, "val")):
-        assert np.array_equal(tokens, np.fromfile(f"{data}/{split}.bin", dtype=np.uint16))
+        assert np.array_equal(
+            tokens, np.fromfile(f"{data}/{split}.bin", dtype=np.uint16)
+        )
     meta, n = json.loads(open(f"{data}/meta.json").read()), len(val)
-    assert fp == {k: meta.get(k) for k in ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")}
-    assert len(prepare_data.load_data(data, n - 1, 1)[1]) == n  # windows of l + 1 = n tokens: just enough
-    assert f"val.bin holds {n} tokens, fewer than a batch needs ({n + 1})" in err(data, n, 1)
-    assert f"train.bin holds {len(train)} tokens, fewer than a batch needs" in err(data, 1, len(train))
-    for change in (lambda b: b[:-2], lambda b: b[:-2] + b"\1\0"):  # a token fewer, a token changed
-        open(f"{data}/val.bin", "wb").write(change(open(f"{data}/val.bin", "rb").read()))
+    assert fp == {
+        k: meta.get(k)
+        for k in ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
+    }
+    assert (
+        len(prepare_data.load_data(data, n - 1, 1)[1]) == n
+    )  # windows of l + 1 = n tokens: just enough
+    assert f"val.bin holds {n} tokens, fewer than a batch needs ({n + 1})" in err(
+        data, n, 1
+    )
+    assert f"train.bin holds {len(train)} tokens, fewer than a batch needs" in err(
+        data, 1, len(train)
+    )
+    for change in (
+        lambda b: b[:-2],
+        lambda b: b[:-2] + b"\1\0",
+    ):  # a token fewer, a token changed
+        open(f"{data}/val.bin", "wb").write(
+            change(open(f"{data}/val.bin", "rb").read())
+        )
         assert "val.bin is not the file meta.json describes" in err(data, 8, 4)
-    json.dump({**meta, "vocab_size": int(train.max())}, open(f"{data}/meta.json", "w"))  # train.bin first
-    assert f"train.bin holds token {int(train.max())} >= meta.json's vocab_size" in err(data, 8, 4)
+    json.dump(
+        {**meta, "vocab_size": int(train.max())}, open(f"{data}/meta.json", "w")
+    )  # train.bin first
+    assert f"train.bin holds token {int(train.max())} >= meta.json's vocab_size" in err(
+        data, 8, 4
+    )
 
 
 def test_bpe_worked_by_hand_and_the_fast_one_against_the_reference(capsys):
@@ -1238,23 +2030,35 @@ def test_bpe_worked_by_hand_and_the_fast_one_against_the_reference(capsys):
         ({"cab": 1, "ab": 1, "ca": 1}, [b"ab", b"ca", b"cab"]),  # ab first (a tie), then ca's count is 1
     ]:  # fmt: skip
         for train_bpe in (prepare_data.train_bpe_reference, prepare_data.train_bpe):
-            assert train_bpe(words, 256 + len(tokens)) == [bytes([b]) for b in range(256)] + tokens
-    for seed, letters in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):  # few letters: many ties
+            assert (
+                train_bpe(words, 256 + len(tokens))
+                == [bytes([b]) for b in range(256)] + tokens
+            )
+    for seed, letters in enumerate(
+        ["ab", "abc", "abcde", "xyz\u00e9\u4e00"]
+    ):  # few letters: many ties
         rng = random.Random(seed)
-        words = collections.Counter("".join(rng.choices(letters, k=rng.randint(1, 12))) for _ in range(400))
-        assert prepare_data.train_bpe(words, 316) == prepare_data.train_bpe_reference(words, 316)
+        words = collections.Counter(
+            "".join(rng.choices(letters, k=rng.randint(1, 12))) for _ in range(400)
+        )
+        assert prepare_data.train_bpe(words, 316) == prepare_data.train_bpe_reference(
+            words, 316
+        )
     words = prepare_data.count_words([BODIES[9001]])
-    assert prepare_data.train_bpe(words, 336) == prepare_data.train_bpe_reference(words, 336)
-    says = (
-        "error: the books allow only 258 tokens: use a smaller --vocab_size or more books"  # 256 + ab + eot
+    assert prepare_data.train_bpe(words, 336) == prepare_data.train_bpe_reference(
+        words, 336
     )
+    says = "error: the books allow only 258 tokens: use a smaller --vocab_size or more books"  # 256 + ab + eot
     assert error_line(capsys, prepare_data.train_bpe, {"ab": 1}, 258) == says
 
 
 def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids():
-    held_out = lambda ids, texts, f: sorted(ids[i] for i in prepare_data.split_books(ids, texts, f)[1])
-    # sha256 of "1".."6", worked out once with hashlib: 4 (4b227777...), 3 (4e074085...), 1 (6b86b273...),
-    # 2 (d4735e3a...), 6 (e7f6c011...), 5 (ef2d127d...); six books of 100 characters, 300 = half of them
+    held_out = lambda ids, texts, f: sorted(
+        ids[i] for i in prepare_data.split_books(ids, texts, f)[1]
+    )
+    # sha256 of "1".."6", worked out once with hashlib: 4 (4b227777...), 3
+    # (4e074085...), 1 (6b86b273...), 2 (d4735e3a...), 6 (e7f6c011...), 5 (ef2d127d...);
+    # six books of 100 characters, 300 = half of them
     cases = {
         0.01: [4],
         0.17: [3, 4],
@@ -1263,16 +2067,28 @@ def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids():
         1: [1, 2, 3, 4, 6],
     }  # 0.5: exactly 300
     assert {f: held_out([1, 2, 3, 4, 5, 6], ["x" * 100] * 6, f) for f in cases} == cases
-    assert prepare_data.split_books([5, 4, 3], ["x" * 10, "x", "x" * 10], 0.5) == ([0], [1, 2])  # 4, then 3
+    assert prepare_data.split_books([5, 4, 3], ["x" * 10, "x", "x" * 10], 0.5) == (
+        [0],
+        [1, 2],
+    )  # 4, then 3
     books = prepare_data.read_books_tsv(
         prepare_data.parse_args([]).books
     )  # the default list, beside the script
-    assert len(books) == 100 and books[0] == (11, "Alice's Adventures in Wonderland", "Lewis Carroll")
-    # by sha256: 2726 (00f3ca2e...), 55 (02d20bbd...), 51 (031b4af5...), 1154 (06ec44cc...), 2557
-    # (0844b610...), 146 (0a5b046d...), 520 (0b35b06a...); the real books' lengths stop after six
+    assert len(books) == 100 and books[0] == (
+        11,
+        "Alice's Adventures in Wonderland",
+        "Lewis Carroll",
+    )
+    # by sha256: 2726 (00f3ca2e...), 55 (02d20bbd...), 51 (031b4af5...), 1154
+    # (06ec44cc...), 2557 (0844b610...), 146 (0a5b046d...), 520 (0b35b06a...); the real
+    # books' lengths stop after six
     first = [2726, 55, 51, 1154, 2557, 146, 520]
-    for k in range(1, len(first) + 1):  # books of equal length: k - 0.5 of 100 books' text takes k
-        assert held_out([i for i, _, _ in books], ["x"] * 100, (k - 0.5) / 100) == sorted(first[:k])
+    for k in range(
+        1, len(first) + 1
+    ):  # books of equal length: k - 0.5 of 100 books' text takes k
+        assert held_out(
+            [i for i, _, _ in books], ["x"] * 100, (k - 0.5) / 100
+        ) == sorted(first[:k])
 
 
 # ---- bad input: one line saying what to do, before any work, nothing half-written
@@ -1291,34 +2107,70 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
         f"--vocab_size 60000 --source {src}": "the books allow only ",
     }  # fmt: skip
     for case, says in cases.items():
-        (tmp_path / "bad.tsv").write_bytes(case if isinstance(case, bytes) else case.encode())
-        argv = case.split() if str(case).startswith("--") else ["--books", str(tmp_path / "bad.tsv")]
-        assert says in error_line(capsys, prepare, tmp_path / "out", *argv, tsv=clean[1]), case
-        assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == [], case
+        (tmp_path / "bad.tsv").write_bytes(
+            case if isinstance(case, bytes) else case.encode()
+        )
+        argv = (
+            case.split()
+            if str(case).startswith("--")
+            else ["--books", str(tmp_path / "bad.tsv")]
+        )
+        assert says in error_line(
+            capsys, prepare, tmp_path / "out", *argv, tsv=clean[1]
+        ), case
+        assert (
+            not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []
+        ), case
 
 
-def test_short_empty_binary_books_are_one_line_naming_the_file_a_cut_one_a_warning(clean, tmp_path, capsys):
-    src, short = tmp_path / "src", RAW[9006].replace(BODIES[9006].encode(), b"A short error page.")
+def test_short_empty_binary_books_are_one_line_naming_the_file_a_cut_one_a_warning(
+    clean, tmp_path, capsys
+):
+    src, short = (
+        tmp_path / "src",
+        RAW[9006].replace(BODIES[9006].encode(), b"A short error page."),
+    )
     for raw, says in [(short, "9006 (Tin Fern) has 19 characters"), (b"", "9006 (Tin Fern) has 0 chara"),
                       (bytes(range(256)) * 9, f"9006: {src}/9006.txt is not a text file (NUL")]:  # fmt: skip
         folder(src, {**RAW, 9006: raw})
-        err = error_line(capsys, prepare, tmp_path / "out", "--source", str(src), tsv=clean[1])
-        assert says in err and f"replace {src}/9006.txt with the book's text (or delete a download" in err
-        assert (src / "9006.txt").read_bytes() == raw and not os.path.exists(tmp_path / "out/train.bin")
-    folder(src, {**RAW, 9001: RAW[9001].split(b"End of the Project")[0]})  # a download cut short
+        err = error_line(
+            capsys, prepare, tmp_path / "out", "--source", str(src), tsv=clean[1]
+        )
+        assert (
+            says in err
+            and f"replace {src}/9006.txt with the book's text (or delete a download"
+            in err
+        )
+        assert (src / "9006.txt").read_bytes() == raw and not os.path.exists(
+            tmp_path / "out/train.bin"
+        )
+    folder(
+        src, {**RAW, 9001: RAW[9001].split(b"End of the Project")[0]}
+    )  # a download cut short
     assert prepare(tmp_path / "out", "--source", str(src), tsv=clean[1]) == 0
     out = capsys.readouterr().out  # the warning names the file
-    assert "ebook 9001 (Mossy Dell): no END marker or footer: the file may be cut short" in out
+    assert (
+        "ebook 9001 (Mossy Dell): no END marker or footer: the file may be cut short"
+        in out
+    )
     assert f"if it is, replace {src}/9001.txt with the book's text" in out
 
 
 @pytest.mark.slow
 def test_prepare_data_from_the_command_line_is_one_line_without_traceback(tmp_path):
-    rc, out, err = run_script("prepare_data.py", "--books", "none.tsv", "--data_dir", str(tmp_path))
-    assert rc == 1 and err.startswith("error: cannot read --books") and err.count("\n") == 1 and out == ""
+    rc, out, err = run_script(
+        "prepare_data.py", "--books", "none.tsv", "--data_dir", str(tmp_path)
+    )
+    assert (
+        rc == 1
+        and err.startswith("error: cannot read --books")
+        and err.count("\n") == 1
+        and out == ""
+    )
 
 
-# ======== training (train.py): batches, settings, the step, run folders, checkpoints, stopping ========
+# ======== training (train.py): batches, settings, the step, run folders, checkpoints,
+# stopping ========
 
 TINY = "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8 --batch_size 4 --n_head 4".split()
 TINY += f"--eval_batches 2 --eval_interval 5 --log_interval 5 --device {DEVICE}".split()
@@ -1326,45 +2178,79 @@ TINY += f"--eval_batches 2 --eval_interval 5 --log_interval 5 --device {DEVICE}"
 
 def run(tmp_path, data, *flags, name="run"):
     """train.main on the tiny settings into tmp_path/name: its exit status."""
-    return train.main(TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *flags])
+    return train.main(
+        TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *flags]
+    )
 
 
 log_rows = lambda out: list(csv.DictReader(open(os.path.join(out, "log.csv"))))
-losses = lambda out: [(r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)]  # strings: bits
-ckpt_iter = lambda out: torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
+losses = lambda out: [
+    (r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)
+]  # strings: bits
+ckpt_iter = lambda out: torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[
+    "iter"
+]
 
 
 def files(folder):
     """Every file of a folder with its bytes: a refused command must change none."""
-    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+    return {
+        n: open(os.path.join(folder, n), "rb").read()
+        for n in sorted(os.listdir(folder))
+    }
 
 
 # ---- the batches: a seeded order per epoch, the same for every mixer
 def test_batch_order_is_a_seeded_permutation_per_epoch():
-    n, b = 50, 8  # 6 full batches per epoch; the 2 leftover starts of each epoch are skipped
+    n, b = (
+        50,
+        8,
+    )  # 6 full batches per epoch; the 2 leftover starts of each epoch are skipped
     batches = [train.batch_starts(i, n, b, 3) for i in range(18)]
     assert all(len(x) == b for x in batches)
     epochs = [torch.cat(batches[e * 6 : (e + 1) * 6]) for e in range(3)]
-    assert all(len(set(e.tolist())) == 48 and 0 <= e.min() and e.max() < n for e in epochs)
+    assert all(
+        len(set(e.tolist())) == 48 and 0 <= e.min() and e.max() < n for e in epochs
+    )
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), batches[2])
-    assert not torch.equal(train.batch_starts(0, n, b, 4), batches[0])  # another data seed
+    assert not torch.equal(
+        train.batch_starts(0, n, b, 4), batches[0]
+    )  # another data seed
 
 
-def test_every_mixer_sees_the_same_batches_and_validation_windows(data, tmp_path, monkeypatch):
+def test_every_mixer_sees_the_same_batches_and_validation_windows(
+    data, tmp_path, monkeypatch
+):
     seen, get_batch = {}, train.get_batch
-    for name, flags in {"sa": ["--mixer", "sa", "--seed", "1"], "me": ["--dropout", "0"]}.items():
-        spy = lambda *a, name=name: seen.setdefault(name, []).append(get_batch(*a)) or seen[name][-1]  # noqa: E731
+    for name, flags in {
+        "sa": ["--mixer", "sa", "--seed", "1"],
+        "me": ["--dropout", "0"],
+    }.items():
+        spy = lambda *a, name=name: (
+            seen.setdefault(name, []).append(get_batch(*a)) or seen[name][-1]
+        )  # noqa: E731
         monkeypatch.setattr(train, "get_batch", spy)
         train.epoch_permutation.cache_clear()  # (each run computes its order anew, as in its own process)
         assert run(tmp_path, data, "--max_iters", "10", *flags, name=name) == 0
-    assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2  # 10 batches, 2 validations of 2 batches
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(seen["sa"], seen["me"]))
+    assert (
+        len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2
+    )  # 10 batches, 2 validations of 2 batches
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(seen["sa"], seen["me"])
+    )
     x, y = seen["sa"][0]
-    assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
-    assert torch.equal(seen["sa"][5][0], seen["sa"][12][0])  # the same validation windows each time
+    assert x.shape == (4, 8) and torch.equal(
+        x[:, 1:], y[:, :-1]
+    )  # y is x shifted by one token
+    assert torch.equal(
+        seen["sa"][5][0], seen["sa"][12][0]
+    )  # the same validation windows each time
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
-    starts = [round(k * (len(val) - 9) / 7) for k in range(8)]  # 8 windows of l+1 spread from first to last
+    starts = [
+        round(k * (len(val) - 9) / 7) for k in range(8)
+    ]  # 8 windows of l+1 spread from first to last
     windows = torch.tensor(np.stack([val[s : s + 8] for s in starts]))
     assert torch.equal(torch.cat([seen["sa"][5][0], seen["sa"][6][0]]), windows)
 
@@ -1382,7 +2268,9 @@ def test_help_gives_each_setting_its_symbol_and_table1_value(capsys):
     for text in table1.split("; "):
         assert text in out, text
     assert "(default: None)" not in out
-    defaults = vars(train.build_parser().parse_args([]))  # the flags' defaults are the model's, Table 1's
+    defaults = vars(
+        train.build_parser().parse_args([])
+    )  # the flags' defaults are the model's, Table 1's
     model = ("n_layer", "block_size", "n_embd", "n_hidden", "n_head", "dropout")
     assert [defaults[k] for k in model] == [getattr(Config, k) for k in model]
     assert (defaults["lr"], defaults["batch_size"], defaults["max_iters"], defaults["weight_decay"]) == (
@@ -1399,13 +2287,19 @@ def test_help_gives_each_setting_its_symbol_and_table1_value(capsys):
     ("--dtype half", "invalid choice: 'half'"),
 ])  # fmt: skip
 def test_bad_flags_are_one_line_and_write_nothing(flags, says, data, tmp_path, capsys):
-    assert says in error_line(capsys, run, tmp_path, data, "--mixer=sa", "--max_iters=3", *flags.split())
+    assert says in error_line(
+        capsys, run, tmp_path, data, "--mixer=sa", "--max_iters=3", *flags.split()
+    )
     assert not os.path.exists(tmp_path / "run")
 
 
 # ---- the step: AdamW written out from its definition, with Table 1's settings
-def literal_adamw(params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay=0.01):
-    """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the bias-corrected moments."""
+def literal_adamw(
+    params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay=0.01
+):
+    """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the
+    bias-corrected moments.
+    """
     for p, g, (m, v) in zip(params, grads, state):
         p.mul_(1 - lr * decay)
         m.mul_(b1).add_((1 - b1) * g)
@@ -1415,24 +2309,41 @@ def literal_adamw(params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, 
 
 @pytest.mark.parametrize("clip, decay", [(0.0, 0.01), (0.05, 0.1)])
 def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
-    """Three of train.py's steps against AdamW written out, in float64: the same parameters to float64
-    precision. Clipping first scales the gradients to a norm of at most clip (with fp16's loss scaling)."""
-    flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"] + [f"--weight_decay={decay}"] * (decay != 0.01)
-    args = train.build_parser().parse_args(flags)  # (Table 1's decay as the default, then another)
-    cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")  # u, l, d, c, m, n, p (no dropout), the mixer
+    """Three of train.py's steps against AdamW written out, in float64: the same parameters
+    to float64 precision. Clipping first scales the gradients to a norm of at most clip
+    (with fp16's loss scaling)."""
+    flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"] + [
+        f"--weight_decay={decay}"
+    ] * (decay != 0.01)
+    args = train.build_parser().parse_args(
+        flags
+    )  # (Table 1's decay as the default, then another)
+    cfg = Config(
+        30, 8, 8, 16, 1, 2, 0.0, "he"
+    )  # u, l, d, c, m, n, p (no dropout), the mixer
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
     reference = copy.deepcopy(model.double())
     params = list(reference.parameters())
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-    scaler = train.precision(torch.device("cpu"), "float16" if clip else "float32")[1]  # fp16 scales the loss
-    ctx = contextlib.nullcontext()  # (by 2**16, exact in float64): the clip must see the gradients unscaled
+    scaler = train.precision(torch.device("cpu"), "float16" if clip else "float32")[
+        1
+    ]  # fp16 scales the loss
+    ctx = (
+        contextlib.nullcontext()
+    )  # (by 2**16, exact in float64): the clip must see the gradients unscaled
     assert scaler.is_enabled() == (clip > 0)
     for t in range(1, 4):
-        x, y = torch.randint(0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(t))
-        loss = train.train_step(model, adamw, scaler, ctx, x, y, **({"grad_clip": clip} if clip else {}))
+        x, y = torch.randint(
+            0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(t)
+        )
+        loss = train.train_step(
+            model, adamw, scaler, ctx, x, y, **({"grad_clip": clip} if clip else {})
+        )
         ref_loss = reference(x, y)[1]
         grads = torch.autograd.grad(ref_loss, params)
-        assert abs(loss.item() - ref_loss.item()) < 1e-12  # the loss before the step, Eq. (3)
+        assert (
+            abs(loss.item() - ref_loss.item()) < 1e-12
+        )  # the loss before the step, Eq. (3)
         norm = math.sqrt(sum((g**2).sum().item() for g in grads))
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         with torch.no_grad():
@@ -1442,39 +2353,72 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
         assert torch.allclose(p, q, rtol=0, atol=1e-12), (p - q).abs().max()
 
 
-# ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data only
-def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit(data, tmp_path, monkeypatch, capsys):
+# ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data
+# only
+def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit(
+    data, tmp_path, monkeypatch, capsys
+):
     assert run(tmp_path, data, "--max_iters", "14", name="whole") == 0
     get_batch, calls = train.get_batch, []
 
-    def ctrl_c(*a):  # during the validation at batch 5 (calls 6 and 7): the run stops after batch 6
+    def ctrl_c(
+        *a,
+    ):  # during the validation at batch 5 (calls 6 and 7): the run stops after batch 6
         calls.append(1)
         if len(calls) == 7:
             os.kill(os.getpid(), signal.SIGINT)
         return get_batch(*a)
 
     monkeypatch.setattr(train, "get_batch", ctrl_c)
-    rc, out = run(tmp_path, data, "--max_iters", "14", "--lr", "0.001"), str(tmp_path / "run")
-    assert rc == 130 and ckpt_iter(out) == 6 and "SIGINT: stopped at batch 6" in capsys.readouterr().out
+    rc, out = (
+        run(tmp_path, data, "--max_iters", "14", "--lr", "0.001"),
+        str(tmp_path / "run"),
+    )
+    assert (
+        rc == 130
+        and ckpt_iter(out) == 6
+        and "SIGINT: stopped at batch 6" in capsys.readouterr().out
+    )
     monkeypatch.setattr(train, "get_batch", get_batch)
     with open(os.path.join(out, "log.csv"), "a") as f:
-        f.write("7,1.5,,0.001,1.0,1.0\n8,2.")  # rows logged after the checkpoint, one cut: dropped
-    assert train.main(["--out_dir", out, "--resume", "--max_iters", "14"]) == 0  # the rest from ckpt.pt
+        f.write(
+            "7,1.5,,0.001,1.0,1.0\n8,2."
+        )  # rows logged after the checkpoint, one cut: dropped
+    assert (
+        train.main(["--out_dir", out, "--resume", "--max_iters", "14"]) == 0
+    )  # the rest from ckpt.pt
     assert losses(out) == losses(str(tmp_path / "whole")) and len(losses(out)) == 14
 
 
 def test_resume_keeps_the_runs_settings_and_data(data, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters", "5", "--lr", "0.003") == 0
-    assert train.main(["--out_dir", out, "--resume", "--max_iters", "10", "--log_interval", "2"]) == 0
+    assert (
+        train.main(
+            ["--out_dir", out, "--resume", "--max_iters", "10", "--log_interval", "2"]
+        )
+        == 0
+    )
     args = json.load(open(os.path.join(out, "run.json")))["args"]
     assert (args["lr"], args["log_interval"], args["n_layer"]) == (0.003, 2, 2)
-    for flag, says in ("--dtype=bfloat16", "trained with --dtype float32"), ("--lr=0.001", "--lr 0.003"):
-        assert says in error_line(capsys, train.main, ["--out_dir", out, "--resume", flag])
+    for flag, says in (
+        ("--dtype=bfloat16", "trained with --dtype float32"),
+        ("--lr=0.001", "--lr 0.003"),
+    ):
+        assert says in error_line(
+            capsys, train.main, ["--out_dir", out, "--resume", flag]
+        )
     other = f"--data_dir={make_data(tmp_path / 'other', seed=1)}"
-    said = error_line(capsys, train.main, ["--out_dir", out, "--resume", "--max_iters=20", other])
-    assert "trained on other data (train_sha256, val_sha256 differ)" in said and ckpt_iter(out) == 10
-    assert "nothing to train" in (train.main(["--out_dir", out, "--resume"]) or capsys.readouterr().out)
+    said = error_line(
+        capsys, train.main, ["--out_dir", out, "--resume", "--max_iters=20", other]
+    )
+    assert (
+        "trained on other data (train_sha256, val_sha256 differ)" in said
+        and ckpt_iter(out) == 10
+    )
+    assert "nothing to train" in (
+        train.main(["--out_dir", out, "--resume"]) or capsys.readouterr().out
+    )
 
 
 # ---- the run folder: one run each
@@ -1482,19 +2426,28 @@ def test_a_folder_holds_one_run(data, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters", "5") == 0
     before = files(out)
-    assert "holds a run: --resume continues it" in error_line(capsys, run, tmp_path, data, "--max_iters", "5")
+    assert "holds a run: --resume continues it" in error_line(
+        capsys, run, tmp_path, data, "--max_iters", "5"
+    )
     assert files(out) == before
     with train.locked(out):  # a train.py working in the folder
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "9", "--resume")
     assert "another train.py is running in" in said and files(out) == before
-    assert run(tmp_path, data, "--max_iters", "3", "--overwrite") == 0 and ckpt_iter(out) == 3
+    assert (
+        run(tmp_path, data, "--max_iters", "3", "--overwrite") == 0
+        and ckpt_iter(out) == 3
+    )
     assert len(log_rows(out)) == 3  # the old run's log is gone with it
-    os.remove(os.path.join(out, "ckpt.pt"))  # now the folder holds no run: a plain command starts it
+    os.remove(
+        os.path.join(out, "ckpt.pt")
+    )  # now the folder holds no run: a plain command starts it
     assert "drop --resume" in error_line(capsys, run, tmp_path, data, "--resume")
     assert run(tmp_path, data, "--max_iters", "4") == 0 and ckpt_iter(out) == 4
 
 
-def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, monkeypatch, capsys):
+def test_checkpoints_are_written_whole_or_not_at_all(
+    data, tmp_path, monkeypatch, capsys
+):
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters", "5") == 0
     save = torch.save
@@ -1504,47 +2457,96 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, monkeypatch
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    said = error_line(capsys, train.main, ["--out_dir", out, "--resume", "--max_iters", "10"])
-    assert said == f"error: cannot write {out}/ckpt.pt (No space left on device); the last checkpoint stays"
-    assert ckpt_iter(out) == 5 and [n for n in os.listdir(out) if n.endswith(".tmp")] == []
+    said = error_line(
+        capsys, train.main, ["--out_dir", out, "--resume", "--max_iters", "10"]
+    )
+    assert (
+        said
+        == f"error: cannot write {out}/ckpt.pt (No space left on device); the last checkpoint stays"
+    )
+    assert (
+        ckpt_iter(out) == 5 and [n for n in os.listdir(out) if n.endswith(".tmp")] == []
+    )
 
 
-def test_a_cost_that_is_not_finite_ends_the_run_keeping_the_last_checkpoint(data, tmp_path, capsys):
-    said = error_line(capsys, run, tmp_path, data, "--lr=1e30", "--max_iters=50", "--ckpt_interval=1")
+def test_a_cost_that_is_not_finite_ends_the_run_keeping_the_last_checkpoint(
+    data, tmp_path, capsys
+):
+    said = error_line(
+        capsys, run, tmp_path, data, "--lr=1e30", "--max_iters=50", "--ckpt_interval=1"
+    )
     assert "the training cost became nan at batch" in said and "--grad_clip" in said
     bad = int(said.split("at batch ")[1].split(";")[0])
     assert ckpt_iter(str(tmp_path / "run")) < bad
 
 
-def test_time_limit_stops_at_a_checkpoint_before_the_time_is_up(data, tmp_path, monkeypatch, capsys):
+def test_time_limit_stops_at_a_checkpoint_before_the_time_is_up(
+    data, tmp_path, monkeypatch, capsys
+):
     clock, get_batch = [1000.0], train.get_batch
     monkeypatch.setattr(train.time, "time", lambda: clock[0])
-    monkeypatch.setattr(train, "get_batch", lambda *a: clock.__setitem__(0, clock[0] + 1) or get_batch(*a))
-    rc = run(tmp_path, data, "--max_iters", "100", "--time_limit", "0.5m", "--eval_batches", "0")
-    assert rc == 0 and "--time_limit: stopped at batch 24 with a checkpoint" in capsys.readouterr().out
-    assert ckpt_iter(str(tmp_path / "run")) == 24  # 24 s + 2 x the slowest batch + 5 s (a guess at a
-    # checkpoint's time, before one was measured) > 30 s: the checkpoint is written with time to spare
+    monkeypatch.setattr(
+        train,
+        "get_batch",
+        lambda *a: clock.__setitem__(0, clock[0] + 1) or get_batch(*a),
+    )
+    rc = run(
+        tmp_path,
+        data,
+        "--max_iters",
+        "100",
+        "--time_limit",
+        "0.5m",
+        "--eval_batches",
+        "0",
+    )
+    assert (
+        rc == 0
+        and "--time_limit: stopped at batch 24 with a checkpoint"
+        in capsys.readouterr().out
+    )
+    assert (
+        ckpt_iter(str(tmp_path / "run")) == 24
+    )  # 24 s + 2 x the slowest batch + 5 s (a guess at a
+    # checkpoint's time, before one was measured) > 30 s: the checkpoint is written with
+    # time to spare
 
 
 # ---- what a run writes: log.csv, run.json, the console
 def test_log_run_json_and_console(data, tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert run(tmp_path, data, "--max_iters", "12", "--mixer", "sa", "--n_layer", "1") == 0
+    assert (
+        run(tmp_path, data, "--max_iters", "12", "--mixer", "sa", "--n_layer", "1") == 0
+    )
     console = capsys.readouterr().out
     rows = log_rows(out)
-    assert [int(r["iter"]) for r in rows] == list(range(1, 13)) and rows[0]["lr"] == "0.001"
-    assert [r["iter"] for r in rows if r["val_loss"]] == ["5", "10", "12"]  # every 5 and at the end
+    assert [int(r["iter"]) for r in rows] == list(range(1, 13)) and rows[0][
+        "lr"
+    ] == "0.001"
+    assert [r["iter"] for r in rows if r["val_loss"]] == [
+        "5",
+        "10",
+        "12",
+    ]  # every 5 and at the end
     assert [line.split(" |")[0] for line in console.splitlines() if line.startswith("iter")] == [
         "iter 5/12", "iter 10/12", "iter 12/12"]  # fmt: skip
     mean = sum(float(r["train_loss"]) for r in rows[5:10]) / 5
-    assert f"iter 10/12 | loss {mean:.4f} | val {float(rows[9]['val_loss']):.4f} |" in console
+    assert (
+        f"iter 10/12 | loss {mean:.4f} | val {float(rows[9]['val_loss']):.4f} |"
+        in console
+    )
     info = json.load(open(os.path.join(out, "run.json")))
     assert info["config"] == dict(vocab_size=64, block_size=8, n_embd=16, n_hidden=32, n_layer=1, n_head=4,
                                   dropout=0.1, mixer="sa")  # fmt: skip
     assert info["params"]["mixers"] == 4 * 16 * 16 and info["data"]["train_sha256"] == json.load(
         open(os.path.join(data, "meta.json")))["train_sha256"]  # fmt: skip
-    assert info["computed"]["device"] == str(DEVICE) and info["computed"]["torch"] == torch.__version__
-    assert info["computed"]["step"] == ("CapturedStep" if DEVICE.type == "cuda" else "eager")
+    assert (
+        info["computed"]["device"] == str(DEVICE)
+        and info["computed"]["torch"] == torch.__version__
+    )
+    assert info["computed"]["step"] == (
+        "CapturedStep" if DEVICE.type == "cuda" else "eager"
+    )
     assert info["peak_memory_mb"] > 0 and f"{info['peak_memory_is']}: " in console
 
 
@@ -1556,15 +2558,28 @@ def test_log_run_json_and_console(data, tmp_path, capsys):
     (["--weight_decay", "0.1", "--data_seed", "7"], "sa-32-wd0.1-dseed7"),
 ])  # fmt: skip
 def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags, name):
-    assert train.default_out_dir(train.build_parser().parse_args(flags)) == os.path.join("out", name)
+    assert train.default_out_dir(
+        train.build_parser().parse_args(flags)
+    ) == os.path.join("out", name)
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
 def start_run(tmp_path, data, *more):
-    """train.py in a subprocess, its console in a pipe, once its first progress line has come."""
+    """train.py in a subprocess, its console in a pipe, once its first progress line
+    has come.
+    """
     out = str(tmp_path / "sub")
-    flags = TINY + f"--data_dir {data} --out_dir {out} --max_iters 100000 --log_interval 10".split() + [*more]
-    p = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, text=True, stdout=subprocess.PIPE)
+    flags = (
+        TINY
+        + f"--data_dir {data} --out_dir {out} --max_iters 100000 --log_interval 10".split()
+        + [*more]
+    )
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *flags],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+    )
     while not p.stdout.readline().startswith("iter "):
         assert p.poll() is None
     return p, out
@@ -1576,15 +2591,22 @@ def test_kill_and_hangup_stop_with_a_checkpoint(sig, data, tmp_path):
     p, out = start_run(tmp_path, data)
     p.send_signal(sig)
     rest = p.communicate(timeout=60)[0]
-    assert p.returncode == 128 + sig and f"{signal.Signals(sig).name}: stopped at batch" in rest
+    assert (
+        p.returncode == 128 + sig
+        and f"{signal.Signals(sig).name}: stopped at batch" in rest
+    )
     assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, ckpt_iter(out) + 1))
 
 
 @pytest.mark.slow
-def test_a_closed_stdout_stops_like_a_signal_and_kill_9_resumes_from_the_checkpoint(data, tmp_path):
+def test_a_closed_stdout_stops_like_a_signal_and_kill_9_resumes_from_the_checkpoint(
+    data, tmp_path
+):
     p, out = start_run(tmp_path, data, "--log_interval", "1")
     p.stdout.close()  # | head: the reader has gone
-    assert p.wait(timeout=60) == 128 + signal.SIGPIPE and ckpt_iter(out) >= 2  # a batch or two later
+    assert (
+        p.wait(timeout=60) == 128 + signal.SIGPIPE and ckpt_iter(out) >= 2
+    )  # a batch or two later
     p, out = start_run(tmp_path, data, "--ckpt_interval", "10", "--resume")
     time.sleep(0.5)
     p.kill()  # kill -9: no checkpoint now; the last one stands
@@ -1596,8 +2618,19 @@ def test_a_closed_stdout_stops_like_a_signal_and_kill_9_resumes_from_the_checkpo
 
 @pytest.mark.slow
 def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
-    """torchrun with 2 CPU processes (gloo) splits each batch; the log holds each whole batch's loss."""
-    flags = TINY + ["--data_dir", data, "--max_iters", "6", "--device", "cpu", "--dropout", "0"]
+    """torchrun with 2 CPU processes (gloo) splits each batch; the log holds each whole
+    batch's loss.
+    """
+    flags = TINY + [
+        "--data_dir",
+        data,
+        "--max_iters",
+        "6",
+        "--device",
+        "cpu",
+        "--dropout",
+        "0",
+    ]
     torchrun = [
         sys.executable,
         "-m",
@@ -1608,10 +2641,18 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
     ]
     r = subprocess.run(torchrun + flags + ["--out_dir", str(tmp_path / "ddp")], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert r.returncode == 0 and r.stdout.count("iter 6/6") == 1, r.stdout + r.stderr[-2000:]
+    assert r.returncode == 0 and r.stdout.count("iter 6/6") == 1, (
+        r.stdout + r.stderr[-2000:]
+    )
     assert train.main(flags + ["--out_dir", str(tmp_path / "one")]) == 0
-    for a, b in zip(losses(str(tmp_path / "ddp")), losses(str(tmp_path / "one")), strict=True):
-        assert a[0] == b[0] and abs(float(a[1]) - float(b[1])) < 1e-5 and bool(a[2]) == bool(b[2])
+    for a, b in zip(
+        losses(str(tmp_path / "ddp")), losses(str(tmp_path / "one")), strict=True
+    ):
+        assert (
+            a[0] == b[0]
+            and abs(float(a[1]) - float(b[1])) < 1e-5
+            and bool(a[2]) == bool(b[2])
+        )
 
 
 # ---- on a GPU: the captured step is the eager step
@@ -1619,23 +2660,48 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
 @pytest.mark.device
 @pytest.mark.parametrize("mixer", ["sa", "she", "he", "we", "me", "he-ext"])
 def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
-    """3 eager warm-up steps, the capture, 5 replays, with dropout and clipping on, in float32 and bf16:
-    the same losses, parameters and AdamW moments to the bit, and the CUDA generator where the eager steps
-    leave it (so a checkpoint's RNG state continues the run)."""
-    cfg = Config(vocab_size=50, block_size=16, n_embd=16, n_hidden=32, n_layer=2, n_head=4, mixer=mixer)
-    batches = torch.randint(0, 50, (9, 4, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    """3 eager warm-up steps, the capture, 5 replays, with dropout and clipping on, in
+    float32 and bf16: the same losses, parameters and AdamW moments to the bit, and the
+    CUDA generator where the eager steps leave it (so a checkpoint's RNG state continues
+    the run)."""
+    cfg = Config(
+        vocab_size=50,
+        block_size=16,
+        n_embd=16,
+        n_hidden=32,
+        n_layer=2,
+        n_head=4,
+        mixer=mixer,
+    )
+    batches = torch.randint(
+        0, 50, (9, 4, 17), generator=torch.Generator().manual_seed(0)
+    ).to(DEVICE)
     for dtype in ("float32", "bfloat16"):
         ends = []
         for captured in (False, True):
             torch.manual_seed(0)
             model = Transformer(cfg).to(DEVICE)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=1e-2, fused=True, capturable=True
+            )
             ctx, scaler = train.precision(DEVICE, dtype)
-            step = functools.partial(train.train_step, model, opt, scaler, ctx, grad_clip=0.5)
+            step = functools.partial(
+                train.train_step, model, opt, scaler, ctx, grad_clip=0.5
+            )
             step = train.CapturedStep(step) if captured else step
-            loss = torch.stack([step(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches])
-            moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-            ends.append((loss, list(model.parameters()) + moments, torch.cuda.get_rng_state(DEVICE)))
+            loss = torch.stack(
+                [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
+            )
+            moments = [
+                s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")
+            ]
+            ends.append(
+                (
+                    loss,
+                    list(model.parameters()) + moments,
+                    torch.cuda.get_rng_state(DEVICE),
+                )
+            )
         (loss_e, tensors_e, rng_e), (loss_g, tensors_g, rng_g) = ends
         assert torch.equal(loss_g, loss_e) and torch.equal(rng_g, rng_e), dtype
         assert all(torch.equal(a, b) for a, b in zip(tensors_g, tensors_e)), dtype
@@ -1648,60 +2714,119 @@ WORDS = "the a little old fox owl hen miller river garden moon sang found carrie
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """prepare_data.py's outputs for three made-up books, and a tiny sa run trained on them."""
+    """prepare_data.py's outputs for three made-up books, and a tiny sa run trained on
+    them.
+    """
     root = tmp_path_factory.mktemp("prepared")
     rng, books, ids = np.random.default_rng(0), root / "books", (101, 102, 103)
     books.mkdir()
     for i in ids:
         text = " ".join(rng.choice(WORDS.split() + ["—", "naïve", "café"], 3000))
         marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
-        (books / f"{i}.txt").write_text(marker.format("START") + text + "\n" + marker.format("END"))
-    (root / "books.tsv").write_text("".join(f"{k}\t{i}\tTales {i}\n" for k, i in enumerate(ids)))
-    argv = ["--source", str(books), "--books", str(root / "books.tsv"), "--data_dir", str(root / "data")]
+        (books / f"{i}.txt").write_text(
+            marker.format("START") + text + "\n" + marker.format("END")
+        )
+    (root / "books.tsv").write_text(
+        "".join(f"{k}\t{i}\tTales {i}\n" for k, i in enumerate(ids))
+    )
+    argv = [
+        "--source",
+        str(books),
+        "--books",
+        str(root / "books.tsv"),
+        "--data_dir",
+        str(root / "data"),
+    ]
     assert prepare_data.main(argv + ["--vocab_size", "300", "--min_chars", "1000"]) == 0
     out, data = str(root / "run"), f"--data_dir={root / 'data'}"
-    assert train.main(TINY + ["--mixer=sa", data, f"--out_dir={out}", "--max_iters=30"]) == 0
+    assert (
+        train.main(TINY + ["--mixer=sa", data, f"--out_dir={out}", "--max_iters=30"])
+        == 0
+    )
     return str(root / "data"), out
 
 
-def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(prepared, monkeypatch, capsys):
+def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
+    prepared, monkeypatch, capsys
+):
     enc = prepare_data.load_tokenizer(prepared[0])
     ids = [
         enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]
     ]  # a token each byte, the last cut
     model, ckpt = sample.load_model(prepared[1], torch.device("cpu"))
-    monkeypatch.setattr(model, "generate_stream", lambda *a, **kw: (torch.tensor([[i]]) for i in ids))
+    monkeypatch.setattr(
+        model, "generate_stream", lambda *a, **kw: (torch.tensor([[i]]) for i in ids)
+    )
     monkeypatch.setattr(sample, "load_model", lambda *a: (model, ckpt))
-    assert sample.main(["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"]) == 0
-    assert capsys.readouterr().out == "é€ ok\ufffd\n"  # (what a cut character becomes at the end)
+    assert (
+        sample.main(["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"])
+        == 0
+    )
+    assert (
+        capsys.readouterr().out == "é€ ok\ufffd\n"
+    )  # (what a cut character becomes at the end)
 
 
-def test_sample_continues_a_long_prompt_from_its_last_l_tokens(prepared, tmp_path, capsys):
-    enc, l, ckpt = prepare_data.load_tokenizer(prepared[0]), 8, torch.load(prepared[1] + "/ckpt.pt")
+def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
+    prepared, tmp_path, capsys
+):
+    enc, l, ckpt = (
+        prepare_data.load_tokenizer(prepared[0]),
+        8,
+        torch.load(prepared[1] + "/ckpt.pt"),
+    )
     g = torch.Generator().manual_seed(0)
     for w in ckpt["model"].values():
         w.normal_(0, 0.3, generator=g)  # distinct logits: greedy choices are no ties
     torch.save(ckpt, tmp_path / "ckpt.pt")
-    ids = enc.encode("the little old fox sang over the river and the miller found the moon under a garden")
-    head, tail = enc.decode(ids[:l]), enc.decode(ids[-l:])  # the first and the last l tokens, as text
+    ids = enc.encode(
+        "the little old fox sang over the river and the miller found the moon under a garden"
+    )
+    head, tail = (
+        enc.decode(ids[:l]),
+        enc.decode(ids[-l:]),
+    )  # the first and the last l tokens, as text
     assert len(ids) > l and enc.encode(head) == ids[:l] and enc.encode(tail) == ids[-l:]
 
     def greedy(prompt):  # the new text of a greedy sample, and what was said on stderr
-        argv = ["--out_dir", str(tmp_path), "--prompt", prompt, "--temperature=0", "--max_new_tokens=8"]
+        argv = [
+            "--out_dir",
+            str(tmp_path),
+            "--prompt",
+            prompt,
+            "--temperature=0",
+            "--max_new_tokens=8",
+        ]
         assert sample.main(argv) == 0
         said = capsys.readouterr()
         return said.out[len(prompt) :], said.err
 
-    (new, err), (from_tail, _), (from_head, _) = greedy(enc.decode(ids)), greedy(tail), greedy(head)
-    assert "it goes on from the last l" in err and from_head != from_tail  # the windows differ: it can fail
+    (new, err), (from_tail, _), (from_head, _) = (
+        greedy(enc.decode(ids)),
+        greedy(tail),
+        greedy(head),
+    )
+    assert (
+        "it goes on from the last l" in err and from_head != from_tail
+    )  # the windows differ: it can fail
     assert new == from_tail
 
 
-def test_sample_is_reproducible_and_refuses_what_it_cannot_use(prepared, tmp_path, capsys):
+def test_sample_is_reproducible_and_refuses_what_it_cannot_use(
+    prepared, tmp_path, capsys
+):
     data, out = prepared
     texts = []
-    for flags in (["--seed=1"], ["--seed=1"], ["--temperature=0", "--seed=2"], ["--temperature=0"]):
-        assert sample.main(["--out_dir", out + "/ckpt.pt", "--max_new_tokens=20", *flags]) == 0
+    for flags in (
+        ["--seed=1"],
+        ["--seed=1"],
+        ["--temperature=0", "--seed=2"],
+        ["--temperature=0"],
+    ):
+        assert (
+            sample.main(["--out_dir", out + "/ckpt.pt", "--max_new_tokens=20", *flags])
+            == 0
+        )
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
     other = tmp_path / "other"
@@ -1710,101 +2835,220 @@ def test_sample_is_reproducible_and_refuses_what_it_cannot_use(prepared, tmp_pat
         (other / "tokenizer.tiktoken").write_bytes(f.read()[:-20])
     said = error_line(capsys, sample.main, ["--out_dir", out, "--data_dir", str(other)])
     assert "not the tokenizer the run was trained with" in said
-    assert "no checkpoint" in error_line(capsys, sample.main, ["--out_dir", str(tmp_path / "none")])
-    assert "finite number" in error_line(capsys, sample.main, ["--out_dir", out, "--temperature=inf"])
+    assert "no checkpoint" in error_line(
+        capsys, sample.main, ["--out_dir", str(tmp_path / "none")]
+    )
+    assert "finite number" in error_line(
+        capsys, sample.main, ["--out_dir", out, "--temperature=inf"]
+    )
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    assert "it is damaged" in error_line(capsys, sample.main, ["--out_dir", str(tmp_path / "bad.pt")])
+    assert "it is damaged" in error_line(
+        capsys, sample.main, ["--out_dir", str(tmp_path / "bad.pt")]
+    )
 
 
-def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(prepared, tmp_path, monkeypatch):
-    (tmp_path / "mymixers.py").write_text(USER_MIXER)  # the find_mixer test's: a module of one's own
+def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(
+    prepared, tmp_path, monkeypatch
+):
+    (tmp_path / "mymixers.py").write_text(
+        USER_MIXER
+    )  # the find_mixer test's: a module of one's own
     monkeypatch.syspath_prepend(str(tmp_path))
     out = str(tmp_path / "mean")
-    assert run(tmp_path, prepared[0], "--mixer=mymixers.Mean", "--max_iters=3", f"--out_dir={out}") == 0
+    assert (
+        run(
+            tmp_path,
+            prepared[0],
+            "--mixer=mymixers.Mean",
+            "--max_iters=3",
+            f"--out_dir={out}",
+        )
+        == 0
+    )
     assert sample.main(["--out_dir", out, "--max_new_tokens", "5"]) == 0
 
 
 @pytest.mark.slow
 def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     rc, out, err = run_script("train.py", "--n_layer", "0")
-    assert rc == 1 and err.startswith("error: n_layer must be a positive integer") and err.count("\n") == 1
+    assert (
+        rc == 1
+        and err.startswith("error: n_layer must be a positive integer")
+        and err.count("\n") == 1
+    )
     for mixer in ("sa", "me"):
-        flags = [f"--mixer={mixer}", f"--data_dir={prepared[0]}", "--max_iters=60", "--lr=3e-3"]
+        flags = [
+            f"--mixer={mixer}",
+            f"--data_dir={prepared[0]}",
+            "--max_iters=60",
+            "--lr=3e-3",
+        ]
         rc, out, err = run_script(
-            "-X", "importtime", "train.py", *TINY, *flags, f"--out_dir={tmp_path / mixer}"
+            "-X",
+            "importtime",
+            "train.py",
+            *TINY,
+            *flags,
+            f"--out_dir={tmp_path / mixer}",
         )
-        imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import ")}
+        imported = {
+            line.split("|")[-1].strip()
+            for line in err.splitlines()
+            if line.startswith("import ")
+        }
         assert {"extractor", "fir", "prepare_data"} <= imported and not {
             "synthesizer",
             "matplotlib",
         } & imported
         costs = [float(r["train_loss"]) for r in log_rows(str(tmp_path / mixer))]
-        assert rc == 0 and len(costs) == 60 and np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3  # it learns
+        assert (
+            rc == 0
+            and len(costs) == 60
+            and np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3
+        )  # it learns
     command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'} --max_new_tokens 500 | head -c 20"
     r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
-    assert r.stdout.startswith("Once upon a time") and len(r.stdout) == 20 and "Traceback" not in r.stderr
+    assert (
+        r.stdout.startswith("Once upon a time")
+        and len(r.stdout) == 20
+        and "Traceback" not in r.stderr
+    )
 
 
-# ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment check ========
+# ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
+# check ========
 SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
 
 
 @pytest.mark.slow
-def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(data, tmp_path, monkeypatch):
+def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
+    data, tmp_path, monkeypatch
+):
     import reproduce
 
     results, work = tmp_path / "results", str(tmp_path / "work")
-    argv = ["--device=cpu", f"--data_dir={data}", f"--work={work}", f"--results={results}"]
+    argv = [
+        "--device=cpu",
+        f"--data_dir={data}",
+        f"--work={work}",
+        f"--results={results}",
+    ]
     runs = {"sa-1": [*SIZES, "--mixer=sa", "--n_head=1"], "me": [*SIZES, "--mixer=me"]}
     for n in (20, 40):  # a second call goes on from the first's checkpoints
-        monkeypatch.setattr(reproduce, "RUNS", {k: v + [f"--max_iters={n}"] for k, v in runs.items()})
+        monkeypatch.setattr(
+            reproduce, "RUNS", {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
+        )
         assert reproduce.main(argv) == 0
     for name in ("sa-1", "me"):
         with gzip.open(results / "logs" / "table1" / name / "log.csv.gz", "rt") as f:
             assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
-        assert "training from batch 20 to 40" in open(os.path.join(work, name, "console.txt")).read()
-    for name in ("sa-1", "me"):  # the "CPU runs": these models trained here, 100 batches each
+        assert (
+            "training from batch 20 to 40"
+            in open(os.path.join(work, name, "console.txt")).read()
+        )
+    for name in (
+        "sa-1",
+        "me",
+    ):  # the "CPU runs": these models trained here, 100 batches each
         cpu = results / "logs" / "table1-cpu" / name
-        flags = [*runs[name], "--max_iters=100", f"--data_dir={data}", f"--out_dir={tmp_path / name}"]
+        flags = [
+            *runs[name],
+            "--max_iters=100",
+            f"--data_dir={data}",
+            f"--out_dir={tmp_path / name}",
+        ]
         assert train.main(flags + ["--device=cpu"]) == 0
         os.makedirs(cpu)
-        with open(tmp_path / name / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
+        with (
+            open(tmp_path / name / "log.csv", "rb") as f,
+            gzip.open(cpu / "log.csv.gz", "wb") as g,
+        ):
             g.write(f.read())
     assert reproduce.main(argv + ["--check"]) == 0
-    assert "passed: every 10-batch window within 0.05" in (results / "gpu" / "check.txt").read_text()
+    assert (
+        "passed: every 10-batch window within 0.05"
+        in (results / "gpu" / "check.txt").read_text()
+    )
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "rt") as f:
         rows = list(csv.reader(f))
-    rows[35][1] = str(float(rows[35][1]) - 0.6)  # batch 35: its window's mean 0.06 lower on the "CPU"
+    rows[35][1] = str(
+        float(rows[35][1]) - 0.6
+    )  # batch 35: its window's mean 0.06 lower on the "CPU"
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "wt") as f:
         csv.writer(f).writerows(rows)
     assert reproduce.main(argv + ["--check"]) == 1
     table = (results / "gpu" / "check.txt").read_text().splitlines()
-    assert table[-2].startswith("me ") and "+0.0600" in table[-2] and table[-1].startswith("FAILED")
+    assert (
+        table[-2].startswith("me ")
+        and "+0.0600" in table[-2]
+        and table[-1].startswith("FAILED")
+    )
 
 
-# ======== tools: plots and CSVs (plot.py), what the mixers learned (taps.py), results/ ========
-def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, start=1, data=None, **config):
-    """A run folder as train.py writes it, of made-up costs from batch `start` on (validation: cost - 0.5)."""
-    cfg = {"mixer": mixer, "n_head": n_head, "n_layer": 2, "block_size": 32, "vocab_size": 50} | config
-    run = {"config": cfg, "args": dict(seed=seed, data_seed=data_seed), "params": {"mixers": 7}, "data": data}
+# ======== tools: plots and CSVs (plot.py), what the mixers learned (taps.py), results/
+# ========
+def _run(
+    folder,
+    mixer,
+    losses,
+    n_head=1,
+    val_every=5,
+    seed=1,
+    data_seed=1,
+    start=1,
+    data=None,
+    **config,
+):
+    """A run folder as train.py writes it, of made-up costs from batch `start` on
+    (validation: cost - 0.5).
+    """
+    cfg = {
+        "mixer": mixer,
+        "n_head": n_head,
+        "n_layer": 2,
+        "block_size": 32,
+        "vocab_size": 50,
+    } | config
+    run = {
+        "config": cfg,
+        "args": dict(seed=seed, data_seed=data_seed),
+        "params": {"mixers": 7},
+        "data": data,
+    }
     os.makedirs(folder)
     json.dump(run, open(f"{folder}/run.json", "w"))
     val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
-    rows = [f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}" for i, x in enumerate(losses, start)]
+    rows = [
+        f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
+        for i, x in enumerate(losses, start)
+    ]
     header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
-    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))  # 7: a row half-written, as it runs
+    open(f"{folder}/log.csv", "w").write(
+        "\n".join([header, *rows, "7"])
+    )  # 7: a row half-written, as it runs
     return str(folder)
 
 
 _csv = lambda path: list(csv.reader(open(path, newline="")))
-_lines = lambda ax: {line.get_label(): line.get_xydata().T.tolist() for line in ax.lines}  # label: [x, y]
-_random = lambda seed, *ns: [[random.Random(seed + n).uniform(3, 6) for _ in range(n)] for n in ns]
+_lines = lambda ax: {
+    line.get_label(): line.get_xydata().T.tolist() for line in ax.lines
+}  # label: [x, y]
+_random = lambda seed, *ns: [
+    [random.Random(seed + n).uniform(3, 6) for _ in range(n)] for n in ns
+]
 
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures plot.py and taps.py draw, titled and kept for the test instead of written."""
-    drawn, keep = [], lambda fig, path, title=None: drawn.append(fig) or title and fig.suptitle(title)
+    """The figures plot.py and taps.py draw, titled and kept for the test instead of
+    written.
+    """
+    drawn, keep = (
+        [],
+        lambda fig, path, title=None: (
+            drawn.append(fig) or title and fig.suptitle(title)
+        ),
+    )
     for module in (plot, taps):
         monkeypatch.setattr(module, "save", keep)
     yield drawn
@@ -1813,117 +3057,297 @@ def figures(monkeypatch):
 
 @pytest.mark.slow
 def test_plot_imports_without_torch():
-    code = "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
-    assert subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "experiments")).returncode == 0
+    code = (
+        "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
+    )
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=os.path.join(ROOT, "experiments")
+        ).returncode
+        == 0
+    )
 
 
-def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(tmp_path, capsys, figures):
+def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
+    tmp_path, capsys, figures
+):
     (sa, she), out = _random(0, 2500, 2100), tmp_path / "my results"
-    runs = [_run(tmp_path / "b", "she", she, 1, 500), _run(tmp_path / "a", "sa", sa, 32, 500)]  # named order
-    seed = _run(tmp_path / "c", "she", she[:1200], 1, 500, 2)  # another seed, 1200 batches: seeds.csv
-    argv = runs + ["--window", "400", "--results", str(out), "-o", str(out / "f 1.png"), "--seeds", seed]
-    written = [str(out / f) for f in ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")]
-    assert plot.main(argv) == 0 and shlex.split(capsys.readouterr().out) == ["wrote", *written]  # all of it
-    med = lambda x, b: repr(median(x[b - 400 : b])) if b <= len(x) else ""  # she: 5 windows, sa-32: 6
+    runs = [
+        _run(tmp_path / "b", "she", she, 1, 500),
+        _run(tmp_path / "a", "sa", sa, 32, 500),
+    ]  # named order
+    seed = _run(
+        tmp_path / "c", "she", she[:1200], 1, 500, 2
+    )  # another seed, 1200 batches: seeds.csv
+    argv = runs + [
+        "--window",
+        "400",
+        "--results",
+        str(out),
+        "-o",
+        str(out / "f 1.png"),
+        "--seeds",
+        seed,
+    ]
+    written = [
+        str(out / f)
+        for f in ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
+    ]
+    assert plot.main(argv) == 0 and shlex.split(capsys.readouterr().out) == [
+        "wrote",
+        *written,
+    ]  # all of it
+    med = lambda x, b: (
+        repr(median(x[b - 400 : b])) if b <= len(x) else ""
+    )  # she: 5 windows, sa-32: 6
     rows = [[str(b), med(sa, b), med(she, b)] for b in range(400, 2401, 400)]
     assert _csv(out / "medians.csv") == [["batches", "sa-32", "she"]] + rows
     v = lambda x, b: repr(x[b - 1] - 0.5) if b <= len(x) else ""
-    assert _csv(out / "val_loss.csv")[1:] == [[str(b), v(sa, b), v(she, b)] for b in range(500, 3000, 500)]
-    last = [repr(median(she[-n:])) for n in (1000, 2000)]  # tokens/s: 1001, 1002, 1000, 1001, ...
-    assert _csv(out / "summary.csv")[2] == ["she", "2100", *last, v(she, 2000), "2000", "7", "", "1001"]
-    at = lambda m, s, x: [m, s, "1", "1200", repr(median(x[200:1200])), v(x, 1000)]  # the shortest run's
-    assert _csv(out / "seeds.csv")[1:] == [at("sa-32", "1", sa), at("she", "1", she), at("she", "2", she)]
+    assert _csv(out / "val_loss.csv")[1:] == [
+        [str(b), v(sa, b), v(she, b)] for b in range(500, 3000, 500)
+    ]
+    last = [
+        repr(median(she[-n:])) for n in (1000, 2000)
+    ]  # tokens/s: 1001, 1002, 1000, 1001, ...
+    assert _csv(out / "summary.csv")[2] == [
+        "she",
+        "2100",
+        *last,
+        v(she, 2000),
+        "2000",
+        "7",
+        "",
+        "1001",
+    ]
+    at = lambda m, s, x: [
+        m,
+        s,
+        "1",
+        "1200",
+        repr(median(x[200:1200])),
+        v(x, 1000),
+    ]  # the shortest run's
+    assert _csv(out / "seeds.csv")[1:] == [
+        at("sa-32", "1", sa),
+        at("she", "1", she),
+        at("she", "2", she),
+    ]
     assert plot.main(argv + ["--batches", "1600"]) == 0  # the runs at one length
     assert _csv(out / "summary.csv")[2][1:3] == ["1600", repr(median(she[600:1600]))]
 
 
-def test_plot_one_run_without_o_draws_its_chart_in_its_folder(tmp_path, capsys, monkeypatch):
-    run, drawn, save = _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30), [], plot.save
-    monkeypatch.setattr(plot, "save", lambda fig, path: drawn.append(_lines(fig.axes[0])) or save(fig, path))
+def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
+    tmp_path, capsys, monkeypatch
+):
+    run, drawn, save = (
+        _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30),
+        [],
+        plot.save,
+    )
+    monkeypatch.setattr(
+        plot,
+        "save",
+        lambda fig, path: drawn.append(_lines(fig.axes[0])) or save(fig, path),
+    )
     monkeypatch.chdir(tmp_path)
-    assert plot.main([run]) == 0 and os.listdir(tmp_path) == ["me"]  # nothing in the working folder
-    assert capsys.readouterr().out == f"wrote {run}/loss.png\n" and os.path.getsize(f"{run}/loss.png") > 1000
-    assert [x for x, _ in drawn[0].values()] == [[*range(1, 91)], [*range(3, 91, 3)], [30, 60, 90]]
-    assert "name it with -o" in error_line(capsys, plot.main, [run, _run(tmp_path / "he", "he", [5] * 90)])
+    assert plot.main([run]) == 0 and os.listdir(tmp_path) == [
+        "me"
+    ]  # nothing in the working folder
+    assert (
+        capsys.readouterr().out == f"wrote {run}/loss.png\n"
+        and os.path.getsize(f"{run}/loss.png") > 1000
+    )
+    assert [x for x, _ in drawn[0].values()] == [
+        [*range(1, 91)],
+        [*range(3, 91, 3)],
+        [30, 60, 90],
+    ]
+    assert "name it with -o" in error_line(
+        capsys, plot.main, [run, _run(tmp_path / "he", "he", [5] * 90)]
+    )
 
 
-def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(tmp_path, figures):
+def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
+    tmp_path, figures
+):
     logs = dict(zip(("sa-32", "me", "he"), _random(7, 12, 12, 8)))
     runs = [_run(tmp_path / n, n[:2], x, 32, 4, 1337, 1337) for n, x in logs.items()]
     assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
     assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337"
     med = lambda n: [median(logs[n][i : i + 4]) for i in range(0, len(logs[n]), 4)]
-    gaps = {n: [[4, 8, 12][: len(logs[n]) // 4], [a - b for a, b in zip(med(n), med("sa-32"))]] for n in logs}
-    assert _lines(figures[0].axes[1]) == gaps | {"sa-32": [[0, 1], [0, 0]]}  # the windows both runs have
-    resumed = _run(tmp_path / "resumed", "me", logs["me"], start=31)  # a log of batches 31-42
+    gaps = {
+        n: [
+            [4, 8, 12][: len(logs[n]) // 4],
+            [a - b for a, b in zip(med(n), med("sa-32"))],
+        ]
+        for n in logs
+    }
+    assert _lines(figures[0].axes[1]) == gaps | {
+        "sa-32": [[0, 1], [0, 0]]
+    }  # the windows both runs have
+    resumed = _run(
+        tmp_path / "resumed", "me", logs["me"], start=31
+    )  # a log of batches 31-42
     assert plot.main([resumed, runs[2], "--raw", "-o", str(tmp_path / "f.png")]) == 0
-    raw = {"he": [[*range(1, 9)], logs["he"]], "me": [[*range(31, 43)], logs["me"]]}  # every batch
+    raw = {
+        "he": [[*range(1, 9)], logs["he"]],
+        "me": [[*range(31, 43)], logs["me"]],
+    }  # every batch
     assert _lines(figures[1].axes[0]) == raw
 
 
-def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(tmp_path, capsys, figures):
-    res, keys = tmp_path / "res", [(m, l) for m in ("she", "he") for l in (64, 128)]  # in the paper's order
+def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
+    tmp_path, capsys, figures
+):
+    res, keys = (
+        tmp_path / "res",
+        [(m, l) for m in ("she", "he") for l in (64, 128)],
+    )  # in the paper's order
     logs = dict(zip(keys, _random(3, *[2500] * 4)))
-    runs = {(m, l): _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l) for m, l in keys}
-    argv = ["--sweep", "block_size", "--results", str(res), "-o", str(res / "fig10.png")]
-    assert plot.main([runs[k] for k in keys[:0:-1]] + argv) == 0  # she at 128, he at 128 and 64
-    point = lambda k: [k[0], str(k[1]), "2500", repr(median(logs[k][-2000:])), repr(logs[k][-1] - 0.5)]
-    rows = [["mixer", "l", "batches", "median_last_2000", "val_loss"], *map(point, keys[1:])]
+    runs = {
+        (m, l): _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l) for m, l in keys
+    }
+    argv = [
+        "--sweep",
+        "block_size",
+        "--results",
+        str(res),
+        "-o",
+        str(res / "fig10.png"),
+    ]
+    assert (
+        plot.main([runs[k] for k in keys[:0:-1]] + argv) == 0
+    )  # she at 128, he at 128 and 64
+    point = lambda k: [
+        k[0],
+        str(k[1]),
+        "2500",
+        repr(median(logs[k][-2000:])),
+        repr(logs[k][-1] - 0.5),
+    ]
+    rows = [
+        ["mixer", "l", "batches", "median_last_2000", "val_loss"],
+        *map(point, keys[1:]),
+    ]
     assert os.listdir(res) == ["fig10.csv"] and _csv(res / "fig10.csv") == rows
-    assert _lines(figures[0].axes[0])["he"] == [[64, 128], [float(p[3]) for p in rows[2:]]]  # the paper's
-    assert _lines(figures[0].axes[1])["she"] == [[128], [float(rows[1][4])]]  # the validation loss beside
-    os.rename(res / "fig10.csv", tmp_path / "earlier.csv")  # she 128, he 128 stay; a new run replaces he 64
+    assert _lines(figures[0].axes[0])["he"] == [
+        [64, 128],
+        [float(p[3]) for p in rows[2:]],
+    ]  # the paper's
+    assert _lines(figures[0].axes[1])["she"] == [
+        [128],
+        [float(rows[1][4])],
+    ]  # the validation loss beside
+    os.rename(
+        res / "fig10.csv", tmp_path / "earlier.csv"
+    )  # she 128, he 128 stay; a new run replaces he 64
     new = _run(tmp_path / "new", "he", [4.0] * 2500, block_size=64)
     assert plot.main([runs[keys[0]], new, str(tmp_path / "earlier.csv")] + argv) == 0
     he64 = ["he", "64", "2500", "4.0", "3.5"]  # the new run's point
     assert _csv(res / "fig10.csv") == [rows[0], point(keys[0]), rows[1], he64, rows[3]]
     short = [runs[keys[2]], _run(tmp_path / "s", "me", [4] * 2400)]
     assert "have 2400 to 2500 batches" in error_line(capsys, plot.main, short + argv)
-    assert "both he at l = 64;" in error_line(capsys, plot.main, [runs[keys[2]], new] + argv)
-    heads = [_run(tmp_path / f"{m}{n}", m, [4] * 30, n_head=n) for m, n in (("sa", 1), ("sa", 8), ("he", 1))]
-    assert "one mixer" in error_line(capsys, plot.main, heads + ["--sweep", "n_head"] + argv[-2:])
+    assert "both he at l = 64;" in error_line(
+        capsys, plot.main, [runs[keys[2]], new] + argv
+    )
+    heads = [
+        _run(tmp_path / f"{m}{n}", m, [4] * 30, n_head=n)
+        for m, n in (("sa", 1), ("sa", 8), ("he", 1))
+    ]
+    assert "one mixer" in error_line(
+        capsys, plot.main, heads + ["--sweep", "n_head"] + argv[-2:]
+    )
 
 
 def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     run, out = _run(tmp_path / "run", "me", [5.0] * 10), ["-o", str(tmp_path / "f.png")]
-    shas = [_run(tmp_path / c, "me", [5.0] * 10, data={"train_sha256": c * 64}) for c in "ab"]
+    shas = [
+        _run(tmp_path / c, "me", [5.0] * 10, data={"train_sha256": c * 64})
+        for c in "ab"
+    ]
     cases = {
         "nope/run.json: No such file or directory": [str(tmp_path / "nope")],
         f"{run} and {run}/ are one run folder; pass each run once": [run, run + "/"],
-        "has 10 batches, fewer than a window of 50; pass --window 10 or drop it": [run, "--window", "50"],
-        f"{run} has 10 batches, fewer than a window of 34": [run, _run(tmp_path / "long", "he", [4] * 1020)],
-        "no number 'colour' in its run.json; sweep one of block_size, data_seed,": [run, "--sweep", "colour"],
+        "has 10 batches, fewer than a window of 50; pass --window 10 or drop it": [
+            run,
+            "--window",
+            "50",
+        ],
+        f"{run} has 10 batches, fewer than a window of 34": [
+            run,
+            _run(tmp_path / "long", "he", [4] * 1020),
+        ],
+        "no number 'colour' in its run.json; sweep one of block_size, data_seed,": [
+            run,
+            "--sweep",
+            "colour",
+        ],
         "--window and --batches must be at least 1": [run, "--window", "0"],
-        "must be mixer,l,batches,median_last_10,val_loss": [run, run + "/log.csv", "--sweep", "block_size"],
+        "must be mixer,l,batches,median_last_10,val_loss": [
+            run,
+            run + "/log.csv",
+            "--sweep",
+            "block_size",
+        ],
         "cannot write a .xyz image": [run, "-o", str(tmp_path / "f.xyz")],
         f"cannot write {tmp_path}: Is a directory": [run, "-o", str(tmp_path)],
-        "(vocabulary 50; vocabulary 60)": [run, _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60)],
+        "(vocabulary 50; vocabulary 60)": [
+            run,
+            _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60),
+        ],
         "(vocabulary 50, train.bin aaaaaaaaaaaa; vocabulary 50, train.bin bbbbbbbbbbbb)": shas,
     }
     for err, argv in cases.items():
         assert err in error_line(capsys, plot.main, out + argv), argv
     log = gzip.compress(open(f"{run}/log.csv", "rb").read())
     os.remove(f"{run}/log.csv")
-    for garbage in (log[:60], b"\x00" * 99, gzip.compress(b"\xff" * 9), gzip.compress(b"a\n")):
-        open(f"{run}/log.csv.gz", "wb").write(garbage)  # cut, not gzip, gzip of bytes, gzip of text
-        assert error_line(capsys, plot.main, [run] + out).startswith(f"error: {run}/log.csv.gz ")
-    for damaged, why in (('{"config": {"mixer"', "JSONDecodeError"), ("{}", "KeyError")):
+    for garbage in (
+        log[:60],
+        b"\x00" * 99,
+        gzip.compress(b"\xff" * 9),
+        gzip.compress(b"a\n"),
+    ):
+        open(f"{run}/log.csv.gz", "wb").write(
+            garbage
+        )  # cut, not gzip, gzip of bytes, gzip of text
+        assert error_line(capsys, plot.main, [run] + out).startswith(
+            f"error: {run}/log.csv.gz "
+        )
+    for damaged, why in (
+        ('{"config": {"mixer"', "JSONDecodeError"),
+        ("{}", "KeyError"),
+    ):
         open(f"{run}/run.json", "w").write(damaged)
-        assert f"{run}/run.json is damaged ({why}" in error_line(capsys, plot.main, [run] + out)
+        assert f"{run}/run.json is damaged ({why}" in error_line(
+            capsys, plot.main, [run] + out
+        )
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "long", "other", "run"]
 
 
 def test_taps_tap_profile_is_each_taps_norm_per_layer():
     c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # a tap per distance back k = 1..4; d = 4
-    norms = {"me": (c, 1.0), "we": (c[:, None] * torch.ones(4), 2.0), "he": (c[:, None] * torch.ones(4), 2.0)}
-    norms["she"] = (c[:, None, None] * torch.eye(4), 2.0)  # ||c I||_F = ||c (1, 1, 1, 1)||_2 = 2|c|
+    norms = {
+        "me": (c, 1.0),
+        "we": (c[:, None] * torch.ones(4), 2.0),
+        "he": (c[:, None] * torch.ones(4), 2.0),
+    }
+    norms["she"] = (
+        c[:, None, None] * torch.eye(4),
+        2.0,
+    )  # ||c I||_F = ||c (1, 1, 1, 1)||_2 = 2|c|
     for mixer, (w, norm) in norms.items():
         model = tiny_model(mixer, l=4, d=4, n_head=1, vocab=16)
         with torch.no_grad():
-            for i, layer in enumerate(model.layers):  # layer 2's taps are twice layer 1's
-                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(w * (i + 1))
+            for i, layer in enumerate(
+                model.layers
+            ):  # layer 2's taps are twice layer 1's
+                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(
+                    w * (i + 1)
+                )
         profile = {k: v.tolist() for k, v in taps.tap_profile(model).items()}
-        assert profile == {n: [norm * n * abs(v) for v in c.tolist()] for n in (1, 2)}, mixer
+        assert profile == {
+            n: [norm * n * abs(v) for v in c.tolist()] for n in (1, 2)
+        }, mixer
 
 
 def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distance_by_hand():
@@ -1931,49 +3355,98 @@ def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distanc
     for layer in model.layers:
         torch.nn.init.normal_(layer.mixer.W_QKV.weight)  # far from uniform attention
     x, mixer = torch.randn(3, 5, 8, dtype=torch.float64), model.layers[0].mixer
-    a = taps.attention_weights(mixer, x)  # (3, 2, 5, 5); a wrong scale or head split gives another output
+    a = taps.attention_weights(
+        mixer, x
+    )  # (3, 2, 5, 5); a wrong scale or head split gives another output
     v = mixer.W_QKV(x)[..., 16:].view(3, 5, 2, 4).transpose(1, 2)  # (B, n, t, h)
-    assert torch.allclose(mixer.W_out_att((a @ v).transpose(1, 2).reshape(3, 5, 8)), mixer(x), rtol=1e-12)
+    assert torch.allclose(
+        mixer.W_out_att((a @ v).transpose(1, 2).reshape(3, 5, 8)), mixer(x), rtol=1e-12
+    )
     windows = torch.randint(0, 16, (40, 5))  # two chunks of 32 and 8
     profile = taps.tap_profile(model, windows)
     with torch.no_grad():
-        h = (model.emb_tok(windows) + model.emb_pos(torch.arange(5))) * 8**0.5  # no dropout in eval
+        h = (
+            model.emb_tok(windows) + model.emb_pos(torch.arange(5))
+        ) * 8**0.5  # no dropout in eval
         for i, layer in enumerate(model.layers, 1):
             a = taps.attention_weights(layer.mixer, layer.ln1(h))  # (40, 2, 5, 5)
-            mean = lambda k: np.mean([a[:, :, j + k, j] for j in range(5 - k)])  # over windows, heads, i
-            np.testing.assert_allclose(profile[i], [mean(k) for k in range(5)], rtol=1e-12)
+            mean = lambda k: np.mean(
+                [a[:, :, j + k, j] for j in range(5 - k)]
+            )  # over windows, heads, i
+            np.testing.assert_allclose(
+                profile[i], [mean(k) for k in range(5)], rtol=1e-12
+            )
             h = layer(h)
-        model.layers[0].mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
-    uniform = [sum(1 / i for i in range(k, 6)) / (6 - k) for k in range(1, 6)]  # (1 + ... + 1/5) / 5, ...
+        model.layers[
+            0
+        ].mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
+    uniform = [
+        sum(1 / i for i in range(k, 6)) / (6 - k) for k in range(1, 6)
+    ]  # (1 + ... + 1/5) / 5, ...
     np.testing.assert_allclose(taps.tap_profile(model, windows)[1], uniform, rtol=1e-12)
     np.testing.assert_allclose(taps.uniform_by_distance(5), uniform, rtol=1e-15)
 
 
-def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(tmp_path, capsys, figures):
-    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
-    assert taps.val_windows(str(tmp_path), 4, n=3).tolist() == [[*range(s, s + 4)] for s in (0, 48, 95)]
+def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(
+    tmp_path, capsys, figures
+):
+    np.arange(100, dtype=np.uint16).tofile(
+        tmp_path / "val.bin"
+    )  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
+    assert taps.val_windows(str(tmp_path), 4, n=3).tolist() == [
+        [*range(s, s + 4)] for s in (0, 48, 95)
+    ]
     sha, models = hashlib.sha256((tmp_path / "val.bin").read_bytes()).hexdigest(), {}
-    moved = {"iter": 10, "args": {"data_dir": str(tmp_path / "gone")}}  # their data has moved since
+    moved = {
+        "iter": 10,
+        "args": {"data_dir": str(tmp_path / "gone")},
+    }  # their data has moved since
     for mixer in ("me", "sa"):
         models[mixer] = model = tiny_model(mixer, l=4, d=8, n_head=2, vocab=100)
-        ckpt = {"model": model.state_dict(), "config": vars(model.cfg), "data": {"val_sha256": sha}}
+        ckpt = {
+            "model": model.state_dict(),
+            "config": vars(model.cfg),
+            "data": {"val_sha256": sha},
+        }
         os.makedirs(tmp_path / mixer)
         torch.save(ckpt | moved, tmp_path / mixer / "ckpt.pt")
-    argv = [str(tmp_path / "me"), str(tmp_path / "sa"), "-o", str(tmp_path / "taps.png")]
-    assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in error_line(capsys, taps.main, argv)
-    np.arange(1, 101, dtype=np.uint16).tofile(tmp_path / "me" / "val.bin")  # another val.bin
+    argv = [
+        str(tmp_path / "me"),
+        str(tmp_path / "sa"),
+        "-o",
+        str(tmp_path / "taps.png"),
+    ]
+    assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in error_line(
+        capsys, taps.main, argv
+    )
+    np.arange(1, 101, dtype=np.uint16).tofile(
+        tmp_path / "me" / "val.bin"
+    )  # another val.bin
     err = error_line(capsys, taps.main, argv + ["--data_dir", str(tmp_path / "me")])
-    assert err.endswith("me/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir")
+    assert err.endswith(
+        "me/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
+    )
     assert taps.main(argv + ["--data_dir", str(tmp_path)]) == 0
     panels = [ax for ax in figures[0].axes if ax.get_visible()]
-    assert [ax.get_title() for ax in panels] == ["sa-2, batch 10", "me, batch 10"]  # in the paper's order
+    assert [ax.get_title() for ax in panels] == [
+        "sa-2, batch 10",
+        "me, batch 10",
+    ]  # in the paper's order
     windows = torch.from_numpy(taps.val_windows(str(tmp_path), 4))
-    for ax, p in zip(panels, (taps.tap_profile(models["sa"], windows), taps.tap_profile(models["me"]))):
-        assert [_lines(ax)[f"layer {n}"] for n in (1, 2)] == [[[1, 2, 3, 4], q.tolist()] for q in p.values()]
-    assert taps.main([str(tmp_path / "me")]) == 0 and capsys.readouterr().out.endswith("/me/taps.png\n")
+    for ax, p in zip(
+        panels,
+        (taps.tap_profile(models["sa"], windows), taps.tap_profile(models["me"])),
+    ):
+        assert [_lines(ax)[f"layer {n}"] for n in (1, 2)] == [
+            [[1, 2, 3, 4], q.tolist()] for q in p.values()
+        ]
+    assert taps.main([str(tmp_path / "me")]) == 0 and capsys.readouterr().out.endswith(
+        "/me/taps.png\n"
+    )
 
 
-# ---- results/: every committed CSV is what plot.py makes of the committed logs (where they are committed)
+# ---- results/: every committed CSV is what plot.py makes of the committed logs (where
+# they are committed)
 def test_results_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path, figures):
     results = os.path.join(ROOT, "results")
 
@@ -1983,18 +3456,61 @@ def test_results_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path, figure
         return out
 
     logs = lambda group: glob.glob(f"logs/{group}/*", root_dir=results)
-    redraw(tmp_path, "fig7_heads.png", *logs("fig7"), "--sweep", "n_head", "--batches", "10000")
+    redraw(
+        tmp_path,
+        "fig7_heads.png",
+        *logs("fig7"),
+        "--sweep",
+        "n_head",
+        "--batches",
+        "10000",
+    )
     redraw(tmp_path / "table1", "f.png", *logs("table1"), "--window", "2000")
-    seeds = ["--seeds", "30000/seeds.csv", "logs/fig7/sa-32", "--batches", "10000", "--window", "500"]
+    seeds = [
+        "--seeds",
+        "30000/seeds.csv",
+        "logs/fig7/sa-32",
+        "--batches",
+        "10000",
+        "--window",
+        "500",
+    ]
     redraw(tmp_path / "data-order", "f.png", *logs("data-order"), *seeds)
-    for name, key in (("fig10_l_sweep", "block_size"), ("fig11_m_sweep", "n_layer")):  # earlier runs' points
+    for name, key in (
+        ("fig10_l_sweep", "block_size"),
+        ("fig11_m_sweep", "n_layer"),
+    ):  # earlier runs' points
         redraw(tmp_path, f"{name}.png", f"./{name}.csv", "--sweep", key)
-    csvs = [f"{d}/{f}.csv" for d in ("table1", "data-order") for f in ("medians", "val_loss", "summary")]
-    for name in ["fig7_heads.csv", "fig10_l_sweep.csv", "fig11_m_sweep.csv", "data-order/seeds.csv", *csvs]:
-        assert (tmp_path / name).read_text() == open(os.path.join(results, name)).read(), name
-    out = redraw(tmp_path / "30000", "f.png", "logs/fig7/sa-1", "logs/fig7/sa-32", "--window", "500")
-    committed = lambda name: _csv(os.path.join(results, "30000", name))  # its logs are gone but these two
-    for name in ("medians.csv", "val_loss.csv"):  # the seed-1337 runs of sa-1 and sa-32, to batch 10000
+    csvs = [
+        f"{d}/{f}.csv"
+        for d in ("table1", "data-order")
+        for f in ("medians", "val_loss", "summary")
+    ]
+    for name in [
+        "fig7_heads.csv",
+        "fig10_l_sweep.csv",
+        "fig11_m_sweep.csv",
+        "data-order/seeds.csv",
+        *csvs,
+    ]:
+        assert (tmp_path / name).read_text() == open(
+            os.path.join(results, name)
+        ).read(), name
+    out = redraw(
+        tmp_path / "30000",
+        "f.png",
+        "logs/fig7/sa-1",
+        "logs/fig7/sa-32",
+        "--window",
+        "500",
+    )
+    committed = lambda name: _csv(
+        os.path.join(results, "30000", name)
+    )  # its logs are gone but these two
+    for name in (
+        "medians.csv",
+        "val_loss.csv",
+    ):  # the seed-1337 runs of sa-1 and sa-32, to batch 10000
         assert [row[:3] for row in committed(name)[:21]] == _csv(out / name)
     for run, n, m, _, val, *_ in _csv(out / "summary.csv")[1:]:
         assert [run, "1337", "1337", n, m, val] in committed("seeds.csv")

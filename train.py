@@ -39,9 +39,13 @@ from extractor import Config, Transformer
 from prepare_data import atomic_write, fail, fmt_time, load_data
 
 # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
-RANK, WORLD, LOCAL_RANK = (int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+RANK, WORLD, LOCAL_RANK = (
+    int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+)
 WORLD, MASTER = max(WORLD, 1), RANK == 0
-STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout: stop after this batch
+STOP = {
+    "signal": None
+}  # set by Ctrl-C, kill, a closed terminal or stdout: stop after this batch
 TABLE_1 = {  # the settings that name a run: flag -> (the paper's symbol, Table 1's value, what it is)
     "n_layer": ("m", 18, "number of layers"),
     "block_size": ("l", 128, "context length"),
@@ -53,39 +57,127 @@ TABLE_1 = {  # the settings that name a run: flag -> (the paper's symbol, Table 
     "lr": ("lr", 1e-3, "AdamW's learning rate gamma, constant"),
     "beta1": ("bm", 0.9, "AdamW's beta_1"),
     "beta2": ("bv", 0.999, "AdamW's beta_2"),
-    "weight_decay": ("wd", 0.01, "AdamW's weight decay (not in the paper: PyTorch's default)"),
+    "weight_decay": (
+        "wd",
+        0.01,
+        "AdamW's weight decay (not in the paper: PyTorch's default)",
+    ),
     "grad_clip": ("clip", 0.0, "clip the gradients' norm to this; 0 = off"),
     "seed": ("seed", 1337, "seed of the initialisation and of dropout"),
     "data_seed": ("dseed", 1337, "seed of the batch order"),
 }
 # --resume takes every setting from ckpt.pt but these; the data must be the same
-MAY_CHANGE = {"max_iters", "eval_interval", "ckpt_interval", "log_interval", "data_dir", "device", "compile"}
-THIS_COMMAND = {"out_dir", "resume", "overwrite", "time_limit", "cuda_graph"}  # never from ckpt.pt
+MAY_CHANGE = {
+    "max_iters",
+    "eval_interval",
+    "ckpt_interval",
+    "log_interval",
+    "data_dir",
+    "device",
+    "compile",
+}
+THIS_COMMAND = {
+    "out_dir",
+    "resume",
+    "overwrite",
+    "time_limit",
+    "cuda_graph",
+}  # never from ckpt.pt
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Train a Transformer language model with a token mixer.")
+    p = argparse.ArgumentParser(
+        description="Train a Transformer language model with a token mixer."
+    )
     p.error = lambda msg: fail(f"{msg} (see python train.py --help)")
     mixers = "sa, she, we, he, me, he-ext, a Synthesizer (dense, random, ...) or your module.Class"
-    p.add_argument("--mixer", default="sa", help=f"the first sublayer: {mixers} (default: sa)")
+    p.add_argument(
+        "--mixer", default="sa", help=f"the first sublayer: {mixers} (default: sa)"
+    )
     for name, (symbol, value, text) in TABLE_1.items():
-        p.add_argument(f"--{name}", type=type(value), default=value, help=f"{symbol}: {text} (%(default)s)")
-    p.add_argument("--max_iters", type=int, default=60000, help="batches to train on (%(default)s)")
-    p.add_argument("--time_limit", default="", help="stop at a checkpoint before this is up: 90s, 40m, 2h")
-    p.add_argument("--eval_interval", type=int, default=1000, help="validation every this many batches")
-    p.add_argument("--eval_batches", type=int, default=20, help="batches of validation (20); 0: none")
-    p.add_argument("--ckpt_interval", type=int, default=1000, help="ckpt.pt every this many batches")
-    p.add_argument("--log_interval", type=int, default=100, help="a console line every this many batches")
-    p.add_argument("--data_dir", default="data", help="prepare_data.py's train.bin, val.bin, meta.json")
-    p.add_argument("--out_dir", default="", help="the run folder (default: out/<mixer>-<changed settings>)")
-    p.add_argument("--resume", action="store_true", help="continue out_dir's run, with its settings")
-    p.add_argument("--overwrite", action="store_true", help="start out_dir's run again from batch 0")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, then cpu), cpu, cuda, cuda:1, mps")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast")
+        p.add_argument(
+            f"--{name}",
+            type=type(value),
+            default=value,
+            help=f"{symbol}: {text} (%(default)s)",
+        )
+    p.add_argument(
+        "--max_iters", type=int, default=60000, help="batches to train on (%(default)s)"
+    )
+    p.add_argument(
+        "--time_limit",
+        default="",
+        help="stop at a checkpoint before this is up: 90s, 40m, 2h",
+    )
+    p.add_argument(
+        "--eval_interval",
+        type=int,
+        default=1000,
+        help="validation every this many batches",
+    )
+    p.add_argument(
+        "--eval_batches",
+        type=int,
+        default=20,
+        help="batches of validation (20); 0: none",
+    )
+    p.add_argument(
+        "--ckpt_interval",
+        type=int,
+        default=1000,
+        help="ckpt.pt every this many batches",
+    )
+    p.add_argument(
+        "--log_interval",
+        type=int,
+        default=100,
+        help="a console line every this many batches",
+    )
+    p.add_argument(
+        "--data_dir",
+        default="data",
+        help="prepare_data.py's train.bin, val.bin, meta.json",
+    )
+    p.add_argument(
+        "--out_dir",
+        default="",
+        help="the run folder (default: out/<mixer>-<changed settings>)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue out_dir's run, with its settings",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start out_dir's run again from batch 0",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda, mps, then cpu), cpu, cuda, cuda:1, mps",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="autocast",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     on_off = argparse.BooleanOptionalAction
-    p.add_argument("--tf32", action=on_off, default=True, help="CUDA: float32 matmuls in TF32 (default)")
-    p.add_argument("--cuda_graph", action=on_off, default=True, help="CUDA: replay the step as a CUDA graph")
+    p.add_argument(
+        "--tf32",
+        action=on_off,
+        default=True,
+        help="CUDA: float32 matmuls in TF32 (default)",
+    )
+    p.add_argument(
+        "--cuda_graph",
+        action=on_off,
+        default=True,
+        help="CUDA: replay the step as a CUDA graph",
+    )
     return p
 
 
@@ -98,12 +190,23 @@ def check_args(args):
         if not 0 <= getattr(args, name) < math.inf:
             fail(f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
     a = args
-    if not (0 < a.lr < math.inf and 0 <= a.beta1 < 1 and 0 <= a.beta2 < 1 and 0 <= a.seed < 2**63):
-        fail(f"need --lr > 0, --beta1, --beta2 in [0, 1), --seed in [0, 2**63); got {a.lr}, {a.beta1}, ...")
+    if not (
+        0 < a.lr < math.inf
+        and 0 <= a.beta1 < 1
+        and 0 <= a.beta2 < 1
+        and 0 <= a.seed < 2**63
+    ):
+        fail(
+            f"need --lr > 0, --beta1, --beta2 in [0, 1), --seed in [0, 2**63); got {a.lr}, {a.beta1}, ..."
+        )
     if args.resume and args.overwrite:
-        fail("--resume continues out_dir's run and --overwrite replaces it: pass one of them")
+        fail(
+            "--resume continues out_dir's run and --overwrite replaces it: pass one of them"
+        )
     if args.batch_size % WORLD:
-        fail(f"--batch_size {args.batch_size} must be divisible by the {WORLD} processes")
+        fail(
+            f"--batch_size {args.batch_size} must be divisible by the {WORLD} processes"
+        )
     try:
         seconds(args.time_limit)
         Config(**model_settings(args, vocab_size=1))
@@ -120,48 +223,82 @@ def seconds(text):
 
 
 def model_settings(args, **more):
-    return {k: getattr(args, k) for k in Config.__dataclass_fields__ if k != "vocab_size"} | more
+    return {
+        k: getattr(args, k) for k in Config.__dataclass_fields__ if k != "vocab_size"
+    } | more
 
 
-# ------------------------------------------------------------------------------------- data and batches
+# -------------------------------------------------------------------------------------
+# data and batches
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
-    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in every run."""
-    seed = int(np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)[0])
-    return torch.randperm(n_starts, generator=torch.Generator().manual_seed(seed))  # (n_starts,)
+    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in
+    every run.
+    """
+    seed = int(
+        np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)[0]
+    )
+    return torch.randperm(
+        n_starts, generator=torch.Generator().manual_seed(seed)
+    )  # (n_starts,)
 
 
 def batch_starts(i, n_starts, batch_size, data_seed):
-    """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size left over skipped)."""
+    """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size
+    left over skipped).
+    """
     epoch, j = divmod(i, n_starts // batch_size)
-    return epoch_permutation(n_starts, data_seed, epoch)[j * batch_size : (j + 1) * batch_size]
+    return epoch_permutation(n_starts, data_seed, epoch)[
+        j * batch_size : (j + 1) * batch_size
+    ]
 
 
 def get_batch(data, starts, block_size, device):
-    """Windows of l+1 tokens at the starts: x is each window's first l tokens, y the same shifted by one."""
-    w = torch.from_numpy(np.stack([data[s : s + block_size + 1] for s in starts.tolist()]).astype(np.int64))
+    """Windows of l+1 tokens at the starts: x is each window's first l tokens, y the
+    same shifted by one.
+    """
+    w = torch.from_numpy(
+        np.stack([data[s : s + block_size + 1] for s in starts.tolist()]).astype(
+            np.int64
+        )
+    )
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (b, l), (b, l)
     if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
+            device, non_blocking=True
+        )
     return x.to(device), y.to(device)
 
 
-# ------------------------------------------------------------------------------- the model and the step
+# ------------------------------------------------------------------------------- the
+# model and the step
 def build_model(cfg, args, device):
-    """The Transformer, the same in every process (then a dropout stream each), and AdamW (CUDA: fused)."""
+    """The Transformer, the same in every process (then a dropout stream each), and
+    AdamW (CUDA: fused).
+    """
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
-    betas, decay, cuda = (args.beta1, args.beta2), args.weight_decay, device.type == "cuda"
-    adamw = torch.optim.AdamW(model.parameters(), args.lr, betas, 1e-8, decay, fused=cuda, capturable=cuda)
+    betas, decay, cuda = (
+        (args.beta1, args.beta2),
+        args.weight_decay,
+        device.type == "cuda",
+    )
+    adamw = torch.optim.AdamW(
+        model.parameters(), args.lr, betas, 1e-8, decay, fused=cuda, capturable=cuda
+    )
     return model, adamw
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: forward, the loss of Eq. (3), backward, clipping if on, AdamW. Returns the loss."""
+    """One batch: forward, the loss of Eq. (3), backward, clipping if on, AdamW.
+    Returns the loss.
+    """
     with ctx:
         _, loss = model(x, y)  # the mean cross-entropy of the batch, Eq. (3)
-    scaler.scale(loss).backward()  # (only float16 scales its loss; else scale and unscale_ do nothing)
+    scaler.scale(
+        loss
+    ).backward()  # (only float16 scales its loss; else scale and unscale_ do nothing)
     if grad_clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -172,13 +309,19 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 
 class CapturedStep:
-    """step(x, y) replayed from a CUDA graph: one launch instead of the step's ~1000 kernels. The first 3
-    calls run eagerly on a side stream (cuBLAS, AdamW and the allocator set up), the 4th records the step
-    on static inputs, then each call copies its batch in and replays. Parameters, gradients and AdamW's
-    state keep their addresses: a replay is the eager step bit for bit, dropout's generator included."""
+    """step(x, y) replayed from a CUDA graph: one launch instead of the step's ~1000
+    kernels. The first 3 calls run eagerly on a side stream (cuBLAS, AdamW and the
+    allocator set up), the 4th records the step on static inputs, then each call copies
+    its batch in and replays. Parameters, gradients and AdamW's state keep their
+    addresses: a replay is the eager step bit for bit, dropout's generator included."""
 
     def __init__(self, step, warmup=3):
-        self.step, self.warmup, self.graph, self.stream = step, warmup, None, torch.cuda.Stream()
+        self.step, self.warmup, self.graph, self.stream = (
+            step,
+            warmup,
+            None,
+            torch.cuda.Stream(),
+        )
 
     def __call__(self, x, y):
         if self.warmup > 0:
@@ -189,7 +332,11 @@ class CapturedStep:
             torch.cuda.current_stream().wait_stream(self.stream)
             return loss
         if self.graph is None:  # recording runs nothing
-            self.graph, self.x, self.y = torch.cuda.CUDAGraph(), x.clone(), y.clone()  # the static inputs
+            self.graph, self.x, self.y = (
+                torch.cuda.CUDAGraph(),
+                x.clone(),
+                y.clone(),
+            )  # the static inputs
             with torch.cuda.graph(self.graph, stream=self.stream):
                 self.loss = self.step(self.x, self.y)
         self.x.copy_(x)
@@ -198,16 +345,23 @@ class CapturedStep:
         return self.loss.clone()
 
 
-# -------------------------------------------------------------------------------------------- the run
+# --------------------------------------------------------------------------------------------
+# the run
 def train(args, ckpt):
     """The data, the model and its step, the run's files, then the loop."""
     start, elapsed0 = (ckpt["iter"], ckpt["elapsed_s"]) if ckpt else (0, 0.0)
-    train_data, val_data, data = load_data(args.data_dir, args.block_size, args.batch_size)
+    train_data, val_data, data = load_data(
+        args.data_dir, args.block_size, args.batch_size
+    )
     if args.eval_batches * args.batch_size > len(val_data) - args.block_size:
-        fail("val.bin holds fewer than --eval_batches x --batch_size windows: use fewer --eval_batches")
+        fail(
+            "val.bin holds fewer than --eval_batches x --batch_size windows: use fewer --eval_batches"
+        )
     if ckpt and ckpt["data"] != data:
         differ = ", ".join(k for k in data if ckpt["data"].get(k) != data[k])
-        fail(f"{args.out_dir}/ckpt.pt was trained on other data ({differ} differ); pass its --data_dir")
+        fail(
+            f"{args.out_dir}/ckpt.pt was trained on other data ({differ} differ); pass its --data_dir"
+        )
     device = pick_device(args.device)
     if WORLD > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -217,70 +371,150 @@ def train(args, ckpt):
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
     model = torch.compile(raw_model) if args.compile else raw_model
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if WORLD > 1 else model
-    step = functools.partial(train_step, ddp, optimizer, scaler, ctx, grad_clip=args.grad_clip)
-    eager = WORLD > 1 or args.compile or args.dtype == "float16"  # (DDP, compiled, fp16's loss scaling)
+    ddp = (
+        DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if WORLD > 1
+        else model
+    )
+    step = functools.partial(
+        train_step, ddp, optimizer, scaler, ctx, grad_clip=args.grad_clip
+    )
+    eager = (
+        WORLD > 1 or args.compile or args.dtype == "float16"
+    )  # (DDP, compiled, fp16's loss scaling)
     if device.type == "cuda" and args.cuda_graph and not eager:
         step = CapturedStep(step)
     if MASTER:  # the folder becomes this run's: run.json, and log.csv new or cut back to the checkpoint
-        info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=raw_model.param_counts())
+        info = dict(
+            config=dataclasses.asdict(cfg),
+            args=vars(args),
+            params=raw_model.param_counts(),
+        )
         info.update(data=data, world_size=WORLD, computed=computed(device, args, step))
         start_files(args.out_dir, info, start)
         describe(args, cfg, info, len(train_data), len(val_data), start)
-    # batch -> step -> at log points: evaluate, log, checkpoint; until max_iters, a signal or the time limit
+    # batch -> step -> at log points: evaluate, log, checkpoint; until max_iters, a
+    # signal or the time limit
     b, n_starts = args.batch_size // WORLD, len(train_data) - args.block_size
-    losses = torch.zeros(args.log_interval, device=device)  # each batch's loss, kept on the device
+    losses = torch.zeros(
+        args.log_interval, device=device
+    )  # each batch's loss, kept on the device
     t0 = t_resumed = time.time()  # (t_resumed: the end of the last log point)
-    val, times, slowest, pause = None, [], 0.0, 5.0  # (pause: the longest log point's work, s)
-    for it in range(start + 1, args.max_iters + 1):  # it: the batches done once this one is
-        starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)[RANK * b : (RANK + 1) * b]
+    val, times, slowest, pause = (
+        None,
+        [],
+        0.0,
+        5.0,
+    )  # (pause: the longest log point's work, s)
+    for it in range(
+        start + 1, args.max_iters + 1
+    ):  # it: the batches done once this one is
+        starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)[
+            RANK * b : (RANK + 1) * b
+        ]
         x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
         losses[len(times)] = step(x, y)
         times.append(time.time())
         slowest = max(slowest, times[-1] - (times[-2] if len(times) > 1 else t_resumed))
-        asked = STOP["signal"] is not None or times[-1] + 2 * slowest + pause - t0 > seconds(args.time_limit)
-        evaluate_now = args.eval_batches > 0 and (it % args.eval_interval == 0 or it == args.max_iters)
+        asked = STOP["signal"] is not None or times[
+            -1
+        ] + 2 * slowest + pause - t0 > seconds(args.time_limit)
+        evaluate_now = args.eval_batches > 0 and (
+            it % args.eval_interval == 0 or it == args.max_iters
+        )
         ckpt_now = it % args.ckpt_interval == 0 or it == args.max_iters
-        log_now = evaluate_now or ckpt_now or it % args.log_interval == 0 or it == start + 10
-        if not (log_now or asked and WORLD == 1):  # (under DDP, every process stops at a log point)
+        log_now = (
+            evaluate_now or ckpt_now or it % args.log_interval == 0 or it == start + 10
+        )
+        if not (
+            log_now or asked and WORLD == 1
+        ):  # (under DDP, every process stops at a log point)
             continue
         val = evaluate(model, args, val_data, device, ctx) if evaluate_now else val
-        stopping = mean_over_processes(torch.tensor(float(asked), device=device)).item() > 0
+        stopping = (
+            mean_over_processes(torch.tensor(float(asked), device=device)).item() > 0
+        )
         tok_s = len(times) * args.batch_size * args.block_size / (times[-1] - t_resumed)
-        rows = log(args, losses[: len(times)], times, it, val if evaluate_now else None, tok_s, elapsed0 - t0)
-        eta = fmt_time((args.max_iters - it) * (times[-1] - t0) / (it - start))  # at this session's pace
-        line = f"iter {it}/{args.max_iters} | loss {np.mean([v for _, v, _ in rows]):.4f}"
+        rows = log(
+            args,
+            losses[: len(times)],
+            times,
+            it,
+            val if evaluate_now else None,
+            tok_s,
+            elapsed0 - t0,
+        )
+        eta = fmt_time(
+            (args.max_iters - it) * (times[-1] - t0) / (it - start)
+        )  # at this session's pace
+        line = (
+            f"iter {it}/{args.max_iters} | loss {np.mean([v for _, v, _ in rows]):.4f}"
+        )
         line += f" | val {val:.4f}" if evaluate_now else ""
-        say(f"{line} | {tok_s / 1e3:.1f}k tok/s | elapsed {fmt_time(elapsed0 + times[-1] - t0)} | ETA {eta}")
+        say(
+            f"{line} | {tok_s / 1e3:.1f}k tok/s | elapsed {fmt_time(elapsed0 + times[-1] - t0)} | ETA {eta}"
+        )
         if ckpt_now or stopping:
-            save_checkpoint(args, raw_model, optimizer, scaler, cfg, data, it, elapsed0 + time.time() - t0)
+            save_checkpoint(
+                args,
+                raw_model,
+                optimizer,
+                scaler,
+                cfg,
+                data,
+                it,
+                elapsed0 + time.time() - t0,
+            )
         if stopping:
-            why = "--time_limit" if STOP["signal"] is None else signal.Signals(STOP["signal"]).name
-            say(f"{why}: stopped at batch {it} with a checkpoint; go on with the same command and --resume")
-            return report_peak_memory(args, device, 0 if STOP["signal"] is None else 128 + STOP["signal"])
+            why = (
+                "--time_limit"
+                if STOP["signal"] is None
+                else signal.Signals(STOP["signal"]).name
+            )
+            say(
+                f"{why}: stopped at batch {it} with a checkpoint; go on with the same command and --resume"
+            )
+            return report_peak_memory(
+                args, device, 0 if STOP["signal"] is None else 128 + STOP["signal"]
+            )
         times, t_resumed, pause = [], time.time(), max(pause, time.time() - times[-1])
-    say(f"done: {args.out_dir}" + (f"; final val loss {val:.4f}" if val is not None else ""))
-    say(f"plot: python experiments/plot.py {args.out_dir}; sample: python sample.py --out_dir {args.out_dir}")
+    say(
+        f"done: {args.out_dir}"
+        + (f"; final val loss {val:.4f}" if val is not None else "")
+    )
+    say(
+        f"plot: python experiments/plot.py {args.out_dir}; sample: python sample.py --out_dir {args.out_dir}"
+    )
     return report_peak_memory(args, device, 0)
 
 
 @torch.no_grad()
 def evaluate(model, args, val_data, device, ctx):
-    """The mean loss over the same eval_batches x batch_size windows each time, spread evenly over val.bin."""
+    """The mean loss over the same eval_batches x batch_size windows each time, spread
+    evenly over val.bin.
+    """
     n, b = args.eval_batches * args.batch_size, args.batch_size // WORLD
-    starts = torch.from_numpy(np.linspace(0, len(val_data) - args.block_size - 1, n).round().astype(np.int64))
+    starts = torch.from_numpy(
+        np.linspace(0, len(val_data) - args.block_size - 1, n).round().astype(np.int64)
+    )
     model.eval()
     total = torch.zeros((), device=device)
     for k in range(0, n, args.batch_size):
-        mine = starts[k : k + args.batch_size][RANK * b : (RANK + 1) * b]  # this process's part
+        mine = starts[k : k + args.batch_size][
+            RANK * b : (RANK + 1) * b
+        ]  # this process's part
         with ctx:
-            total += model(*get_batch(val_data, mine, args.block_size, device))[1].float()
+            total += model(*get_batch(val_data, mine, args.block_size, device))[
+                1
+            ].float()
     model.train()
     return mean_over_processes(total).item() / args.eval_batches
 
 
 def mean_over_processes(t):
-    """Under DDP the mean of t over the processes, each of which calls this at the same point."""
+    """Under DDP the mean of t over the processes, each of which calls this at the same
+    point.
+    """
     if WORLD > 1:
         t = t / WORLD
         dist.all_reduce(t)
@@ -288,8 +522,16 @@ def mean_over_processes(t):
 
 
 def log(args, losses, times, it, val, tok_s, t_to_elapsed):
-    """The batches since the last log point into log.csv (DDP: the whole batch's loss); nan or inf ends it."""
-    rows = list(zip(range(it - len(times) + 1, it + 1), mean_over_processes(losses).tolist(), times))
+    """The batches since the last log point into log.csv (DDP: the whole batch's loss);
+    nan or inf ends it.
+    """
+    rows = list(
+        zip(
+            range(it - len(times) + 1, it + 1),
+            mean_over_processes(losses).tolist(),
+            times,
+        )
+    )
     for i, v, _ in rows:
         if not math.isfinite(v):
             fail(f"the training cost became {v} at batch {i}; its last checkpoint is kept. Start again "
@@ -298,26 +540,41 @@ def log(args, losses, times, it, val, tok_s, t_to_elapsed):
         with open(os.path.join(args.out_dir, "log.csv"), "a") as f:
             for i, v, t in rows:
                 val_i = repr(val) if i == it and val is not None else ""
-                f.write(f"{i},{v!r},{val_i},{args.lr},{tok_s:.1f},{t_to_elapsed + t:.3f}\n")
+                f.write(
+                    f"{i},{v!r},{val_i},{args.lr},{tok_s:.1f},{t_to_elapsed + t:.3f}\n"
+                )
     return rows
 
 
 def describe(args, cfg, info, n_train, n_val, start):
     """What the run is and how it computes, on the console."""
     how = info["computed"]
-    say(f"{cfg}\non {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), {how['step']} step")
+    say(
+        f"{cfg}\non {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), {how['step']} step"
+    )
     say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in info["params"].items()))
-    epochs = args.max_iters * args.batch_size / (n_train - args.block_size)  # passes over the windows
-    tokens = f"{n_train:,} train, {n_val:,} val tokens"  # each window predicts l tokens:
-    say(f"data: {tokens}; {epochs:.3f} epochs, each token a target {epochs * args.block_size:.1f} times")
+    epochs = (
+        args.max_iters * args.batch_size / (n_train - args.block_size)
+    )  # passes over the windows
+    tokens = (
+        f"{n_train:,} train, {n_val:,} val tokens"  # each window predicts l tokens:
+    )
+    say(
+        f"data: {tokens}; {epochs:.3f} epochs, each token a target {epochs * args.block_size:.1f} times"
+    )
     if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
-        say("note: Table 1's model takes days on a CPU; the README's CPU quick start takes minutes")
+        say(
+            "note: Table 1's model takes days on a CPU; the README's CPU quick start takes minutes"
+        )
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
 
 
-# --------------------------------------------------------------------------- the run folder and ckpt.pt
+# --------------------------------------------------------------------------- the run
+# folder and ckpt.pt
 def default_out_dir(args):
-    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact): out/me-m2-l64-b32."""
+    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact):
+    out/me-m2-l64-b32.
+    """
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
     for flag, (symbol, value, _) in TABLE_1.items():
         v = getattr(args, flag)
@@ -327,7 +584,9 @@ def default_out_dir(args):
 
 
 def judge(args, parser, argv):
-    """The checkpoint to resume, args set from it (flags may change MAY_CHANGE's only), or None to start."""
+    """The checkpoint to resume, args set from it (flags may change MAY_CHANGE's only),
+    or None to start.
+    """
     path = os.path.join(args.out_dir, "ckpt.pt")
     if not args.resume:
         if os.path.exists(path) and not args.overwrite:
@@ -337,18 +596,30 @@ def judge(args, parser, argv):
     if not os.path.exists(path):
         fail(f"no checkpoint {path} to resume; drop --resume to start the run")
     ckpt, unset = load_checkpoint(path), object()
-    given = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset))))
-    saved = {k: ckpt["args"][k] for k in given if k in ckpt["args"] and k not in THIS_COMMAND}
-    differ = [f"--{k} {v}" for k, v in saved.items() if k not in MAY_CHANGE and given[k] not in (unset, v)]
+    given = vars(
+        parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    )
+    saved = {
+        k: ckpt["args"][k] for k in given if k in ckpt["args"] and k not in THIS_COMMAND
+    }
+    differ = [
+        f"--{k} {v}"
+        for k, v in saved.items()
+        if k not in MAY_CHANGE and given[k] not in (unset, v)
+    ]
     if differ:
-        fail(f"{path} was trained with {', '.join(differ)}: --resume keeps its settings; drop those flags")
+        fail(
+            f"{path} was trained with {', '.join(differ)}: --resume keeps its settings; drop those flags"
+        )
     vars(args).update({k: v for k, v in saved.items() if given[k] is unset})
     return ckpt
 
 
 @contextmanager
 def locked(out_dir):
-    """The run folder, made if need be and locked against a second train.py (Unix; freed even by kill -9)."""
+    """The run folder, made if need be and locked against a second train.py (Unix;
+    freed even by kill -9).
+    """
     made = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     fd = os.open(out_dir, os.O_RDONLY) if os.name == "posix" else None
@@ -359,8 +630,12 @@ def locked(out_dir):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                fail(f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir")
-        for tmp in glob.glob(os.path.join(glob.escape(out_dir), ".*.tmp")):  # of a write killed midway
+                fail(
+                    f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir"
+                )
+        for tmp in glob.glob(
+            os.path.join(glob.escape(out_dir), ".*.tmp")
+        ):  # of a write killed midway
             os.remove(tmp)
         yield
     finally:
@@ -371,50 +646,87 @@ def locked(out_dir):
 
 
 def load_checkpoint(path):
-    """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one line if damaged."""
+    """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one
+    line if damaged.
+    """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
         assert not missing, f"no {', '.join(sorted(missing))}"
     except Exception as e:
-        fail(f"cannot read {path} ({type(e).__name__}: {str(e)[:60]}); it is damaged or not train.py's")
+        fail(
+            f"cannot read {path} ({type(e).__name__}: {str(e)[:60]}); it is damaged or not train.py's"
+        )
     return ckpt
 
 
 def start_files(out_dir, info, start):
-    """run.json, and log.csv: new (the old ckpt.pt gone first), or resuming, cut back to the checkpoint."""
+    """run.json, and log.csv: new (the old ckpt.pt gone first), or resuming, cut back
+    to the checkpoint.
+    """
     path, rows = os.path.join(out_dir, "log.csv"), []
     if start and os.path.exists(path):
         with open(path) as f:
-            rows = [r for r in f.readlines()[1:] if r.endswith("\n") and r.split(",")[0].isdigit()]
+            rows = [
+                r
+                for r in f.readlines()[1:]
+                if r.endswith("\n") and r.split(",")[0].isdigit()
+            ]
         rows = [r for r in rows if int(r.split(",")[0]) <= start]
     elif os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        os.remove(os.path.join(out_dir, "ckpt.pt"))  # --overwrite: never the old model beside a new log
-    atomic_write(path, "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n" + "".join(rows))
+        os.remove(
+            os.path.join(out_dir, "ckpt.pt")
+        )  # --overwrite: never the old model beside a new log
+    atomic_write(
+        path, "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n" + "".join(rows)
+    )
     atomic_write(os.path.join(out_dir, "run.json"), json.dumps(info, indent=1) + "\n")
 
 
 def save_checkpoint(args, model, optimizer, scaler, cfg, data, it, elapsed):
-    """ckpt.pt, written whole or not at all, with every process's RNG states: --resume goes on bit for bit."""
-    state = {"torch": torch.get_rng_state()}  # (dropout's streams: Python's random is not used)
+    """ckpt.pt, written whole or not at all, with every process's RNG states: --resume
+    goes on bit for bit.
+    """
+    state = {
+        "torch": torch.get_rng_state()
+    }  # (dropout's streams: Python's random is not used)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     rngs = [state] * WORLD
     if WORLD > 1:
         dist.all_gather_object(rngs, state)
     if MASTER:
-        ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
-        ckpt.update(config=dataclasses.asdict(cfg), args=vars(args), iter=it, elapsed_s=elapsed, data=data)
+        ckpt = dict(
+            model=model.state_dict(),
+            optimizer=optimizer.state_dict(),
+            scaler=scaler.state_dict(),
+        )
+        ckpt.update(
+            config=dataclasses.asdict(cfg),
+            args=vars(args),
+            iter=it,
+            elapsed_s=elapsed,
+            data=data,
+        )
         ckpt["rng"] = rngs
-        atomic_write(os.path.join(args.out_dir, "ckpt.pt"), lambda f: torch.save(ckpt, f))
+        atomic_write(
+            os.path.join(args.out_dir, "ckpt.pt"), lambda f: torch.save(ckpt, f)
+        )
 
 
 def restore(ckpt, model, optimizer, scaler, device):
-    """A resumed run's state: the model, AdamW (as this device runs it), the loss scaler, the RNGs."""
+    """A resumed run's state: the model, AdamW (as this device runs it), the loss
+    scaler, the RNGs.
+    """
     if len(ckpt["rng"]) != WORLD:
-        fail(f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as many (torchrun)")
+        fail(
+            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as many (torchrun)"
+        )
     model.load_state_dict(ckpt["model"])
-    saved, mine = ckpt["optimizer"], optimizer.param_groups  # AdamW's kind (fused, ...) stays this device's
+    saved, mine = (
+        ckpt["optimizer"],
+        optimizer.param_groups,
+    )  # AdamW's kind (fused, ...) stays this device's
     kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])
     groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
     optimizer.load_state_dict(dict(saved, param_groups=groups))
@@ -424,68 +736,128 @@ def restore(ckpt, model, optimizer, scaler, device):
         torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
 
 
-# ------------------------------------------------------------------------------ the device and its memory
+# ------------------------------------------------------------------------------ the
+# device and its memory
 def pick_device(name):
-    """--device as a torch.device: auto is cuda, then mps, then cpu; one line if it is not there."""
+    """--device as a torch.device: auto is cuda, then mps, then cpu; one line if it is
+    not there.
+    """
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = (
+            "cuda"
+            if torch.cuda.is_available()
+            else "mps"
+            if torch.backends.mps.is_available()
+            else "cpu"
+        )
     try:
         device = torch.device(name)
     except RuntimeError:
         fail(f"unknown --device {name!r}; use auto, cpu, cuda, cuda:N or mps")
     cuda = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    if not {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(device.type):
+    if not {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(
+        device.type
+    ):
         fail(f"--device {name}: torch sees no such device here; use --device cpu")
     if device.type == "cuda":
-        device = torch.device("cuda", LOCAL_RANK if device.index is None else device.index)
+        device = torch.device(
+            "cuda", LOCAL_RANK if device.index is None else device.index
+        )
         torch.cuda.set_device(device)
-    if device.type == "cpu" and sys.platform == "linux":  # glibc keeps freed memory rather than give large
-        for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):  # tensors' pages back and fault them
-            ctypes.CDLL("libc.so.6").mallopt(option, value)  # in at every step: 1.4x tokens/s at m = 2
+    if (
+        device.type == "cpu" and sys.platform == "linux"
+    ):  # glibc keeps freed memory rather than give large
+        for option, value in (
+            (-4, 0),
+            (-1, 2**31 - 1),
+            (-2, 2**28),
+        ):  # tensors' pages back and fault them
+            ctypes.CDLL("libc.so.6").mallopt(
+                option, value
+            )  # in at every step: 1.4x tokens/s at m = 2
     return device  # (the options: M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD)
 
 
 def precision(device, dtype, tf32=True):
-    """Autocast to --dtype, the loss scaler (on for float16's small range), and CUDA's TF32 matmuls."""
+    """Autocast to --dtype, the loss scaler (on for float16's small range), and CUDA's
+    TF32 matmuls.
+    """
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    kind, cache = getattr(torch, dtype), device.type != "cuda"  # (CUDA graphs want no autocast cache)
-    cast = torch.autocast(device.type, kind, cache_enabled=cache) if dtype != "float32" else nullcontext()
+    kind, cache = (
+        getattr(torch, dtype),
+        device.type != "cuda",
+    )  # (CUDA graphs want no autocast cache)
+    cast = (
+        torch.autocast(device.type, kind, cache_enabled=cache)
+        if dtype != "float32"
+        else nullcontext()
+    )
     return cast, torch.amp.GradScaler(device.type, enabled=dtype == "float16")
 
 
 def computed(device, args, step):
-    """How the run computes, for run.json: device, torch, matmul precision, autocast, the step."""
-    tf32, step = "tf32" if device.type == "cuda" and args.tf32 else "ieee", type(step).__name__
-    how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype, float32_matmul=tf32)
-    how.update(fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee", step=step.replace("partial", "eager"))
-    return how | ({"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})
+    """How the run computes, for run.json: device, torch, matmul precision, autocast,
+    the step.
+    """
+    tf32, step = (
+        "tf32" if device.type == "cuda" and args.tf32 else "ieee",
+        type(step).__name__,
+    )
+    how = dict(
+        device=str(device),
+        torch=torch.__version__,
+        dtype=args.dtype,
+        float32_matmul=tf32,
+    )
+    how.update(
+        fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee",
+        step=step.replace("partial", "eager"),
+    )
+    return how | (
+        {"device_name": torch.cuda.get_device_name(device)}
+        if device.type == "cuda"
+        else {}
+    )
 
 
 def peak_memory(device):
-    """(bytes, what): on CUDA the most the tensors ever held, elsewhere the process's peak resident memory."""
+    """(bytes, what): on CUDA the most the tensors ever held, elsewhere the process's
+    peak resident memory.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
     import resource  # (Unix; ru_maxrss is in kB on Linux, in bytes on macOS)
 
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
+        1024 if sys.platform == "darwin" else 1
+    )
     return int(kb * 1024), "peak resident memory"
 
 
 def report_peak_memory(args, device, exit_code):
-    """The peak memory (this session's, when resumed) into run.json and on the console; the exit code."""
+    """The peak memory (this session's, when resumed) into run.json and on the console;
+    the exit code.
+    """
     if MASTER:
         peak, what = peak_memory(device)
         with open(os.path.join(args.out_dir, "run.json")) as f:
-            info = dict(json.load(f), peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-        atomic_write(os.path.join(args.out_dir, "run.json"), json.dumps(info, indent=1) + "\n")
+            info = dict(
+                json.load(f), peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what
+            )
+        atomic_write(
+            os.path.join(args.out_dir, "run.json"), json.dumps(info, indent=1) + "\n"
+        )
         say(f"{what}: {peak / 2**30:.2f} GB")
     return exit_code
 
 
-# -------------------------------------------------------------------------------- the console, stopping
+# -------------------------------------------------------------------------------- the
+# console, stopping
 def say(*args):
-    """A console line at once (nohup too), from process 0; a closed stdout (| head) acts as a signal."""
+    """A console line at once (nohup too), from process 0; a closed stdout (| head)
+    acts as a signal.
+    """
     if MASTER:
         try:
             print(*args, flush=True)
@@ -496,35 +868,53 @@ def say(*args):
 
 def ask_to_stop(signum, frame):
     STOP["signal"] = signum
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
+    signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # a second Ctrl-C aborts at once
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    signals = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
+    signals = [
+        s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s
+    ]
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
         check_args(args)
-        args.data_dir, args.out_dir = os.path.abspath(args.data_dir), args.out_dir or default_out_dir(args)
+        args.data_dir, args.out_dir = (
+            os.path.abspath(args.data_dir),
+            args.out_dir or default_out_dir(args),
+        )
         ckpt = judge(args, parser, argv)
         check_args(args)  # (the checkpoint's settings too)
         if (ckpt["iter"] if ckpt else 0) >= args.max_iters:
-            return say(f"{args.out_dir} is at batch {ckpt['iter'] if ckpt else 0}: nothing to train") or 0
+            return (
+                say(
+                    f"{args.out_dir} is at batch {ckpt['iter'] if ckpt else 0}: nothing to train"
+                )
+                or 0
+            )
         with locked(args.out_dir) if MASTER else nullcontext():
             for s in signals:
                 signal.signal(s, ask_to_stop)
             return train(args, ckpt)
     except torch.OutOfMemoryError:
-        print("error: out of memory on the device: use a smaller --batch_size", file=sys.stderr)
+        print(
+            "error: out of memory on the device: use a smaller --batch_size",
+            file=sys.stderr,
+        )
         return 1
     except SystemExit as e:  # fail() and argparse: the line is printed
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C
         return say("\naborted; the last checkpoint is kept") or 130
     except OSError as e:  # a full disk, a lost folder
-        print(f"error: cannot write {e.filename} ({e.strerror}); the last checkpoint stays", file=sys.stderr)
+        print(
+            f"error: cannot write {e.filename} ({e.strerror}); the last checkpoint stays",
+            file=sys.stderr,
+        )
         return 1
     finally:
         STOP["signal"] = None

@@ -13,7 +13,9 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # the project root
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -22,23 +24,37 @@ from plot import cli, label, output_path, paper_rank, plt, save  # noqa: E402
 from prepare_data import fail  # noqa: E402
 from sample import load_model  # noqa: E402
 
-YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"}  # else ||w_k||_2
+YLABEL = {
+    "sa": "mean attention weight",
+    "she": r"$\|W_k\|_F$",
+    "me": r"$|w_k|$",
+}  # else ||w_k||_2
 
 
 def tap_profile(model, windows=None):
-    """{layer (from 1): (l,) array}, what its mixer weighs k - 1 tokens back: ME's |w_k|, WE's and HE's
+    """{layer (from 1): (l,) array}, what its mixer weighs k - 1 tokens back: ME's |w_k|,
+    WE's and HE's
     ||w_k||_2, SHE's ||W_k||_F; attention's mean weight over heads, positions and `windows` (N, t)."""
     if model.cfg.mixer == "sa":
         return attention_by_distance(model, windows)
-    taps = [getattr(layer.mixer, "W_ext", getattr(layer.mixer, "w_ext", None)) for layer in model.layers]
+    taps = [
+        getattr(layer.mixer, "W_ext", getattr(layer.mixer, "w_ext", None))
+        for layer in model.layers
+    ]
     if any(w is None for w in taps):  # (l, d, d), (l, d) or (l,) where there are taps
-        fail(f"the {model.cfg.mixer!r} mixer has neither Extractor taps nor attention weights to draw")
-    return {i: w.detach().double().reshape(len(w), -1).norm(dim=1).numpy() for i, w in enumerate(taps, 1)}
+        fail(
+            f"the {model.cfg.mixer!r} mixer has neither Extractor taps nor attention weights to draw"
+        )
+    return {
+        i: w.detach().double().reshape(len(w), -1).norm(dim=1).numpy()
+        for i, w in enumerate(taps, 1)
+    }
 
 
 def attention_weights(mixer, x):
-    """Eq. (13), (14) recomputed from a SelfAttention's input x (B, t, d): A (B, n, t, t), each row a
-    softmax over the positions j <= i (F.scaled_dot_product_attention does not return it)."""
+    """Eq. (13), (14) recomputed from a SelfAttention's input x (B, t, d): A (B, n, t, t),
+    each row a softmax over the positions j <= i (F.scaled_dot_product_attention does
+    not return it)."""
     (B, t, d), n = x.shape, mixer.n
     q, k, _ = mixer.W_QKV(x).split(d, dim=2)  # Eq. (10), (11), (B, t, d) each
     q, k = (z.view(B, t, n, d // n).transpose(1, 2) for z in (q, k))  # (B, n, t, h)
@@ -48,14 +64,19 @@ def attention_weights(mixer, x):
 
 
 def attention_by_distance(model, windows, chunk=32):
-    """{layer: (t,) mean of A[i, i - k + 1] over heads, positions i >= k - 1 and the windows (N, t)}, from
-    each mixer's input (the layer-normed residual stream), which a forward hook catches."""
+    """{layer: (t,) mean of A[i, i - k + 1] over heads, positions i >= k - 1 and the
+    windows (N, t)}, from each mixer's input (the layer-normed residual stream), which a
+    forward hook catches."""
     t = windows.shape[1]
     sums = {layer.mixer: torch.zeros(t, dtype=torch.float64) for layer in model.layers}
 
     def add(mixer, args, out):  # args[0]: the mixer's input (B, t, d)
-        a = attention_weights(mixer, args[0]).double().sum(dim=(0, 1))  # (t, t), over windows and heads
-        sums[mixer] += torch.stack([a.diagonal(-back).sum() for back in range(t)])  # k - 1 = back
+        a = (
+            attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
+        )  # (t, t), over windows and heads
+        sums[mixer] += torch.stack(
+            [a.diagonal(-back).sum() for back in range(t)]
+        )  # k - 1 = back
 
     hooks = [mixer.register_forward_hook(add) for mixer in sums]
     with torch.no_grad():
@@ -63,49 +84,83 @@ def attention_by_distance(model, windows, chunk=32):
             model.eval()(x)
     for h in hooks:
         h.remove()
-    count = len(windows) * model.cfg.n_head * (t - torch.arange(t))  # (t,) weights summed at each distance
+    count = (
+        len(windows) * model.cfg.n_head * (t - torch.arange(t))
+    )  # (t,) weights summed at each distance
     return {i: (s / count).numpy() for i, s in enumerate(sums.values(), 1)}
 
 
 def uniform_by_distance(t):
-    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,) means over i >= k - 1."""
+    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,) means
+    over i >= k - 1.
+    """
     w = 1 / np.arange(1, t + 1)  # row i's weight
     return np.array([w[back:].mean() for back in range(t)])
 
 
 def val_windows(data_dir, l, n=256, sha256=None):
-    """n windows of l tokens spread evenly over data_dir/val.bin (over which attention's weights are
-    averaged): (n, l) int64. With sha256 (the checkpoint's), refused unless val.bin is the run's."""
+    """n windows of l tokens spread evenly over data_dir/val.bin (over which attention's
+    weights are averaged): (n, l) int64. With sha256 (the checkpoint's), refused unless
+    val.bin is the run's."""
     path = os.path.join(data_dir, "val.bin")
     if not os.path.isfile(path):
         fail(f"{path} not found; pass --data_dir, the folder with the run's val.bin")
     with open(path, "rb") as f:
         if sha256 and hashlib.sha256(f.read()).hexdigest() != sha256:
-            fail(f"{path} is not the run's val.bin (sha256 differs); pass its --data_dir")
+            fail(
+                f"{path} is not the run's val.bin (sha256 differs); pass its --data_dir"
+            )
     val = np.memmap(path, dtype=np.uint16, mode="r")
     starts = np.linspace(0, len(val) - l - 1, n).round().astype(np.int64)
     return np.stack([val[s : s + l] for s in starts]).astype(np.int64)  # (n, l)
 
 
 def plot_taps(run_dirs, path, data_dir=None):
-    """A panel per run in the paper's order, a line per layer: tap_profile against k = 1..l."""
+    """A panel per run in the paper's order, a line per layer: tap_profile against k =
+    1..l.
+    """
     panels = []
     for run_dir in run_dirs:
         model, ckpt = load_model(run_dir, torch.device("cpu"))
         cfg, windows = model.cfg, None
         if cfg.mixer == "sa":
-            folder, sha256 = data_dir or ckpt["args"]["data_dir"], ckpt.get("data", {}).get("val_sha256")
-            windows = torch.from_numpy(val_windows(folder, cfg.block_size, sha256=sha256))
-        panels.append((label(vars(cfg)), ckpt.get("iter", "?"), cfg.mixer, tap_profile(model, windows)))
+            folder, sha256 = (
+                data_dir or ckpt["args"]["data_dir"],
+                ckpt.get("data", {}).get("val_sha256"),
+            )
+            windows = torch.from_numpy(
+                val_windows(folder, cfg.block_size, sha256=sha256)
+            )
+        panels.append(
+            (
+                label(vars(cfg)),
+                ckpt.get("iter", "?"),
+                cfg.mixer,
+                tap_profile(model, windows),
+            )
+        )
     rows, cols = -(-len(panels) // 3), min(3, len(panels))  # three panels a row
-    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.6 * rows), squeeze=False)
-    for ax, (name, batch, mixer, profile) in zip(axes.flat, sorted(panels, key=lambda p: paper_rank(p[0]))):
-        colours, k = plt.cm.viridis(np.linspace(0, 0.9, len(profile))), np.arange(1, len(profile[1]) + 1)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.8 * cols, 3.6 * rows), squeeze=False
+    )
+    for ax, (name, batch, mixer, profile) in zip(
+        axes.flat, sorted(panels, key=lambda p: paper_rank(p[0]))
+    ):
+        colours, k = (
+            plt.cm.viridis(np.linspace(0, 0.9, len(profile))),
+            np.arange(1, len(profile[1]) + 1),
+        )
         for colour, (layer, y) in zip(colours, profile.items()):
             ax.plot(k, y, color=colour, lw=1.2, label=f"layer {layer}")
-        if mixer == "sa":  # what attention spread evenly over the seen tokens would give
+        if (
+            mixer == "sa"
+        ):  # what attention spread evenly over the seen tokens would give
             ax.plot(k, uniform_by_distance(len(k)), "--", color="gray", label="uniform")
-        ax.set(yscale="log", title=f"{name}, batch {batch}", ylabel=YLABEL.get(mixer, r"$\|w_k\|_2$"))
+        ax.set(
+            yscale="log",
+            title=f"{name}, batch {batch}",
+            ylabel=YLABEL.get(mixer, r"$\|w_k\|_2$"),
+        )
         ax.set(xlabel="distance back k (k = 1: the current token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=1 + (len(profile) - 1) // 6)
@@ -116,10 +171,19 @@ def plot_taps(run_dirs, path, data_dir=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run folders written by train.py, each with its ckpt.pt")
-    p.add_argument("-o", "--output", help="image file to write; one run alone: RUN/taps.png")
-    p.add_argument("--data_dir", help="for sa runs: the folder of the run's val.bin (default: the run's)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "runs", nargs="+", help="run folders written by train.py, each with its ckpt.pt"
+    )
+    p.add_argument(
+        "-o", "--output", help="image file to write; one run alone: RUN/taps.png"
+    )
+    p.add_argument(
+        "--data_dir",
+        help="for sa runs: the folder of the run's val.bin (default: the run's)",
+    )
     p.error = lambda msg: fail(f"{msg} (see --help)")
     args = p.parse_args(argv)
     output = output_path(args.output, args.runs, "taps.png")
