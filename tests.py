@@ -2620,40 +2620,30 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
 
 # ======== sampling (sample.py), and end to end ========
 
-WORDS = "the a little old fox owl hen miller river garden moon sang found carried over under once upon"
+WORDS = "the a little old fox owl hen miller river garden moon sang found carried over"
+WORDS += " under once upon — naïve café"
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """prepare_data.py's outputs for three made-up books, and a tiny sa run trained on
-    them.
-    """
+    them (dropout 0.1, the default)."""
     root = tmp_path_factory.mktemp("prepared")
-    rng, books, ids = np.random.default_rng(0), root / "books", (101, 102, 103)
+    rng = np.random.default_rng(0)
+    books = root / "books"
     books.mkdir()
-    for i in ids:
-        text = " ".join(rng.choice(WORDS.split() + ["—", "naïve", "café"], 3000))
-        marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
-        (books / f"{i}.txt").write_text(
-            marker.format("START") + text + "\n" + marker.format("END")
-        )
-    (root / "books.tsv").write_text(
-        "".join(f"{k}\t{i}\tTales {i}\n" for k, i in enumerate(ids))
-    )
-    argv = [
-        "--source",
-        str(books),
-        "--books",
-        str(root / "books.tsv"),
-        "--data_dir",
-        str(root / "data"),
-    ]
-    assert prepare_data.main(argv + ["--vocab_size", "300", "--min_chars", "1000"]) == 0
-    out, data = str(root / "run"), f"--data_dir={root / 'data'}"
-    assert (
-        train.main(TINY + ["--mixer=sa", data, f"--out_dir={out}", "--max_iters=30"])
-        == 0
-    )
+    marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
+    for i in (101, 102, 103):
+        text = " ".join(rng.choice(WORDS.split(), 3000))
+        text = marker.format("START") + text + "\n" + marker.format("END")
+        (books / f"{i}.txt").write_text(text)
+    (root / "books.tsv").write_text("id\n101\t101\n102\t102\n103\t103\n")
+    argv = ["--source", str(books), "--books", str(root / "books.tsv")]
+    argv += ["--data_dir", str(root / "data"), "--vocab_size=300", "--min_chars=1000"]
+    assert prepare_data.main(argv) == 0
+    out = str(root / "run")
+    flags = ["--mixer=sa", f"--data_dir={root / 'data'}", f"--out_dir={out}"]
+    assert train.main(TINY + flags + ["--max_iters=30"]) == 0
     return str(root / "data"), out
 
 
@@ -2661,169 +2651,120 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
     prepared, monkeypatch, capsys
 ):
     enc = prepare_data.load_tokenizer(prepared[0])
-    ids = [
-        enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]
-    ]  # a token each byte, the last cut
+    # a token each byte, the last character cut
+    ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]]
     model, ckpt = sample.load_model(prepared[1], torch.device("cpu"))
-    monkeypatch.setattr(
-        model, "generate_stream", lambda *a, **kw: (torch.tensor([[i]]) for i in ids)
-    )
+    tokens = lambda *a, **kw: (torch.tensor([[i]]) for i in ids)
+    monkeypatch.setattr(model, "generate_stream", tokens)
     monkeypatch.setattr(sample, "load_model", lambda *a: (model, ckpt))
-    assert (
-        sample.main(["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"])
-        == 0
-    )
-    assert (
-        capsys.readouterr().out == "é€ ok\ufffd\n"
-    )  # (what a cut character becomes at the end)
+    argv = ["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"]
+    assert sample.main(argv) == 0
+    # (what a cut character becomes at the end)
+    assert capsys.readouterr().out == "é€ ok\ufffd\n"
 
 
 def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
     prepared, tmp_path, capsys
 ):
-    enc, l, ckpt = (
-        prepare_data.load_tokenizer(prepared[0]),
-        8,
-        torch.load(prepared[1] + "/ckpt.pt"),
-    )
+    enc = prepare_data.load_tokenizer(prepared[0])
+    l = 8
+    ckpt = torch.load(prepared[1] + "/ckpt.pt")
     g = torch.Generator().manual_seed(0)
     for w in ckpt["model"].values():
         w.normal_(0, 0.3, generator=g)  # distinct logits: greedy choices are no ties
     torch.save(ckpt, tmp_path / "ckpt.pt")
-    ids = enc.encode(
-        "the little old fox sang over the river and the miller found the moon under a garden"
-    )
-    head, tail = (
-        enc.decode(ids[:l]),
-        enc.decode(ids[-l:]),
-    )  # the first and the last l tokens, as text
+    prompt = "the little old fox sang over the river and the miller found the moon"
+    ids = enc.encode(prompt + " under a garden")
+    head = enc.decode(ids[:l])  # the first and the last l tokens, as text
+    tail = enc.decode(ids[-l:])
     assert len(ids) > l and enc.encode(head) == ids[:l] and enc.encode(tail) == ids[-l:]
 
     def greedy(prompt):  # the new text of a greedy sample, and what was said on stderr
-        argv = [
-            "--out_dir",
-            str(tmp_path),
-            "--prompt",
-            prompt,
-            "--temperature=0",
-            "--max_new_tokens=8",
-        ]
-        assert sample.main(argv) == 0
+        argv = ["--out_dir", str(tmp_path), "--prompt", prompt, "--temperature=0"]
+        assert sample.main(argv + ["--max_new_tokens=8"]) == 0
         said = capsys.readouterr()
         return said.out[len(prompt) :], said.err
 
-    (new, err), (from_tail, _), (from_head, _) = (
-        greedy(enc.decode(ids)),
-        greedy(tail),
-        greedy(head),
-    )
-    assert (
-        "it goes on from the last l" in err and from_head != from_tail
-    )  # the windows differ: it can fail
-    assert new == from_tail
+    new, err = greedy(enc.decode(ids))
+    assert "it goes on from the last l" in err
+    assert new == greedy(tail)[0]
+    assert new != greedy(head)[0]  # the windows differ: it can fail
 
 
-def test_sample_is_reproducible_and_refuses_what_it_cannot_use(
-    prepared, tmp_path, capsys
-):
+def test_the_samples_of_a_call_differ_and_a_seed_gives_them_again(prepared, capsys):
+    def samples(*flags):
+        argv = ["--out_dir", prepared[1] + "/ckpt.pt", "--max_new_tokens=12"]
+        assert sample.main([*argv, "--num_samples=3", *flags]) == 0
+        return capsys.readouterr().out.split("-" * 40 + "\n")
+
+    first = samples("--seed=5")
+    assert len(set(first)) == 3  # each sample draws on from the one before
+    assert samples("--seed=5") == first
+    assert samples("--seed=6") != first
+    greedy = samples("--temperature=0", "--seed=6")
+    assert len(set(greedy)) == 1 and greedy == samples("--temperature=0")
+    # taps.py reads the model of load_model: dropout (0.1 here) is off
+    model, _ = sample.load_model(prepared[1], torch.device("cpu"))
+    idx = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsys):
     data, out = prepared
-    texts = []
-    for flags in (
-        ["--seed=1"],
-        ["--seed=1"],
-        ["--temperature=0", "--seed=2"],
-        ["--temperature=0"],
-    ):
-        assert (
-            sample.main(["--out_dir", out + "/ckpt.pt", "--max_new_tokens=20", *flags])
-            == 0
-        )
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
     other = tmp_path / "other"
     other.mkdir()
-    with open(os.path.join(data, "tokenizer.tiktoken"), "rb") as f:
-        (other / "tokenizer.tiktoken").write_bytes(f.read()[:-20])
-    said = error_line(capsys, sample.main, ["--out_dir", out, "--data_dir", str(other)])
-    assert "not the tokenizer the run was trained with" in said
-    assert "no checkpoint" in error_line(
-        capsys, sample.main, ["--out_dir", str(tmp_path / "none")]
-    )
-    assert "finite number" in error_line(
-        capsys, sample.main, ["--out_dir", out, "--temperature=inf"]
-    )
+    tokenizer = open(os.path.join(data, "tokenizer.tiktoken"), "rb").read()
+    (other / "tokenizer.tiktoken").write_bytes(tokenizer[:-20])
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    assert "it is damaged" in error_line(
-        capsys, sample.main, ["--out_dir", str(tmp_path / "bad.pt")]
-    )
+    cases = {  # flags: what the line says
+        "--top_p=1.5": "top_p must be in (0, 1] (or None for all tokens), got 1.5",
+        "--top_p=0": "top_p must be in (0, 1] (or None for all tokens), got 0.0",
+        "--temperature=inf": "finite number >= 0 (0 is greedy), got inf",
+        "--top_k=0": "top_k must be at least 1 (or None for all tokens), got 0",
+        "--seed=-1": "--seed -1: give 0 to 2**63 - 1",
+        "--num_samples=0": "--num_samples 0: give 1 or more",
+        "--max_new_tokens=-1": "--max_new_tokens -1: give 0 or more",
+        f"--data_dir={other}": f"{other}/tokenizer.tiktoken is not the run's tokenizer",
+        f"--out_dir={tmp_path}/none": f"no checkpoint {tmp_path}/none/ckpt.pt",
+        f"--out_dir={tmp_path}/bad.pt": "it is damaged",
+    }
+    for flag, says in cases.items():
+        assert says in error_line(capsys, sample.main, ["--out_dir", out, flag]), flag
 
 
 def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(
     prepared, tmp_path, monkeypatch
 ):
-    (tmp_path / "mymixers.py").write_text(
-        USER_MIXER
-    )  # the find_mixer test's: a module of one's own
+    # the find_mixer test's: a module of one's own
+    (tmp_path / "mymixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
     out = str(tmp_path / "mean")
-    assert (
-        run(
-            tmp_path,
-            prepared[0],
-            "--mixer=mymixers.Mean",
-            "--max_iters=3",
-            f"--out_dir={out}",
-        )
-        == 0
-    )
+    flags = ["--mixer=mymixers.Mean", "--max_iters=3", f"--out_dir={out}"]
+    assert run(tmp_path, prepared[0], *flags) == 0
     assert sample.main(["--out_dir", out, "--max_new_tokens", "5"]) == 0
 
 
 @pytest.mark.slow
 def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     rc, out, err = run_script("train.py", "--n_layer", "0")
-    assert (
-        rc == 1
-        and err.startswith("error: n_layer must be a positive integer")
-        and err.count("\n") == 1
-    )
+    assert rc == 1 and err.count("\n") == 1
+    assert err.startswith("error: n_layer must be a positive integer")
     for mixer in ("sa", "me"):
-        flags = [
-            f"--mixer={mixer}",
-            f"--data_dir={prepared[0]}",
-            "--max_iters=60",
-            "--lr=3e-3",
-        ]
-        rc, out, err = run_script(
-            "-X",
-            "importtime",
-            "train.py",
-            *TINY,
-            *flags,
-            f"--out_dir={tmp_path / mixer}",
-        )
-        imported = {
-            line.split("|")[-1].strip()
-            for line in err.splitlines()
-            if line.startswith("import ")
-        }
-        assert {"extractor", "fir", "prepare_data"} <= imported and not {
-            "synthesizer",
-            "matplotlib",
-        } & imported
+        flags = [f"--mixer={mixer}", f"--data_dir={prepared[0]}", "--max_iters=60"]
+        flags += ["--lr=3e-3", f"--out_dir={tmp_path / mixer}"]
+        rc, out, err = run_script("-X", "importtime", "train.py", *TINY, *flags)
+        lines = [line for line in err.splitlines() if line.startswith("import ")]
+        imported = {line.split("|")[-1].strip() for line in lines}
+        assert {"extractor", "fir", "prepare_data"} <= imported
+        assert not {"synthesizer", "matplotlib"} & imported
         costs = [float(r["train_loss"]) for r in log_rows(str(tmp_path / mixer))]
-        assert (
-            rc == 0
-            and len(costs) == 60
-            and np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3
-        )  # it learns
-    command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'} --max_new_tokens 500 | head -c 20"
+        assert rc == 0 and len(costs) == 60
+        assert np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3  # it learns
+    command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'}"
+    command += " --max_new_tokens 500 | head -c 20"
     r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
-    assert (
-        r.stdout.startswith("Once upon a time")
-        and len(r.stdout) == 20
-        and "Traceback" not in r.stderr
-    )
+    assert r.stdout.startswith("Once upon a time") and len(r.stdout) == 20
+    assert "Traceback" not in r.stderr
 
 
 # ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
