@@ -1,9 +1,11 @@
 """
-Continue a prompt with a trained run's model, token by token (Eq. 2; the paper's Table 2 samples with
-top-p 0.6). The tokenizer comes from the run's data folder and must be the one it was trained with.
+Continue a prompt with a trained run's model, token by token (Eq. 2; the paper's Table 2
+samples with top-p 0.6). The tokenizer comes from the run's data folder and must be the
+one it was trained with.
 
-    python sample.py --prompt "Once upon a time"                                  # out/me
-    python sample.py --out_dir out/she --prompt "Once upon a time there was a little princess who" --seed 1
+    python sample.py --prompt "Once upon a time"                           # out/me
+    python sample.py --out_dir out/she --seed 1 \\
+        --prompt "Once upon a time there was a little princess who"
 """
 
 import argparse
@@ -23,145 +25,97 @@ from train import load_checkpoint, peak_memory, pick_device
 def build_parser():
     p = argparse.ArgumentParser(description="Sample text from a run of train.py.")
     p.error = lambda msg: fail(f"{msg} (see python sample.py --help)")
-    p.add_argument(
-        "--out_dir",
-        default="out/me",
-        help="the run folder, or its ckpt.pt (default: out/me)",
-    )
-    p.add_argument(
-        "--prompt",
-        default="Once upon a time",
-        help="the text to continue (its last l tokens)",
-    )
-    p.add_argument(
-        "--max_new_tokens", type=int, default=200, help="tokens per sample (200)"
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="divides the logits; 0 is greedy (1.0)",
-    )
-    p.add_argument(
-        "--top_k", type=int, help="sample from the k most likely tokens only"
-    )
-    p.add_argument(
-        "--top_p",
-        type=float,
-        default=0.6,
-        help="nucleus sampling (Table 2: 0.6); 1 is off",
-    )
+    p.add_argument("--out_dir", default="out/me", help="a run or its ckpt.pt (out/me)")
+    p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="per sample (200)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (1.0)")
+    p.add_argument("--top_k", type=int, help="sample from the k most likely tokens")
+    p.add_argument("--top_p", type=float, default=0.6, help="nucleus, 1 is off (0.6)")
     p.add_argument("--num_samples", type=int, default=1, help="how many samples (1)")
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=1337,
-        help="the same seed gives the same samples (1337)",
-    )
-    p.add_argument(
-        "--data_dir",
-        help="the folder with the run's tokenizer (default: the run's data folder)",
-    )
-    p.add_argument(
-        "--device", default="auto", help="auto (cuda, mps, then cpu), cpu, cuda, mps"
-    )
+    p.add_argument("--seed", type=int, default=1337, help="same seed, same samples")
+    p.add_argument("--data_dir", help="the run's tokenizer (the run's --data_dir)")
+    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, ...")
     return p
 
 
 def load_model(out_dir, device):
-    """The model of a run's ckpt.pt (out_dir may name the file itself), in eval mode,
-    and the checkpoint.
-    """
+    """The model of a run's ckpt.pt (out_dir may name the file), in eval mode, and the
+    checkpoint."""
     path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         fail(
-            f"no checkpoint {path}: train a run there first (python train.py --out_dir {out_dir} ...)"
+            f"no checkpoint {path}: train a run there first"
+            f" (python train.py --out_dir {out_dir} ...)"
         )
     ckpt = load_checkpoint(path)
-    try:
+    try:  # fails for an unknown mixer or the weights of another model
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
-    except (
-        ValueError,
-        ImportError,
-        RuntimeError,
-    ) as e:  # an unknown mixer, or weights of another model
+    except (ValueError, ImportError, RuntimeError) as e:
         fail(f"cannot build the model of {path}: {str(e).splitlines()[0]}")
     return model.to(device).eval(), ckpt
 
 
 def load_run_tokenizer(data_dir, ckpt):
-    """The tokenizer of data_dir, refused unless it is the one the run was trained
-    with.
-    """
+    """The tokenizer of data_dir, refused unless the run was trained with it."""
     path = os.path.join(data_dir, TOKENIZER_FILE)
     if not os.path.isfile(path):
         fail(f"no tokenizer {path}; pass the run's --data_dir")
     with open(path, "rb") as f:
         if hashlib.sha256(f.read()).hexdigest() != ckpt["data"]["tokenizer_sha256"]:
-            fail(
-                f"{path} is not the tokenizer the run was trained with; pass the run's --data_dir"
-            )
+            fail(f"{path} is not the run's tokenizer; pass the run's --data_dir")
     return load_tokenizer(data_dir)
 
 
 def stream(model, idx, enc, max_new_tokens, **kw):
     """Print each new token as it is sampled, by an incremental decoder: it may end
-    inside a character.
-    """
+    inside a character."""
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for tok in model.generate_stream(idx, max_new_tokens, **kw):  # (1, 1) each
-        print(
-            text.decode(enc.decode_single_token_bytes(tok.item())), end="", flush=True
-        )
+        piece = text.decode(enc.decode_single_token_bytes(tok.item()))
+        print(piece, end="", flush=True)
     print(text.decode(b"", final=True))
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 0 or args.num_samples < 1 or not 0 <= args.seed < 2**63:
-        fail(
-            "--max_new_tokens must be >= 0, --num_samples >= 1 and --seed in [0, 2**63)"
-        )
-    kw = dict(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p if args.top_p < 1 else None,
-    )
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 0:
+        p.error(f"--max_new_tokens {args.max_new_tokens}: give 0 or more")
+    if args.num_samples < 1:
+        p.error(f"--num_samples {args.num_samples}: give 1 or more")
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed {args.seed}: give 0 to 2**63 - 1")
+    top_p = None if args.top_p == 1 else args.top_p  # p = 1 keeps every token
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=top_p)
     try:
         check_sampling(**kw)
     except ValueError as e:
-        fail(str(e))
+        p.error(str(e))
     device = pick_device(args.device)
     model, ckpt = load_model(args.out_dir, device)
     enc = load_run_tokenizer(args.data_dir or ckpt["args"]["data_dir"], ckpt)
-    ids = enc.encode(args.prompt, disallowed_special=()) or [
-        enc.eot_token
-    ]  # none: a new document
+    # no prompt: a new document
+    ids = enc.encode(args.prompt, disallowed_special=()) or [enc.eot_token]
     if len(ids) > model.cfg.block_size:
-        print(
-            f"note: {len(ids)} prompt tokens, more than l: it goes on from the last l",
-            file=sys.stderr,
-        )
-    print(
-        f"# {args.out_dir} after {ckpt['iter']} batches, seed {args.seed}",
-        file=sys.stderr,
-    )
-    torch.manual_seed(args.seed)
-    sys.stdout.reconfigure(
-        errors="replace"
-    )  # a character the terminal cannot show prints as '?'
+        note = f"{len(ids)} prompt tokens, more than l: it goes on from the last l"
+        print(f"note: {note}", file=sys.stderr)
+    run = f"{args.out_dir} after {ckpt['iter']} batches"
+    print(f"# {run}, seed {args.seed}", file=sys.stderr)
+    torch.manual_seed(args.seed)  # once: each sample goes on with the stream
+    sys.stdout.reconfigure(errors="replace")  # what the terminal cannot show is '?'
     t0 = time.time()
     for k in range(args.num_samples):
-        print(("-" * 40 + "\n" if k else "") + args.prompt, end="", flush=True)
-        stream(
-            model, torch.tensor([ids], device=device), enc, args.max_new_tokens, **kw
-        )
+        if k > 0:
+            print("-" * 40)
+        print(args.prompt, end="", flush=True)
+        idx = torch.tensor([ids], device=device)
+        stream(model, idx, enc, args.max_new_tokens, **kw)
     peak, what = peak_memory(device)
     n = args.num_samples * args.max_new_tokens
+    took = time.time() - t0
     print(
-        f"# {n} tokens in {time.time() - t0:.1f} s; {what} {peak / 2**30:.2f} GB",
-        file=sys.stderr,
+        f"# {n} tokens in {took:.1f} s; {what} {peak / 2**30:.2f} GB", file=sys.stderr
     )
     return 0
 

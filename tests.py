@@ -1587,159 +1587,159 @@ ferry was the willow bank.
 # What the 100 books put around their text, each form with how many use it (a survey of
 # the mirror). The START marker (or the 1990s licence) and the END marker: 91, 8, 1
 # books; none splits a marker over two lines.
+SMALL_PRINT = (
+    "***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\n"
+    "A stand-in licence.\n"
+    "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.07.00*END*"
+)
 MARKERS = {
-    "THIS": ("*** START OF THIS PROJECT GUTENBERG EBOOK {T} ***",
-             "*** END OF THIS PROJECT GUTENBERG EBOOK {T} ***"),
-    "THE": ("***START OF THE PROJECT GUTENBERG EBOOK {T}***", "***END OF THE PROJECT GUTENBERG EBOOK {T}***"),
-    "small print": ("***START**THE SMALL PRINT!**FOR PUBLIC DOMAIN ETEXTS**START***\nA stand-in licence.\n"
-                    "*END THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.07.00*END*", ""),
-}  # fmt: skip
-CREDITS = {  # paragraphs opening the text
-    "Produced by": "Produced by Jane Roe\n\n\n",  # 63 books
-    "Produced by, 2-5 lines": "Produced by Jane Roe, Rick Poe and the Online Distributed\nProofreading "
-    "Team at http://www.pgdp.net (from scans a library\nlent for the purpose.)\n\n\n\n",  # 21 books
-    "Transcribed from": "Transcribed from the 1899 Hollow Press edition by Ann Example.\n\n",  # 3 books
-    "E-text prepared, Note": "E-text prepared by Ann Example and the Project Gutenberg Online\nTeam\n\n\n"
-    "Note: Project Gutenberg also has an HTML version of this\n      file, with pictures.\n\n",
-    "E-text prepared": "E-text prepared by Al Example\n\n\n\n",  # 1 book; the one above: 3 books
-    "This etext": "This etext was prepared by A Scanner, typed and\nproofread by A Reader.\n\n\n\n\n",  # 1
-    "none": "",  # 8 books
+    "THIS": (
+        "*** START OF THIS PROJECT GUTENBERG EBOOK {T} ***",
+        "*** END OF THIS PROJECT GUTENBERG EBOOK {T} ***",
+    ),
+    "THE": (
+        "***START OF THE PROJECT GUTENBERG EBOOK {T}***",
+        "***END OF THE PROJECT GUTENBERG EBOOK {T}***",
+    ),
+    "small print": (SMALL_PRINT, ""),
 }
-FOOTERS = {  # the line(s) just before the END marker (no file has one after it)
-    "the EBook of": "End of the Project Gutenberg EBook of The Lantern, by Ada Quill\n\n",  # 57 books
-    "Gutenberg's": "End of Project Gutenberg's The Lantern, by Ada Quill\n\n",  # 23 books
-    "Gutenberg\u2019s": "End of Project Gutenberg\u2019s The Lantern, by Ada Quill\n\n",  # 10 books
-    "The Etext of": "End of The Project Gutenberg Etext of The Lantern by Ada Quill\n\n",  # 2 books
-    "two lines": "End of the Project Gutenberg EBook of The Lantern, by\nAda Quill\n\n",  # 8 of the above
-    "none": "",  # 8 books (those of "***START OF THE")
+CREDITS = {  # paragraphs opening the text; 63, 21, 3, 3, 1, 1 and 8 books
+    "Produced by": "Produced by Jane Roe\n\n\n",
+    "Produced by, 2-5 lines": "Produced by Jane Roe, Rick Poe and the Online "
+    "Distributed\nProofreading Team at http://www.pgdp.net (from scans a library\n"
+    "lent for the purpose.)\n\n\n\n",
+    "Transcribed from": "Transcribed from the 1899 Hollow Press edition by Ann.\n\n",
+    "E-text prepared, Note": "E-text prepared by Ann Example and the Project "
+    "Gutenberg Online\nTeam\n\n\nNote: Project Gutenberg also has an HTML version of "
+    "this\n      file, with pictures.\n\n",
+    "E-text prepared": "E-text prepared by Al Example\n\n\n\n",
+    "This etext": "This etext was prepared by A Scanner, typed and\nproofread by A "
+    "Reader.\n\n\n\n\n",
+    "none": "",
+}
+# the line(s) just before the END marker (no file has one after it); 57, 23, 10, 2, 8
+# (of the others) and 8 books (those of "***START OF THE")
+FOOTERS = {
+    "the EBook of": "End of the Project Gutenberg EBook of The Lantern, by Ada\n\n",
+    "Gutenberg's": "End of Project Gutenberg's The Lantern, by Ada\n\n",
+    "Gutenberg\u2019s": "End of Project Gutenberg\u2019s The Lantern, by Ada\n\n",
+    "The Etext of": "End of The Project Gutenberg Etext of The Lantern by Ada\n\n",
+    "two lines": "End of the Project Gutenberg EBook of The Lantern, by\nAda Quill\n\n",
+    "none": "",
 }
 # each form at least once, mixed as the books mix them
-FORMS = [("THIS", "Produced by", "the EBook of"), ("THIS", "Produced by, 2-5 lines", "Gutenberg's"),
-         ("THIS", "none", "Gutenberg\u2019s"), ("THIS", "Produced by", "The Etext of"),
-         ("THIS", "Produced by, 2-5 lines", "two lines"), ("THE", "E-text prepared, Note", "none"),
-         ("THE", "Transcribed from", "none"), ("THE", "E-text prepared", "none"), ("THE", "none", "none"),
-         ("small print", "This etext", "two lines")]  # fmt: skip
+FORMS = [
+    ("THIS", "Produced by", "the EBook of"),
+    ("THIS", "Produced by, 2-5 lines", "Gutenberg's"),
+    ("THIS", "none", "Gutenberg\u2019s"),
+    ("THIS", "Produced by", "The Etext of"),
+    ("THIS", "Produced by, 2-5 lines", "two lines"),
+    ("THE", "E-text prepared, Note", "none"),
+    ("THE", "Transcribed from", "none"),
+    ("THE", "E-text prepared", "none"),
+    ("THE", "none", "none"),
+    ("small print", "This etext", "two lines"),
+]
 
 
 def gutenberg_file(markers, credits, footer, body=BODY, title="The Lantern"):
     """body with a header, credits, footer and licence of the forms above, as text."""
     start, end = (m.format(T=title.upper()) for m in MARKERS[markers])
-    head = f"The Project Gutenberg EBook of {title}, by Ada Quill\n\nTitle: {title}\n\nRelease Date: 2008\n\n"
-    tail = (
-        f"{end}\n\n***** This file should be named 1.txt or 1.zip *****\n\nA licence.\n"
-        if end
-        else ""
-    )
-    return (
-        f"{head}{start}\n\n\n\n{CREDITS[credits]}{body}\n\n\n\n{FOOTERS[footer]}{tail}"
-    )
+    head = f"The Project Gutenberg EBook of {title}, by Ada Quill\n\nTitle: {title}\n\n"
+    licence = "***** This file should be named 1.txt or 1.zip *****\n\nA licence.\n"
+    tail = f"{end}\n\n{licence}" if end else ""
+    gaps = "\n\n\n\n"
+    return f"{head}{start}{gaps}{CREDITS[credits]}{body}{gaps}{FOOTERS[footer]}{tail}"
 
 
 @pytest.mark.parametrize("markers, credits, footer", FORMS)
 def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(
     markers, credits, footer
 ):
-    assert prepare_data.strip_gutenberg(gutenberg_file(markers, credits, footer)) == (
-        BODY,
-        None,
-    )
+    text = gutenberg_file(markers, credits, footer)
+    assert prepare_data.strip_gutenberg(text) == (BODY, None)
 
 
 def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(
     tmp_path, capsys
 ):
     """None of the 100 files is cut short, has a byte-order mark or CRLF or is not
-    UTF-8.
-    """
-    cut = gutenberg_file("THIS", "none", "none").split("*** END")[
-        0
-    ]  # no END marker, no footer: all kept
+    UTF-8."""
+    # no END marker, no footer: all kept
+    cut = gutenberg_file("THIS", "none", "none").split("*** END")[0]
     warning = "no END marker or footer: the file may be cut short"
     assert prepare_data.strip_gutenberg(cut) == (BODY, warning)
-    assert prepare_data.strip_gutenberg("\n  plain text \n\n") == (
-        "  plain text\n",
-        warning,
-    )
+    plain = prepare_data.strip_gutenberg("\n  plain text \n\n")
+    assert plain == ("  plain text\n", warning)
     body = BODY.replace('"Tuesdays"', "\u201cTuesdays\u201d")
     text = gutenberg_file("THIS", "Produced by", "Gutenberg's", body)
     bom_crlf = ("\ufeff" + text.replace("\n", "\r\n")).encode()
-    for raw in (
-        bom_crlf,
-        text.encode("cp1252"),
-        ("\ufeff" + body).encode(),
-    ):  # the last without markers
-        (tmp_path / "1.txt").write_bytes(raw)
-        assert (
-            prepare_data.book_body((1, "The Lantern", ""), str(tmp_path / "1.txt"), 100)
-            == body
-        )
-    (tmp_path / "1.txt").write_bytes(
-        b"caf\xe9 \x81" * 20
-    )  # cp1252, with a byte it leaves undefined
-    assert (
-        prepare_data.book_body((1, "", ""), str(tmp_path / "1.txt"), 120)
-        == "caf\xe9 \ufffd" * 20 + "\n"
-    )
-    said = error_line(
-        capsys, prepare_data.book_body, (1, "", ""), str(tmp_path / "1.txt"), 121
-    )
-    assert "has 120 characters" in said
+    path = tmp_path / "1.txt"
+    # the last without markers
+    for raw in (bom_crlf, text.encode("cp1252"), ("\ufeff" + body).encode()):
+        path.write_bytes(raw)
+        assert prepare_data.book_body((1, "The Lantern", ""), str(path), 100) == body
+    path.write_bytes(b"caf\xe9 \x81" * 20)  # cp1252, with a byte it leaves undefined
+    expected = "caf\xe9 \ufffd" * 20 + "\n"
+    assert prepare_data.book_body((1, "", ""), str(path), 120) == expected
+    said = error_line(capsys, prepare_data.book_body, (1, "", ""), str(path), 121)
+    assert "has 120 characters after stripping, fewer than --min_chars 121" in said
     end = MARKERS["THIS"][1].format(T="X")
-    for start in (
-        MARKERS["THIS"][0].format(T="X"),
-        MARKERS["small print"][0],
-    ):  # the text right below
-        assert prepare_data.strip_gutenberg(f"{start}\nText.\n{end}\n") == (
-            "Text.\n",
-            None,
-        )
+    # a line of the text that starts as a footer does: the last is the footer
+    inside = BODY + "End of Project Gutenberg's ferry, the willow bank.\n"
+    text = gutenberg_file("THIS", "none", "Gutenberg's", inside)
+    assert prepare_data.strip_gutenberg(text) == (inside, None)
+    # the text right below
+    for start in (MARKERS["THIS"][0].format(T="X"), SMALL_PRINT):
+        text = f"{start}\nText.\n{end}\n"
+        assert prepare_data.strip_gutenberg(text) == ("Text.\n", None)
 
 
 # ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache,
 # --source
 def fake_book(seed):
     """Made-up prose: 239 lines of words of syllables (a few letters not ASCII), a
-    paragraph every 6.
-    """
-    rng, syllables = (
-        random.Random(seed),
-        "ka lo mi ren tho va quil sa ne dor bri el tü ça wy".split(),
-    )
+    paragraph every 6."""
+    rng = random.Random(seed)
+    syllables = "ka lo mi ren tho va quil sa ne dor bri el tü ça wy".split()
     words = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(200)]
-    lines = [
-        " ".join(rng.choices(words, k=9)) + ("." if k % 6 else ".\n")
-        for k in range(1, 240)
-    ]
-    return "\n".join(lines) + "\n"
+    lines = [" ".join(rng.choices(words, k=9)) for k in range(1, 240)]
+    ends = ["." if k % 6 else ".\n" for k in range(1, 240)]
+    return "\n".join(line + end for line, end in zip(lines, ends)) + "\n"
 
 
-BOOKS = [(9001, "Mossy Dell"), (9002, "Brass Kite"), (9003, "Oddly Far"), (9004, "Quince Hall"),
-         (9005, "Lark Rise"), (9006, "Tin Fern"), (9007, "N\u00fcrnberg Stove")]  # fmt: skip
+BOOKS = [
+    (9001, "Mossy Dell"),
+    (9002, "Brass Kite"),
+    (9003, "Oddly Far"),
+    (9004, "Quince Hall"),
+    (9005, "Lark Rise"),
+    (9006, "Tin Fern"),
+    (9007, "N\u00fcrnberg Stove"),
+]
 BODIES = {i: fake_book(i) for i, _ in BOOKS}
-RAW = {
-    i: gutenberg_file(*FORMS[k], BODIES[i], t).encode()
-    for k, (i, t) in enumerate(BOOKS)
-}  # their files
+# their files
+RAW = {i: gutenberg_file(*f, BODIES[i], t).encode() for f, (i, t) in zip(FORMS, BOOKS)}
 VOCAB = 400
-outputs = lambda d: {
-    n: (d / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.tiktoken")
-}
+OUTPUTS = ("train.bin", "val.bin", "tokenizer.tiktoken")
+
+
+def outputs(data_dir):
+    return {name: (data_dir / name).read_bytes() for name in OUTPUTS}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """server.files; faults[path] used up one per request: a status, html, timeout (1
-    s), truncate (half).
-    """
+    s), truncate (half)."""
 
     def do_GET(self):
         self.server.log.append((self.path, self.headers["User-Agent"]))
         fault = (self.server.faults.get(self.path) or [""]).pop(0)
-        body = (
-            b"<!DOCTYPE html><p>Captcha</p>"
-            if fault == "html"
-            else self.server.files.get(self.path)
-        )
-        time.sleep(1.0 if fault == "timeout" else 0)
+        body = self.server.files.get(self.path)
+        if fault == "html":
+            body = b"<!DOCTYPE html><p>Captcha</p>"
+        if fault == "timeout":
+            time.sleep(1.0)
         if fault.isdigit() or body is None:
             return self.send_error(int(fault or 404))
         self.send_response(200)
@@ -1753,20 +1753,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def serve(raws):
     """A loopback mirror with each book ({ebook id: bytes}) at gutenberg.org's three
-    paths.
-    """
+    paths."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.log, srv.faults, srv.handle_error, srv.daemon_threads = (
-        [],
-        {},
-        lambda *a: None,
-        True,
-    )
-    srv.files = {
-        p.format(id=i): raw
-        for i, raw in raws.items()
-        for p in prepare_data.URL_PATTERNS
-    }
+    srv.log = []
+    srv.faults = {}
+    srv.handle_error = lambda *a: None
+    srv.daemon_threads = True
+    paths = prepare_data.URL_PATTERNS
+    srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in paths}
     srv.url = f"http://127.0.0.1:{srv.server_port}"
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -1776,45 +1770,33 @@ def serve(raws):
 
 def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
     """prepare_data.main with a 0.5 s timeout, retries 0.01 s and 0.02 s later, no
-    pause; its exit status.
-    """
+    pause; its exit status."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "no_proxy", "127.0.0.1"
-        )  # a user's proxy must not see loopback requests
-        for name, value in (("TIMEOUT", timeout), ("RETRIES", 2), ("BACKOFF", 0.01)):
-            mp.setattr(prepare_data, name, value)
-        argv = [
-            "--data_dir",
-            str(data_dir),
-            "--books",
-            tsv,
-            "--mirror",
-            mirror,
-            "--pause",
-            "0",
-        ]
-        return prepare_data.main([*argv, "--vocab_size", str(VOCAB), *flags])
+        # a user's proxy must not see loopback requests
+        mp.setenv("no_proxy", "127.0.0.1")
+        mp.setattr(prepare_data, "TIMEOUT", timeout)
+        mp.setattr(prepare_data, "RETRIES", 2)
+        mp.setattr(prepare_data, "BACKOFF", 0.01)
+        argv = ["--data_dir", str(data_dir), "--books", tsv, "--mirror", mirror]
+        argv += ["--pause", "0", "--vocab_size", str(VOCAB)]
+        return prepare_data.main([*argv, *flags])
 
 
 def folder(src, raws, names=("{}.txt",)):
     """raws ({ebook id: bytes}) written to the folder src, a --source, the names taken
-    in turn.
-    """
+    in turn."""
     for k, (i, raw) in enumerate(raws.items()):
-        (src / names[k % len(names)].format(i)).parent.mkdir(
-            parents=True, exist_ok=True
-        )
-        (src / names[k % len(names)].format(i)).write_bytes(raw)
+        path = src / names[k % len(names)].format(i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(raw)
     return str(src)
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     root = tmp_path_factory.mktemp("clean")
-    (root / "books.tsv").write_text(
-        "id\n" + "".join(f"{r}\t{i}\t{t}\n" for r, (i, t) in enumerate(BOOKS))
-    )
+    rows = "".join(f"{r}\t{i}\t{t}\n" for r, (i, t) in enumerate(BOOKS))
+    (root / "books.tsv").write_text("id\n" + rows)
     with serve(RAW) as srv:
         assert prepare(root / "data", tsv=str(root / "books.tsv"), mirror=srv.url) == 0
     return root / "data", str(root / "books.tsv")
@@ -1823,272 +1805,205 @@ def clean(tmp_path_factory):
 def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_folder(
     clean, tmp_path, capsys
 ):
-    data_dir, _ = clean
-    meta, enc = (
-        json.loads((data_dir / "meta.json").read_text()),
-        prepare_data.load_tokenizer(data_dir),
-    )
-    assert (meta["vocab_size"], enc.n_vocab, enc.decode([VOCAB - 1])) == (
-        VOCAB,
-        VOCAB,
-        "<|endoftext|>",
-    )
-    assert (
-        sorted(meta["train_books"] + meta["val_books"]) == [i for i, _ in BOOKS]
-        and meta["val_books"]
-    )
+    data_dir, tsv = clean
+    meta = json.loads((data_dir / "meta.json").read_text())
+    enc = prepare_data.load_tokenizer(data_dir)
+    assert (meta["vocab_size"], enc.n_vocab) == (VOCAB, VOCAB)
+    assert enc.decode([VOCAB - 1]) == "<|endoftext|>"
+    assert sorted(meta["train_books"] + meta["val_books"]) == [i for i, _ in BOOKS]
+    assert meta["val_books"]
     for split in ("train", "val"):
         tokens = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16)
-        books = [
-            i for i, _ in BOOKS if i in meta[f"{split}_books"]
-        ]  # in the list's order
-        assert enc.decode(tokens.tolist()) == "".join(
-            BODIES[i] + "<|endoftext|>" for i in books
-        )
-        assert (tokens == VOCAB - 1).sum() == len(books) and meta[
-            f"{split}_tokens"
-        ] == len(tokens)
+        books = [i for i, _ in BOOKS if i in meta[f"{split}_books"]]  # the list's order
+        text = "".join(BODIES[i] + "<|endoftext|>" for i in books)
+        assert enc.decode(tokens.tolist()) == text
+        assert (tokens == VOCAB - 1).sum() == len(books)
+        assert meta[f"{split}_tokens"] == len(tokens)
         assert meta[f"{split}_sha256"] == hashlib.sha256(tokens.tobytes()).hexdigest()
-    ranks = [
-        int(line.split()[1])
-        for line in (data_dir / "tokenizer.tiktoken").read_bytes().splitlines()
-    ]
-    assert ranks == list(range(VOCAB - 1))
-    assert {
-        i: (data_dir / f"raw/{i}.txt").read_bytes() for i, _ in BOOKS
-    } == RAW  # byte for byte
-    texts = [
-        "",
-        "\n\t \r\n",
-        "e\u0301\u0308",
-        "<|endoftext|>",
-        "\U0001f468\u200d\U0001f469 \u4f60\u597d",
-    ]
-    ids = prepare_data.encode_books(
-        enc, [*texts, "".join(map(chr, range(32, 0x800, 7)))]
-    ).tolist()
-    ends = [
-        k for k, t in enumerate(ids) if t == enc.eot_token
-    ]  # a written "<|endoftext|>" is text
-    assert [enc.decode(ids[a + 1 : b]) for a, b in zip([-1] + ends, ends)][:-1] == texts
-    src = folder(
-        tmp_path / "src", RAW, ("{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt")
-    )
+    lines = (data_dir / "tokenizer.tiktoken").read_bytes().splitlines()
+    assert [int(line.split()[1]) for line in lines] == list(range(VOCAB - 1))
+    raws = {i: (data_dir / f"raw/{i}.txt").read_bytes() for i, _ in BOOKS}
+    assert raws == RAW  # byte for byte
+    texts = ["", "\n\t \r\n", "e\u0301\u0308", "<|endoftext|>", "\U0001f468\u4f60"]
+    many = "".join(map(chr, range(32, 2048, 7)))
+    ids = prepare_data.encode_books(enc, [*texts, many])
+    ends = [k for k, t in enumerate(ids) if t == enc.eot_token]  # one written is text
+    pieces = [enc.decode(ids[a + 1 : b].tolist()) for a, b in zip([-1] + ends, ends)]
+    assert pieces[:-1] == texts
+    names = ("{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt")
+    src = folder(tmp_path / "src", RAW, names)
     for vocab in (VOCAB, 300):  # the same path, a new file: nothing cached survives
-        assert (
-            prepare(tmp_path, "--source", src, "--vocab_size", str(vocab), tsv=clean[1])
-            == 0
-        )
+        flags = ["--source", src, "--vocab_size", str(vocab)]
+        assert prepare(tmp_path, *flags, tsv=tsv) == 0
         enc = prepare_data.load_tokenizer(tmp_path)
-        assert (enc.n_vocab, enc.decode(enc.encode(BODIES[9002]))) == (
-            vocab,
-            BODIES[9002],
-        )
-        assert vocab != VOCAB or outputs(tmp_path) == outputs(clean[0])
+        assert enc.n_vocab == vocab
+        assert enc.decode(enc.encode(BODIES[9002])) == BODIES[9002]
+        assert vocab != VOCAB or outputs(tmp_path) == outputs(data_dir)
     assert json.loads((tmp_path / "meta.json").read_text())["source"] == src
-    (tok := tmp_path / "tokenizer.tiktoken").write_bytes(
-        tok.read_bytes().replace(b" 298\n", b" 297\n")
-    )
-    assert f"{tok} is not the file meta.json" in error_line(
-        capsys, prepare_data.load_tokenizer, tmp_path
-    )
-    assert "none/meta.json is missing" in error_line(
-        capsys, prepare_data.load_tokenizer, tmp_path / "none"
-    )
+    tok = tmp_path / "tokenizer.tiktoken"
+    tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
+    said = error_line(capsys, prepare_data.load_tokenizer, tmp_path)
+    assert f"{tok} is not the file meta.json describes" in said
+    said = error_line(capsys, prepare_data.load_tokenizer, tmp_path / "none")
+    assert "none/meta.json is missing" in said
 
 
 def test_download_retries_skips_pauses_names_a_missing_book_resumes(
     clean, tmp_path, monkeypatch, capsys
 ):
-    sleeps, sleep = [], time.sleep  # the main thread's (the server's threads sleep too)
-    mine = lambda s: (
-        threading.current_thread() is threading.main_thread() and sleeps.append(s)
-    )
-    monkeypatch.setattr(time, "sleep", lambda s: (mine(s), sleep(s)))
-    monkeypatch.setattr(
-        sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii")
-    )  # an ASCII terminal
-    first, second = (
-        lambda i, p=p: p.format(id=i) for p in prepare_data.URL_PATTERNS[:2]
-    )
-    faults = {
-        9001: "500 500",
-        9002: "timeout",
-        9004: "truncate",
-        9005: "html",
-        9007: "429",
-    }
-    with serve(
-        {i: raw for i, raw in RAW.items() if i != 9003}
-    ) as srv:  # 9003: 404 at its three paths
-        srv.faults = {first(i): f.split() for i, f in faults.items()}
-        err = error_line(
-            capsys, prepare, tmp_path, "--pause", "0.03", tsv=clean[1], mirror=srv.url
-        )
-        n, kept = (
-            collections.Counter(p for p, _ in srv.log),
-            sorted(os.listdir(tmp_path / "raw")),
-        )
+    sleeps = []  # the main thread's (the server's threads sleep too)
+    sleep = time.sleep
+
+    def recorded_sleep(s):
+        if threading.current_thread() is threading.main_thread():
+            sleeps.append(s)
+        sleep(s)
+
+    monkeypatch.setattr(time, "sleep", recorded_sleep)
+    ascii_terminal = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_terminal)
+    first, second = prepare_data.URL_PATTERNS[:2]
+    faults = {9001: "500 500", 9002: "timeout", 9004: "truncate", 9005: "html"}
+    faults[9007] = "429"
+    # 9003: 404 at its three paths
+    with serve({i: raw for i, raw in RAW.items() if i != 9003}) as srv:
+        srv.faults = {first.format(id=i): f.split() for i, f in faults.items()}
+        flags = ["--pause", "0.03"]
+        args = (prepare, tmp_path, *flags)
+        err = error_line(capsys, *args, tsv=clean[1], mirror=srv.url)
+        n = collections.Counter(p for p, _ in srv.log)
+        kept = sorted(os.listdir(tmp_path / "raw"))
         assert not os.path.exists(tmp_path / "train.bin")
-        srv.files.update(
-            {p.format(id=9003): RAW[9003] for p in prepare_data.URL_PATTERNS}
-        )
+        for p in prepare_data.URL_PATTERNS:
+            srv.files[p.format(id=9003)] = RAW[9003]
         for _ in range(2):  # the first downloads 9003 alone, the second nothing
-            assert (
-                prepare(tmp_path, "--pause", "0.03", tsv=clean[1], mirror=srv.url) == 0
-            )
-    assert (
-        f"ebooks 9003 not found at {srv.url} (no plain text at their URLs); the others are kept"
-        in err
-    )
+            assert prepare(tmp_path, *flags, tsv=clean[1], mirror=srv.url) == 0
+    assert f"ebooks 9003 not found at {srv.url} (no plain text at their URLs)" in err
     assert kept == [f"{i}.txt" for i in RAW if i != 9003]
-    assert [n[first(i)] for i, _ in BOOKS] == [
-        3,
-        2,
-        1,
-        2,
-        1,
-        1,
-        2,
-    ]  # 5xx, 429, no answer, cut short: again
-    assert [n[second(i)] for i, _ in BOOKS] == [
-        0,
-        0,
-        1,
-        0,
-        1,
-        0,
-        0,
-    ]  # 404, an HTML page: the next path
-    assert [p for p, _ in srv.log[sum(n.values()) :]] == [first(9003)]
+    # 5xx, 429, no answer, cut short: again; 404, an HTML page: the next path
+    assert [n[first.format(id=i)] for i, _ in BOOKS] == [3, 2, 1, 2, 1, 1, 2]
+    assert [n[second.format(id=i)] for i, _ in BOOKS] == [0, 0, 1, 0, 1, 0, 0]
+    assert [p for p, _ in srv.log[sum(n.values()) :]] == [first.format(id=9003)]
     assert {agent for _, agent in srv.log} == {prepare_data.USER_AGENT}
-    assert (
-        sorted(s for s in sleeps if s) == [0.01] * 4 + [0.02] + [0.03] * 6
-    )  # backoff doubling; pauses
+    # the backoff doubling, then the pauses
+    assert sorted(s for s in sleeps if s) == [0.01] * 4 + [0.02] + [0.03] * 6
     sys.stdout.flush()
     assert "N?rnberg Stove" in sys.stdout.buffer.getvalue().decode("ascii")
     assert outputs(tmp_path) == outputs(clean[0])
 
 
 def test_a_server_down_is_one_line_at_once_and_leaves_nothing(clean, tmp_path, capsys):
-    err = error_line(
-        capsys, prepare, tmp_path, tsv=clean[1], timeout=30
-    )  # port 9: nobody listens
-    assert err.startswith(
-        "error: cannot download ebook 9001 (http://127.0.0.1:9/cache/epub/9001/pg9001.txt:"
-    )
-    assert (
-        err.endswith("re-run, or use --mirror or --source")
-        and os.listdir(tmp_path / "raw") == []
-    )
+    err = error_line(capsys, prepare, tmp_path, tsv=clean[1], timeout=30)  # port 9
+    url = "http://127.0.0.1:9/cache/epub/9001/pg9001.txt"
+    assert err.startswith(f"error: cannot download ebook 9001 ({url}:")
+    assert err.endswith("re-run, or use --mirror or --source")
+    assert os.listdir(tmp_path / "raw") == []
 
 
 def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
-    data, err = (
-        make_data(tmp_path, vocab=64),
-        lambda *a: error_line(capsys, prepare_data.load_data, *a),
-    )
+    data = make_data(tmp_path, vocab=64)
+    err = lambda *a: error_line(capsys, prepare_data.load_data, *a)
     train, val, fp = prepare_data.load_data(data, 8, 4)
-    for tokens, split in ((train, "train"), (val, "val")):
-        assert np.array_equal(
-            tokens, np.fromfile(f"{data}/{split}.bin", dtype=np.uint16)
-        )
-    meta, n = json.loads(open(f"{data}/meta.json").read()), len(val)
-    assert fp == {
-        k: meta.get(k)
-        for k in ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
-    }
-    assert (
-        len(prepare_data.load_data(data, n - 1, 1)[1]) == n
-    )  # windows of l + 1 = n tokens: just enough
-    assert f"val.bin holds {n} tokens, fewer than a batch needs ({n + 1})" in err(
-        data, n, 1
-    )
-    assert f"train.bin holds {len(train)} tokens, fewer than a batch needs" in err(
-        data, 1, len(train)
-    )
-    for change in (
-        lambda b: b[:-2],
-        lambda b: b[:-2] + b"\1\0",
-    ):  # a token fewer, a token changed
-        open(f"{data}/val.bin", "wb").write(
-            change(open(f"{data}/val.bin", "rb").read())
-        )
+    assert np.array_equal(train, np.fromfile(f"{data}/train.bin", dtype=np.uint16))
+    assert np.array_equal(val, np.fromfile(f"{data}/val.bin", dtype=np.uint16))
+    meta = json.loads(open(f"{data}/meta.json").read())
+    keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
+    assert fp == {k: meta.get(k) for k in keys}
+    n = len(val)
+    # windows of l + 1 = n tokens: just enough
+    assert len(prepare_data.load_data(data, n - 1, 1)[1]) == n
+    assert f"val.bin: {n} tokens, fewer than one batch ({n + 1})" in err(data, n, 1)
+    n = len(train)
+    assert f"train.bin: {n} tokens, fewer than one batch ({n + 1})" in err(data, 1, n)
+    # a token fewer, a token changed
+    for change in (lambda b: b[:-2], lambda b: b[:-2] + b"\1\0"):
+        raw = open(f"{data}/val.bin", "rb").read()
+        open(f"{data}/val.bin", "wb").write(change(raw))
         assert "val.bin is not the file meta.json describes" in err(data, 8, 4)
-    json.dump(
-        {**meta, "vocab_size": int(train.max())}, open(f"{data}/meta.json", "w")
-    )  # train.bin first
-    assert f"train.bin holds token {int(train.max())} >= meta.json's vocab_size" in err(
-        data, 8, 4
-    )
+    top = int(train.max())
+    json.dump({**meta, "vocab_size": top}, open(f"{data}/meta.json", "w"))
+    says = f"train.bin holds token {top} >= meta.json's vocab_size {top}"  # train first
+    assert says in err(data, 8, 4)
 
 
-def test_bpe_worked_by_hand_and_the_fast_one_against_the_reference(capsys):
-    for words, tokens in [
-        ({"aaab": 2, "ab": 1}, [b"aa", b"ab", b"aaab"]),  # the docstring's example
-        ({"ba": 2, "zy": 2, "ab": 1, "ac": 1}, [b"ba", b"zy", b"ab", b"ac"]),  # ties: ba < zy, ab < ac
-        ({"cab": 1, "ab": 1, "ca": 1}, [b"ab", b"ca", b"cab"]),  # ab first (a tie), then ca's count is 1
-    ]:  # fmt: skip
-        for train_bpe in (prepare_data.train_bpe_reference, prepare_data.train_bpe):
-            assert (
-                train_bpe(words, 256 + len(tokens))
-                == [bytes([b]) for b in range(256)] + tokens
-            )
-    for seed, letters in enumerate(
-        ["ab", "abc", "abcde", "xyz\u00e9\u4e00"]
-    ):  # few letters: many ties
+def literal_bpe(word_counts, n_tokens):
+    """Byte-pair encoding as its definition reads: from the 256 bytes, merge the most
+    frequent pair of adjacent tokens into a new token until there are n_tokens; ties go
+    to the smallest (left id, right id), and a merge making known bytes (x+yz after
+    xy+z) reuses that token. It counts every pair again before each merge. Worked
+    example, words {"aaab": 2, "ab": 1}:
+      pairs (a,a) 2*2 = 4, (a,b) 2 + 1 = 3   -> 256 = "aa";   "aaab" is [256, a, b]
+      pairs (256,a) 2, (a,b) 2 + 1 = 3       -> 257 = "ab";   "aaab" is [256, 257]
+      pairs (256,257) 2                       -> 258 = "aaab"
+    """
+    vocab = [bytes([b]) for b in range(256)]
+    words = {tuple(w.encode("utf-8")): c for w, c in word_counts.items()}
+    while len(vocab) < n_tokens:
+        pairs = collections.Counter()
+        for w, c in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += c
+        pair = min(pairs, key=lambda p: (-pairs[p], p))  # of ties, the smallest ids
+        merged = vocab[pair[0]] + vocab[pair[1]]
+        if merged not in vocab:
+            vocab.append(merged)
+        new = vocab.index(merged)
+        merge = prepare_data.merge
+        words = {tuple(merge(list(w), pair, new)): c for w, c in words.items()}
+    return vocab
+
+
+def test_bpe_worked_by_hand_and_the_fast_one_against_the_literal_one(capsys):
+    cases = [
+        ({"aaab": 2, "ab": 1}, [b"aa", b"ab", b"aaab"]),  # literal_bpe's example
+        # ties: ba < zy, ab < ac
+        ({"ba": 2, "zy": 2, "ab": 1, "ac": 1}, [b"ba", b"zy", b"ab", b"ac"]),
+        # ab first (a tie), then ca's count is 1
+        ({"cab": 1, "ab": 1, "ca": 1}, [b"ab", b"ca", b"cab"]),
+    ]
+    for words, tokens in cases:
+        expected = [bytes([b]) for b in range(256)] + tokens
+        assert literal_bpe(words, 256 + len(tokens)) == expected
+        assert prepare_data.train_bpe(words, 256 + len(tokens)) == expected
+    # few letters: many ties
+    for seed, letters in enumerate(["ab", "abc", "abcde", "xyz\u00e9\u4e00"]):
         rng = random.Random(seed)
-        words = collections.Counter(
-            "".join(rng.choices(letters, k=rng.randint(1, 12))) for _ in range(400)
-        )
-        assert prepare_data.train_bpe(words, 316) == prepare_data.train_bpe_reference(
-            words, 316
-        )
-    words = prepare_data.count_words([BODIES[9001]])
-    assert prepare_data.train_bpe(words, 336) == prepare_data.train_bpe_reference(
-        words, 336
-    )
-    says = "error: the books allow only 258 tokens: use a smaller --vocab_size or more books"  # 256 + ab + eot
-    assert error_line(capsys, prepare_data.train_bpe, {"ab": 1}, 258) == says
+        lengths = [rng.randint(1, 12) for _ in range(400)]
+        words = collections.Counter("".join(rng.choices(letters, k=k)) for k in lengths)
+        assert prepare_data.train_bpe(words, 316) == literal_bpe(words, 316)
+    pieces = prepare_data.regex.findall(prepare_data.SPLIT_PATTERN, BODIES[9001])
+    words = collections.Counter(pieces)
+    assert prepare_data.train_bpe(words, 336) == literal_bpe(words, 336)
+    # 256 + ab + <|endoftext|>
+    says = "error: the books allow only 258 tokens, not 259: use a smaller --vocab_size"
+    assert error_line(capsys, prepare_data.train_bpe, {"ab": 1}, 258).startswith(says)
 
 
 def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids():
-    held_out = lambda ids, texts, f: sorted(
-        ids[i] for i in prepare_data.split_books(ids, texts, f)[1]
-    )
+    def held_out(ids, texts, f):
+        return sorted(ids[i] for i in prepare_data.split_books(ids, texts, f)[1])
+
     # sha256 of "1".."6", worked out once with hashlib: 4 (4b227777...), 3
     # (4e074085...), 1 (6b86b273...), 2 (d4735e3a...), 6 (e7f6c011...), 5 (ef2d127d...);
-    # six books of 100 characters, 300 = half of them
-    cases = {
-        0.01: [4],
-        0.17: [3, 4],
-        0.5: [1, 3, 4],
-        0.51: [1, 2, 3, 4],
-        1: [1, 2, 3, 4, 6],
-    }  # 0.5: exactly 300
+    # six books of 100 characters, 300 = half of them (0.5: exactly 300)
+    cases = {0.01: [4], 0.17: [3, 4], 0.5: [1, 3, 4], 0.51: [1, 2, 3, 4]}
+    cases[1] = [1, 2, 3, 4, 6]
     assert {f: held_out([1, 2, 3, 4, 5, 6], ["x" * 100] * 6, f) for f in cases} == cases
-    assert prepare_data.split_books([5, 4, 3], ["x" * 10, "x", "x" * 10], 0.5) == (
-        [0],
-        [1, 2],
-    )  # 4, then 3
-    books = prepare_data.read_books_tsv(
-        prepare_data.parse_args([]).books
-    )  # the default list, beside the script
-    assert len(books) == 100 and books[0] == (
-        11,
-        "Alice's Adventures in Wonderland",
-        "Lewis Carroll",
-    )
+    # 4, then 3
+    split = prepare_data.split_books([5, 4, 3], ["x" * 10, "x", "x" * 10], 0.5)
+    assert split == ([0], [1, 2])
+    # the default list, beside the script
+    books = prepare_data.read_books_tsv(prepare_data.parse_args([]).books)
+    assert len(books) == 100
+    assert books[0] == (11, "Alice's Adventures in Wonderland", "Lewis Carroll")
     # by sha256: 2726 (00f3ca2e...), 55 (02d20bbd...), 51 (031b4af5...), 1154
     # (06ec44cc...), 2557 (0844b610...), 146 (0a5b046d...), 520 (0b35b06a...); the real
     # books' lengths stop after six
     first = [2726, 55, 51, 1154, 2557, 146, 520]
-    for k in range(
-        1, len(first) + 1
-    ):  # books of equal length: k - 0.5 of 100 books' text takes k
-        assert held_out(
-            [i for i, _, _ in books], ["x"] * 100, (k - 0.5) / 100
-        ) == sorted(first[:k])
+    ids = [i for i, _, _ in books]
+    # books of equal length: k - 0.5 of 100 books' text takes k
+    for k in range(1, len(first) + 1):
+        assert held_out(ids, ["x"] * 100, (k - 0.5) / 100) == sorted(first[:k])
 
 
 # ---- bad input: one line saying what to do, before any work, nothing half-written
@@ -2096,77 +2011,73 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
     src = folder(tmp_path / "src", RAW)
     (tmp_path / "e").mkdir()
     cases = {  # books.tsv's text, or flags: what the line says
-        "id\n1\t11\n2\televen\n": "cannot read --books", "id\n1\t11\n2\t\u00b2\n": "cannot read --books",
-        "id\n1\t11\n2\t11\n": "lists 2 books, some twice", "id\n1\t11\n": "lists 1 books",
-        b"id\n1\t11\tCaf\xe9\n": "can't decode byte 0xe9", "--books no": "cannot read --books no ([Errno 2]",
-        "--vocab_size 256": "--vocab_size: 256 bytes + <|endoftext|>", "--vocab_size 65537": "--vocab_size:",
-        "--vocab_size many": "invalid int value: 'many'", "--val_fraction 1": "need 0 < --val_fraction < 1",
-        "--pause -1": "and --pause >= 0", "--mirror ftp://x": "--mirror must start with http",
-        "--source none": "--source none is not a folder", f"--source {tmp_path}/e": "ebooks 9001, 9002, 9003",
-        f"--source {src} --data_dir {clean[1]}/x": f"cannot write to --data_dir {clean[1]}/x (Not a dir",
+        "id\n1\t11\n2\televen\n": "cannot read --books",
+        "id\n1\t11\n2\t\u00b2\n": "cannot read --books",
+        "id\n1\t11\n2\t11\n3\t12\n": "lists ebook 11 twice: list each once",
+        "id\n1\t11\n": "lists 1 books: it needs 2 or more",
+        b"id\n1\t11\tCaf\xe9\n": "can't decode byte 0xe9",
+        "--books no": "cannot read --books no ([Errno 2]",
+        "--vocab_size 256": "--vocab_size 256: give 257 (256 bytes and <|endoftext|>)",
+        "--vocab_size 65537": "--vocab_size 65537: give 257",
+        "--vocab_size many": "invalid int value: 'many'",
+        "--val_fraction 1": "--val_fraction 1.0: give a share between 0 and 1",
+        "--val_fraction nan": "--val_fraction nan: give a share",
+        "--pause -1": "--pause -1.0: give 0 or more seconds",
+        "--pause nan": "--pause nan: give 0 or more",
+        "--mirror ftp://x": "--mirror ftp://x must start with http",
+        "--source none": "--source none is not a folder",
+        f"--source {tmp_path}/e": "ebooks 9001, 9002, 9003",
         f"--vocab_size 60000 --source {src}": "the books allow only ",
-    }  # fmt: skip
+    }
+    not_a_dir = f"{clean[1]}/x"  # in books.tsv, a file
+    cases[f"--source {src} --data_dir {not_a_dir}"] = f"{not_a_dir} (Not a directory)"
     for case, says in cases.items():
-        (tmp_path / "bad.tsv").write_bytes(
-            case if isinstance(case, bytes) else case.encode()
-        )
-        argv = (
-            case.split()
-            if str(case).startswith("--")
-            else ["--books", str(tmp_path / "bad.tsv")]
-        )
-        assert says in error_line(
-            capsys, prepare, tmp_path / "out", *argv, tsv=clean[1]
-        ), case
-        assert (
-            not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []
-        ), case
+        if isinstance(case, bytes) or not case.startswith("--"):
+            raw = case if isinstance(case, bytes) else case.encode()
+            (tmp_path / "bad.tsv").write_bytes(raw)
+            argv = ["--books", str(tmp_path / "bad.tsv")]
+        else:
+            argv = case.split()
+        said = error_line(capsys, prepare, tmp_path / "out", *argv, tsv=clean[1])
+        assert says in said, case
+        out = tmp_path / "out"
+        assert not os.path.exists(out) or os.listdir(out) == [], case
 
 
 def test_short_empty_binary_books_are_one_line_naming_the_file_a_cut_one_a_warning(
     clean, tmp_path, capsys
 ):
-    src, short = (
-        tmp_path / "src",
-        RAW[9006].replace(BODIES[9006].encode(), b"A short error page."),
-    )
-    for raw, says in [(short, "9006 (Tin Fern) has 19 characters"), (b"", "9006 (Tin Fern) has 0 chara"),
-                      (bytes(range(256)) * 9, f"9006: {src}/9006.txt is not a text file (NUL")]:  # fmt: skip
+    src = tmp_path / "src"
+    short = RAW[9006].replace(BODIES[9006].encode(), b"A short error page.")
+    binary = bytes(range(256)) * 9
+    cases = [
+        (short, "9006 (Tin Fern) has 19 characters"),
+        (b"", "9006 (Tin Fern) has 0 chara"),
+        (binary, f"9006: {src}/9006.txt is not a text file (NUL"),
+    ]
+    fix = f"replace {src}/9006.txt with the book's text (or delete a download"
+    for raw, says in cases:
         folder(src, {**RAW, 9006: raw})
-        err = error_line(
-            capsys, prepare, tmp_path / "out", "--source", str(src), tsv=clean[1]
-        )
-        assert (
-            says in err
-            and f"replace {src}/9006.txt with the book's text (or delete a download"
-            in err
-        )
-        assert (src / "9006.txt").read_bytes() == raw and not os.path.exists(
-            tmp_path / "out/train.bin"
-        )
-    folder(
-        src, {**RAW, 9001: RAW[9001].split(b"End of the Project")[0]}
-    )  # a download cut short
+        flags = ["--source", str(src)]
+        err = error_line(capsys, prepare, tmp_path / "out", *flags, tsv=clean[1])
+        assert says in err and fix in err
+        assert (src / "9006.txt").read_bytes() == raw
+        assert not os.path.exists(tmp_path / "out/train.bin")
+    # a download cut short
+    folder(src, {**RAW, 9001: RAW[9001].split(b"End of the Project")[0]})
     assert prepare(tmp_path / "out", "--source", str(src), tsv=clean[1]) == 0
     out = capsys.readouterr().out  # the warning names the file
-    assert (
-        "ebook 9001 (Mossy Dell): no END marker or footer: the file may be cut short"
-        in out
-    )
+    cut = "ebook 9001 (Mossy Dell): no END marker or footer: the file may be cut short"
+    assert cut in out
     assert f"if it is, replace {src}/9001.txt with the book's text" in out
 
 
 @pytest.mark.slow
 def test_prepare_data_from_the_command_line_is_one_line_without_traceback(tmp_path):
-    rc, out, err = run_script(
-        "prepare_data.py", "--books", "none.tsv", "--data_dir", str(tmp_path)
-    )
-    assert (
-        rc == 1
-        and err.startswith("error: cannot read --books")
-        and err.count("\n") == 1
-        and out == ""
-    )
+    argv = ["prepare_data.py", "--books", "none.tsv", "--data_dir", str(tmp_path)]
+    rc, out, err = run_script(*argv)
+    assert (rc, out, err.count("\n")) == (1, "", 1)
+    assert err.startswith("error: cannot read --books")
 
 
 # ======== training (train.py): batches, settings, the step, run folders, checkpoints,
@@ -2709,40 +2620,30 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
 
 # ======== sampling (sample.py), and end to end ========
 
-WORDS = "the a little old fox owl hen miller river garden moon sang found carried over under once upon"
+WORDS = "the a little old fox owl hen miller river garden moon sang found carried over"
+WORDS += " under once upon — naïve café"
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """prepare_data.py's outputs for three made-up books, and a tiny sa run trained on
-    them.
-    """
+    them (dropout 0.1, the default)."""
     root = tmp_path_factory.mktemp("prepared")
-    rng, books, ids = np.random.default_rng(0), root / "books", (101, 102, 103)
+    rng = np.random.default_rng(0)
+    books = root / "books"
     books.mkdir()
-    for i in ids:
-        text = " ".join(rng.choice(WORDS.split() + ["—", "naïve", "café"], 3000))
-        marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
-        (books / f"{i}.txt").write_text(
-            marker.format("START") + text + "\n" + marker.format("END")
-        )
-    (root / "books.tsv").write_text(
-        "".join(f"{k}\t{i}\tTales {i}\n" for k, i in enumerate(ids))
-    )
-    argv = [
-        "--source",
-        str(books),
-        "--books",
-        str(root / "books.tsv"),
-        "--data_dir",
-        str(root / "data"),
-    ]
-    assert prepare_data.main(argv + ["--vocab_size", "300", "--min_chars", "1000"]) == 0
-    out, data = str(root / "run"), f"--data_dir={root / 'data'}"
-    assert (
-        train.main(TINY + ["--mixer=sa", data, f"--out_dir={out}", "--max_iters=30"])
-        == 0
-    )
+    marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
+    for i in (101, 102, 103):
+        text = " ".join(rng.choice(WORDS.split(), 3000))
+        text = marker.format("START") + text + "\n" + marker.format("END")
+        (books / f"{i}.txt").write_text(text)
+    (root / "books.tsv").write_text("id\n101\t101\n102\t102\n103\t103\n")
+    argv = ["--source", str(books), "--books", str(root / "books.tsv")]
+    argv += ["--data_dir", str(root / "data"), "--vocab_size=300", "--min_chars=1000"]
+    assert prepare_data.main(argv) == 0
+    out = str(root / "run")
+    flags = ["--mixer=sa", f"--data_dir={root / 'data'}", f"--out_dir={out}"]
+    assert train.main(TINY + flags + ["--max_iters=30"]) == 0
     return str(root / "data"), out
 
 
@@ -2750,169 +2651,120 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
     prepared, monkeypatch, capsys
 ):
     enc = prepare_data.load_tokenizer(prepared[0])
-    ids = [
-        enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]
-    ]  # a token each byte, the last cut
+    # a token each byte, the last character cut
+    ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]]
     model, ckpt = sample.load_model(prepared[1], torch.device("cpu"))
-    monkeypatch.setattr(
-        model, "generate_stream", lambda *a, **kw: (torch.tensor([[i]]) for i in ids)
-    )
+    tokens = lambda *a, **kw: (torch.tensor([[i]]) for i in ids)
+    monkeypatch.setattr(model, "generate_stream", tokens)
     monkeypatch.setattr(sample, "load_model", lambda *a: (model, ckpt))
-    assert (
-        sample.main(["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"])
-        == 0
-    )
-    assert (
-        capsys.readouterr().out == "é€ ok\ufffd\n"
-    )  # (what a cut character becomes at the end)
+    argv = ["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"]
+    assert sample.main(argv) == 0
+    # (what a cut character becomes at the end)
+    assert capsys.readouterr().out == "é€ ok\ufffd\n"
 
 
 def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
     prepared, tmp_path, capsys
 ):
-    enc, l, ckpt = (
-        prepare_data.load_tokenizer(prepared[0]),
-        8,
-        torch.load(prepared[1] + "/ckpt.pt"),
-    )
+    enc = prepare_data.load_tokenizer(prepared[0])
+    l = 8
+    ckpt = torch.load(prepared[1] + "/ckpt.pt")
     g = torch.Generator().manual_seed(0)
     for w in ckpt["model"].values():
         w.normal_(0, 0.3, generator=g)  # distinct logits: greedy choices are no ties
     torch.save(ckpt, tmp_path / "ckpt.pt")
-    ids = enc.encode(
-        "the little old fox sang over the river and the miller found the moon under a garden"
-    )
-    head, tail = (
-        enc.decode(ids[:l]),
-        enc.decode(ids[-l:]),
-    )  # the first and the last l tokens, as text
+    prompt = "the little old fox sang over the river and the miller found the moon"
+    ids = enc.encode(prompt + " under a garden")
+    head = enc.decode(ids[:l])  # the first and the last l tokens, as text
+    tail = enc.decode(ids[-l:])
     assert len(ids) > l and enc.encode(head) == ids[:l] and enc.encode(tail) == ids[-l:]
 
     def greedy(prompt):  # the new text of a greedy sample, and what was said on stderr
-        argv = [
-            "--out_dir",
-            str(tmp_path),
-            "--prompt",
-            prompt,
-            "--temperature=0",
-            "--max_new_tokens=8",
-        ]
-        assert sample.main(argv) == 0
+        argv = ["--out_dir", str(tmp_path), "--prompt", prompt, "--temperature=0"]
+        assert sample.main(argv + ["--max_new_tokens=8"]) == 0
         said = capsys.readouterr()
         return said.out[len(prompt) :], said.err
 
-    (new, err), (from_tail, _), (from_head, _) = (
-        greedy(enc.decode(ids)),
-        greedy(tail),
-        greedy(head),
-    )
-    assert (
-        "it goes on from the last l" in err and from_head != from_tail
-    )  # the windows differ: it can fail
-    assert new == from_tail
+    new, err = greedy(enc.decode(ids))
+    assert "it goes on from the last l" in err
+    assert new == greedy(tail)[0]
+    assert new != greedy(head)[0]  # the windows differ: it can fail
 
 
-def test_sample_is_reproducible_and_refuses_what_it_cannot_use(
-    prepared, tmp_path, capsys
-):
+def test_the_samples_of_a_call_differ_and_a_seed_gives_them_again(prepared, capsys):
+    def samples(*flags):
+        argv = ["--out_dir", prepared[1] + "/ckpt.pt", "--max_new_tokens=12"]
+        assert sample.main([*argv, "--num_samples=3", *flags]) == 0
+        return capsys.readouterr().out.split("-" * 40 + "\n")
+
+    first = samples("--seed=5")
+    assert len(set(first)) == 3  # each sample draws on from the one before
+    assert samples("--seed=5") == first
+    assert samples("--seed=6") != first
+    greedy = samples("--temperature=0", "--seed=6")
+    assert len(set(greedy)) == 1 and greedy == samples("--temperature=0")
+    # taps.py reads the model of load_model: dropout (0.1 here) is off
+    model, _ = sample.load_model(prepared[1], torch.device("cpu"))
+    idx = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(model(idx)[0], model(idx)[0])
+
+
+def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsys):
     data, out = prepared
-    texts = []
-    for flags in (
-        ["--seed=1"],
-        ["--seed=1"],
-        ["--temperature=0", "--seed=2"],
-        ["--temperature=0"],
-    ):
-        assert (
-            sample.main(["--out_dir", out + "/ckpt.pt", "--max_new_tokens=20", *flags])
-            == 0
-        )
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
     other = tmp_path / "other"
     other.mkdir()
-    with open(os.path.join(data, "tokenizer.tiktoken"), "rb") as f:
-        (other / "tokenizer.tiktoken").write_bytes(f.read()[:-20])
-    said = error_line(capsys, sample.main, ["--out_dir", out, "--data_dir", str(other)])
-    assert "not the tokenizer the run was trained with" in said
-    assert "no checkpoint" in error_line(
-        capsys, sample.main, ["--out_dir", str(tmp_path / "none")]
-    )
-    assert "finite number" in error_line(
-        capsys, sample.main, ["--out_dir", out, "--temperature=inf"]
-    )
+    tokenizer = open(os.path.join(data, "tokenizer.tiktoken"), "rb").read()
+    (other / "tokenizer.tiktoken").write_bytes(tokenizer[:-20])
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    assert "it is damaged" in error_line(
-        capsys, sample.main, ["--out_dir", str(tmp_path / "bad.pt")]
-    )
+    cases = {  # flags: what the line says
+        "--top_p=1.5": "top_p must be in (0, 1] (or None for all tokens), got 1.5",
+        "--top_p=0": "top_p must be in (0, 1] (or None for all tokens), got 0.0",
+        "--temperature=inf": "finite number >= 0 (0 is greedy), got inf",
+        "--top_k=0": "top_k must be at least 1 (or None for all tokens), got 0",
+        "--seed=-1": "--seed -1: give 0 to 2**63 - 1",
+        "--num_samples=0": "--num_samples 0: give 1 or more",
+        "--max_new_tokens=-1": "--max_new_tokens -1: give 0 or more",
+        f"--data_dir={other}": f"{other}/tokenizer.tiktoken is not the run's tokenizer",
+        f"--out_dir={tmp_path}/none": f"no checkpoint {tmp_path}/none/ckpt.pt",
+        f"--out_dir={tmp_path}/bad.pt": "it is damaged",
+    }
+    for flag, says in cases.items():
+        assert says in error_line(capsys, sample.main, ["--out_dir", out, flag]), flag
 
 
 def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(
     prepared, tmp_path, monkeypatch
 ):
-    (tmp_path / "mymixers.py").write_text(
-        USER_MIXER
-    )  # the find_mixer test's: a module of one's own
+    # the find_mixer test's: a module of one's own
+    (tmp_path / "mymixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
     out = str(tmp_path / "mean")
-    assert (
-        run(
-            tmp_path,
-            prepared[0],
-            "--mixer=mymixers.Mean",
-            "--max_iters=3",
-            f"--out_dir={out}",
-        )
-        == 0
-    )
+    flags = ["--mixer=mymixers.Mean", "--max_iters=3", f"--out_dir={out}"]
+    assert run(tmp_path, prepared[0], *flags) == 0
     assert sample.main(["--out_dir", out, "--max_new_tokens", "5"]) == 0
 
 
 @pytest.mark.slow
 def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     rc, out, err = run_script("train.py", "--n_layer", "0")
-    assert (
-        rc == 1
-        and err.startswith("error: n_layer must be a positive integer")
-        and err.count("\n") == 1
-    )
+    assert rc == 1 and err.count("\n") == 1
+    assert err.startswith("error: n_layer must be a positive integer")
     for mixer in ("sa", "me"):
-        flags = [
-            f"--mixer={mixer}",
-            f"--data_dir={prepared[0]}",
-            "--max_iters=60",
-            "--lr=3e-3",
-        ]
-        rc, out, err = run_script(
-            "-X",
-            "importtime",
-            "train.py",
-            *TINY,
-            *flags,
-            f"--out_dir={tmp_path / mixer}",
-        )
-        imported = {
-            line.split("|")[-1].strip()
-            for line in err.splitlines()
-            if line.startswith("import ")
-        }
-        assert {"extractor", "fir", "prepare_data"} <= imported and not {
-            "synthesizer",
-            "matplotlib",
-        } & imported
+        flags = [f"--mixer={mixer}", f"--data_dir={prepared[0]}", "--max_iters=60"]
+        flags += ["--lr=3e-3", f"--out_dir={tmp_path / mixer}"]
+        rc, out, err = run_script("-X", "importtime", "train.py", *TINY, *flags)
+        lines = [line for line in err.splitlines() if line.startswith("import ")]
+        imported = {line.split("|")[-1].strip() for line in lines}
+        assert {"extractor", "fir", "prepare_data"} <= imported
+        assert not {"synthesizer", "matplotlib"} & imported
         costs = [float(r["train_loss"]) for r in log_rows(str(tmp_path / mixer))]
-        assert (
-            rc == 0
-            and len(costs) == 60
-            and np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3
-        )  # it learns
-    command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'} --max_new_tokens 500 | head -c 20"
+        assert rc == 0 and len(costs) == 60
+        assert np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3  # it learns
+    command = f"{sys.executable} sample.py --out_dir {tmp_path / 'me'}"
+    command += " --max_new_tokens 500 | head -c 20"
     r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
-    assert (
-        r.stdout.startswith("Once upon a time")
-        and len(r.stdout) == 20
-        and "Traceback" not in r.stderr
-    )
+    assert r.stdout.startswith("Once upon a time") and len(r.stdout) == 20
+    assert "Traceback" not in r.stderr
 
 
 # ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
