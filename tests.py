@@ -2575,23 +2575,12 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
     float32 and bf16: the same losses, parameters and AdamW moments to the bit, and the
     CUDA generator where the eager steps leave it (so a checkpoint's RNG state continues
     the run)."""
-    cfg = Config(
-        vocab_size=50,
-        block_size=16,
-        n_embd=16,
-        n_hidden=32,
-        n_layer=2,
-        n_head=4,
-        mixer=mixer,
-    )
-    batches = torch.randint(
-        0, 50, (9, 4, 17), generator=torch.Generator().manual_seed(0)
-    ).to(DEVICE)
+    torch.manual_seed(0)
+    batches = torch.randint(0, 50, (9, 4, 17)).to(DEVICE)
     for dtype in ("float32", "bfloat16"):
         ends = []
         for captured in (False, True):
-            torch.manual_seed(0)
-            model = Transformer(cfg).to(DEVICE)
+            model = tiny_model(mixer).train().to(DEVICE)  # (dropout on)
             opt = torch.optim.AdamW(
                 model.parameters(), lr=1e-2, fused=True, capturable=True
             )
@@ -2606,16 +2595,88 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
             moments = [
                 s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")
             ]
-            ends.append(
-                (
-                    loss,
-                    list(model.parameters()) + moments,
-                    torch.cuda.get_rng_state(DEVICE),
-                )
-            )
+            rng = torch.cuda.get_rng_state(DEVICE)
+            ends.append((loss, list(model.parameters()) + moments, rng))
         (loss_e, tensors_e, rng_e), (loss_g, tensors_g, rng_g) = ends
         assert torch.equal(loss_g, loss_e) and torch.equal(rng_g, rng_e), dtype
         assert all(torch.equal(a, b) for a, b in zip(tensors_g, tensors_e)), dtype
+
+
+# ---- CUDA's decisions, checked on the CPU (fir.py's: its default-path and ieee tests)
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # (autocast on "cuda")
+def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeypatch):
+    """What train.py chooses for torch.device("cuda"), and for the CPU, on the CPU's
+    tensors: AdamW's kind, the step, TF32's flags, autocast's cache, pinned batches."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    parse = lambda *flags: train.build_parser().parse_args(["--out_dir=r", *flags])
+    monkeypatch.setattr(Transformer, "to", lambda model, device: model)
+    cfg = Config(30, 8, 8, 16, 1, 2)
+    adamw = [train.build_model(cfg, parse(), d)[1] for d in (cuda, cpu)]
+    kinds = [(a.defaults["fused"], a.defaults["capturable"]) for a in adamw]
+    assert kinds == [(True, True), (False, False)]
+    monkeypatch.setattr(torch.cuda, "Stream", object)
+    make = lambda d, *f: train.make_step(None, "AdamW", None, None, parse(*f), d)
+    eager = ("--no-cuda_graph", "--compile", "--dtype=float16")
+    steps = [make(cuda), make(cpu)] + [make(cuda, flag) for flag in eager]
+    monkeypatch.setattr(train, "WORLD", 2)  # DDP
+    steps.append(make(cuda))
+    assert [type(s).__name__ for s in steps] == ["CapturedStep"] + ["partial"] * 5
+    assert (steps[0].optimizer, steps[0].run_json) == ("AdamW", "r/run.json")
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    monkeypatch.setattr(matmul, "allow_tf32", False)
+    monkeypatch.setattr(cudnn, "allow_tf32", False)
+    seen = []  # TF32's flags, autocast's cache (CUDA graphs want none)
+    for device, tf32 in ((cpu, True), (cuda, True), (cuda, False)):
+        ctx = train.precision(device, "bfloat16", tf32)[0]
+        seen.append((matmul.allow_tf32, cudnn.allow_tf32, ctx._cache_enabled))
+    assert seen == [(False, False, True), (True, True, False), (False, False, False)]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    how = lambda d, *flags: train.computed(d, parse(*flags), None)["float32_matmul"]
+    assert [how(cuda), how(cuda, "--no-tf32"), how(cpu)] == ["tf32", "ieee", "ieee"]
+    pinned, moved = [], []  # (last: every tensor's `to` stubbed)
+    to = lambda t, d, non_blocking: moved.append((d.type, non_blocking)) or t
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)
+    for device in (cuda, cpu):
+        train.get_batch(np.arange(20), torch.tensor([0, 5]), 4, device)
+    assert len(pinned) == 2 and moved == [("cuda", True)] * 2 + [("cpu", False)] * 2
+
+
+def test_a_step_that_cannot_be_captured_goes_on_eagerly(tmp_path, monkeypatch, capsys):
+    """CUDA's streams and graph stubbed; the recording (the 4th call) fails after the
+    backward, as AdamW's step does with capturable off: the run goes on with the eager
+    step (the same losses and parameters), says so in one line and in run.json."""
+    from unittest import mock
+
+    for name in ("Stream", "current_stream", "stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
+    run_json = tmp_path / "run.json"
+    run_json.write_text('{"computed": {"step": "CapturedStep"}}')
+    torch.manual_seed(0)
+    batches = torch.randint(0, 50, (6, 2, 17))
+    ends = []
+    for captured in (False, True):
+        model = tiny_model("he")
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ctx, scaler = train.precision(torch.device("cpu"), "float32")
+        eager = functools.partial(train.train_step, model, adamw, scaler, ctx)
+        calls = itertools.count(1)
+
+        def step(x, y):  # the 4th call records: the gradients, then AdamW's refusal
+            if next(calls) == 4:
+                model(x, y)[1].backward()
+                raise RuntimeError("capturable is False\n(more)")
+            return eager(x, y)
+
+        run = train.CapturedStep(step, adamw, str(run_json)) if captured else eager
+        ends.append([torch.stack([run(b[:, :-1], b[:, 1:]) for b in batches])])
+        ends[-1] += model.parameters()
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
+    why = "RuntimeError: capturable is False"
+    line = f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly\n"
+    assert capsys.readouterr().out == line
+    how = json.loads(run_json.read_text())["computed"]
+    assert how == {"step": f"eager, the capture failed ({why})"}
 
 
 # ======== sampling (sample.py), and end to end ========

@@ -257,35 +257,28 @@ def get_batch(data, starts, block_size, device):
     """Windows of l+1 tokens at the starts: x is each window's first l tokens, y the
     same shifted by one.
     """
-    w = torch.from_numpy(
-        np.stack([data[s : s + block_size + 1] for s in starts.tolist()]).astype(
-            np.int64
-        )
-    )
+    windows = [data[s : s + block_size + 1] for s in starts.tolist()]
+    w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (b, l), (b, l)
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
-            device, non_blocking=True
-        )
-    return x.to(device), y.to(device)
+    pin = device.type == "cuda"  # pinned: the copy to the GPU runs beside the step
+    if pin:
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
 
 
 # ------------------------------------------------------------------------------- the
 # model and the step
 def build_model(cfg, args, device):
     """The Transformer, the same in every process (then a dropout stream each), and
-    AdamW (CUDA: fused).
+    AdamW (CUDA: fused, and capturable, which the captured step needs).
     """
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
-    betas, decay, cuda = (
-        (args.beta1, args.beta2),
-        args.weight_decay,
-        device.type == "cuda",
-    )
+    betas = (args.beta1, args.beta2)
+    kind = dict(fused=device.type == "cuda", capturable=device.type == "cuda")
     adamw = torch.optim.AdamW(
-        model.parameters(), args.lr, betas, 1e-8, decay, fused=cuda, capturable=cuda
+        model.parameters(), args.lr, betas, 1e-8, args.weight_decay, **kind
     )
     return model, adamw
 
@@ -308,20 +301,34 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
     return loss.detach()
 
 
+def make_step(model, optimizer, scaler, ctx, args, device):
+    """The training step: on CUDA captured in a CUDA graph, unless --no-cuda_graph, DDP,
+    torch.compile or float16's loss scaling (their steps run eagerly).
+    """
+    step = functools.partial(
+        train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
+    )
+    eager = WORLD > 1 or args.compile or args.dtype == "float16"
+    if device.type == "cuda" and args.cuda_graph and not eager:
+        step = CapturedStep(step, optimizer, os.path.join(args.out_dir, "run.json"))
+    return step
+
+
 class CapturedStep:
     """step(x, y) replayed from a CUDA graph: one launch instead of the step's ~1000
     kernels. The first 3 calls run eagerly on a side stream (cuBLAS, AdamW and the
     allocator set up), the 4th records the step on static inputs, then each call copies
     its batch in and replays. Parameters, gradients and AdamW's state keep their
-    addresses: a replay is the eager step bit for bit, dropout's generator included."""
+    addresses: a replay is the eager step bit for bit, dropout's generator included.
+    With run.json's path, a step that cannot be recorded runs eagerly from then on."""
 
-    def __init__(self, step, warmup=3):
-        self.step, self.warmup, self.graph, self.stream = (
-            step,
-            warmup,
-            None,
-            torch.cuda.Stream(),
-        )
+    def __init__(self, step, optimizer=None, run_json=None, warmup=3):
+        self.step = step
+        self.optimizer = optimizer
+        self.run_json = run_json
+        self.warmup = warmup
+        self.graph = None
+        self.stream = torch.cuda.Stream()
 
     def __call__(self, x, y):
         if self.warmup > 0:
@@ -332,17 +339,34 @@ class CapturedStep:
             torch.cuda.current_stream().wait_stream(self.stream)
             return loss
         if self.graph is None:  # recording runs nothing
-            self.graph, self.x, self.y = (
-                torch.cuda.CUDAGraph(),
-                x.clone(),
-                y.clone(),
-            )  # the static inputs
-            with torch.cuda.graph(self.graph, stream=self.stream):
-                self.loss = self.step(self.x, self.y)
+            self.x, self.y = x.clone(), y.clone()  # the static inputs
+            try:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.stream):
+                    self.loss = self.step(self.x, self.y)
+            except Exception as error:
+                if self.run_json is None:
+                    raise
+                return self.fall_back(error, x, y)
         self.x.copy_(x)
         self.y.copy_(y)
         self.graph.replay()
         return self.loss.clone()
+
+    def fall_back(self, error, x, y):
+        """The eager step from now on, said on the console and in run.json; the failed
+        recording's gradients, never computed, dropped.
+        """
+        why = f"{type(error).__name__}: {error}".splitlines()[0]
+        say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
+        with open(self.run_json) as f:
+            info = json.load(f)
+        info["computed"]["step"] = f"eager, the capture failed ({why})"
+        atomic_write(self.run_json, json.dumps(info, indent=1) + "\n")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.graph = None
+        self.warmup = math.inf  # eager, on the side stream, from now on
+        return self(x, y)
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,14 +400,7 @@ def train(args, ckpt):
         if WORLD > 1
         else model
     )
-    step = functools.partial(
-        train_step, ddp, optimizer, scaler, ctx, grad_clip=args.grad_clip
-    )
-    eager = (
-        WORLD > 1 or args.compile or args.dtype == "float16"
-    )  # (DDP, compiled, fp16's loss scaling)
-    if device.type == "cuda" and args.cuda_graph and not eager:
-        step = CapturedStep(step)
+    step = make_step(ddp, optimizer, scaler, ctx, args, device)
     if MASTER:  # the folder becomes this run's: run.json, and log.csv new or cut back to the checkpoint
         info = dict(
             config=dataclasses.asdict(cfg),
@@ -764,18 +781,13 @@ def pick_device(name):
             "cuda", LOCAL_RANK if device.index is None else device.index
         )
         torch.cuda.set_device(device)
-    if (
-        device.type == "cpu" and sys.platform == "linux"
-    ):  # glibc keeps freed memory rather than give large
-        for option, value in (
-            (-4, 0),
-            (-1, 2**31 - 1),
-            (-2, 2**28),
-        ):  # tensors' pages back and fault them
-            ctypes.CDLL("libc.so.6").mallopt(
-                option, value
-            )  # in at every step: 1.4x tokens/s at m = 2
-    return device  # (the options: M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD)
+    if device.type == "cpu" and sys.platform == "linux":
+        # glibc keeps freed memory rather than give large tensors' pages back and fault
+        # them in at every step: 1.4x tokens/s at m = 2 (the options: M_MMAP_MAX,
+        # M_TRIM_THRESHOLD, M_TOP_PAD)
+        for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):
+            ctypes.CDLL("libc.so.6").mallopt(option, value)
+    return device
 
 
 def precision(device, dtype, tf32=True):
@@ -784,15 +796,10 @@ def precision(device, dtype, tf32=True):
     """
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    kind, cache = (
-        getattr(torch, dtype),
-        device.type != "cuda",
-    )  # (CUDA graphs want no autocast cache)
-    cast = (
-        torch.autocast(device.type, kind, cache_enabled=cache)
-        if dtype != "float32"
-        else nullcontext()
-    )
+    cache = device.type != "cuda"  # (CUDA graphs want no autocast cache)
+    cast = nullcontext()
+    if dtype != "float32":
+        cast = torch.autocast(device.type, getattr(torch, dtype), cache_enabled=cache)
     return cast, torch.amp.GradScaler(device.type, enabled=dtype == "float16")
 
 
@@ -800,25 +807,13 @@ def computed(device, args, step):
     """How the run computes, for run.json: device, torch, matmul precision, autocast,
     the step.
     """
-    tf32, step = (
-        "tf32" if device.type == "cuda" and args.tf32 else "ieee",
-        type(step).__name__,
-    )
-    how = dict(
-        device=str(device),
-        torch=torch.__version__,
-        dtype=args.dtype,
-        float32_matmul=tf32,
-    )
-    how.update(
-        fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee",
-        step=step.replace("partial", "eager"),
-    )
-    return how | (
-        {"device_name": torch.cuda.get_device_name(device)}
-        if device.type == "cuda"
-        else {}
-    )
+    tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
+    how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype)
+    how.update(float32_matmul=tf32, fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee")
+    how["step"] = type(step).__name__.replace("partial", "eager")
+    if device.type == "cuda":
+        how["device_name"] = torch.cuda.get_device_name(device)
+    return how
 
 
 def peak_memory(device):
