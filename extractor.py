@@ -1,16 +1,18 @@
 """
-The pre-LN Transformer of "Attention Is Not All You Need Anymore" (Zhe Chen, 2023, arXiv:2308.07661),
-its baseline token mixer (causal multi-head self-attention) and the four Extractors (SHE, WE, HE, ME)
-that replace it, plus the extraction-only HE named at the end of Section 5. The file follows the paper:
-Config (Table 1); the Transformer (Section 4, Eq. 3-22); self-attention (Eq. 10-17); the Extractors
-(Section 5, Eq. 23-29) and the causal FIR filter they share, as the literal sum and as causal_fir
-(how it is computed fast is fir.py); last, choosing each new token in generation (Eq. 2). Every weight
-starts N(0, 0.01²), i.e. with standard deviation 0.01 (Section 6). The operation counts of Tables 3-7
-are in experiments/bench.py.
+The pre-LN Transformer of "Attention Is Not All You Need Anymore" (Zhe Chen, 2023,
+arXiv:2308.07661), its baseline token mixer (causal multi-head self-attention) and the
+four Extractors (SHE, WE, HE, ME) that replace it, plus the extraction-only HE named at
+the end of Section 5. The file follows the paper: Config (Table 1); the Transformer
+(Section 4, Eq. 3-22); self-attention (Eq. 10-17); the Extractors (Section 5, Eq.
+23-29) and the causal FIR filter they share, as the literal sum and as causal_fir (how
+it is computed fast is fir.py); last, choosing each new token in generation (Eq. 2).
+Every weight starts N(0, 0.01²), i.e. with standard deviation 0.01 (Section 6). The
+operation counts of Tables 3-7 are in experiments/bench.py.
 
-Equation numbers, e.g. `# Eq. (23)`, refer to the paper. Indices: the paper counts positions and taps
-from 1; the code counts from 0, so the paper's tap W_k (k = i - j + 1, the distance back plus one) is
-W_ext[k - 1] here, and W_ext[0] multiplies the current token.
+Equation numbers, e.g. `# Eq. (23)`, refer to the paper. Indices: the paper counts
+positions and taps from 1; the code counts from 0, so the paper's tap W_k (k = i - j +
+1, the distance back plus one) is W_ext[k - 1] here, and W_ext[0] multiplies the
+current token.
 """
 
 import importlib
@@ -23,9 +25,12 @@ import torch.nn.functional as F
 
 from fir import fir_full, fir_last_row
 
-MIXERS = {}  # the paper's mixers, each --mixer name -> its class (the first sublayer); filled below
+# the paper's mixers, each --mixer name -> its class (the first sublayer); filled below
+MIXERS = {}
 # further mixers (Tay et al.), in synthesizer.py: imported only when one is used
-SYNTHESIZERS = "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa".split()
+SYNTHESIZERS = (
+    "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa"
+).split()
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Config:
             )
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # The pre-LN Transformer, Section 4, Eq. (3)-(22)
 
 
@@ -122,18 +127,19 @@ class Transformer(nn.Module):
         B, t = idx.shape
         if t == 0:
             raise ValueError(
-                f"idx {tuple(idx.shape)} holds no tokens; give each sequence at least one"
+                f"idx {tuple(idx.shape)} holds no tokens; "
+                "give each sequence at least one"
             )
         past, l = 0 if cache is None else cache["t"], self.cfg.block_size
         if past + t > l:
             raise ValueError(
-                f"sequence length {past + t} exceeds block_size l={l}; crop it to its last l tokens"
+                f"sequence length {past + t} exceeds block_size l={l}; "
+                "crop it to its last l tokens"
             )
         pos = torch.arange(past, past + t, device=idx.device)
         scale = math.sqrt(self.cfg.n_embd)  # Section 4: embeddings times sqrt(d)
-        x = self.drop(
-            self.emb_tok(idx) * scale + self.emb_pos(pos) * scale
-        )  # Eq. (4), (5), (7)
+        # Eq. (4), (5), (7)
+        x = self.drop(self.emb_tok(idx) * scale + self.emb_pos(pos) * scale)
         for i, layer in enumerate(self.layers):
             x = layer(x, None if cache is None else cache["layers"][i])  # Eq. (9)-(20)
         if cache is not None:
@@ -188,15 +194,16 @@ class Transformer(nn.Module):
         top_p=None,
         use_cache=True,
     ):
-        """Yield each new token (B, 1) as soon as it is sampled from the last l tokens, Eq.
-        (2). While the sequence fits in l, a cache makes a new token cost one row per
-        layer (Tables 5, 6); beyond l every position shifts, so each token is a forward
-        over the last l tokens, as with use_cache=False throughout. Runs in eval mode,
-        then puts the model back in its mode."""
+        """Yield each new token (B, 1) as soon as it is sampled from the last l
+        tokens, Eq. (2). While the sequence fits in l, a cache makes a new token cost
+        one row per layer (Tables 5, 6); beyond l every position shifts, so each token
+        is a forward over the last l tokens, as with use_cache=False throughout. Runs
+        in eval mode, then puts the model back in its mode."""
         check_sampling(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(
-                f"idx must be (B, t) token ids with t >= 1 (a prompt), got {tuple(idx.shape)}"
+                "idx must be (B, t) token ids with t >= 1 (a prompt), "
+                f"got {tuple(idx.shape)}"
             )
         l, was_training = self.cfg.block_size, self.training
         self.eval()
@@ -228,7 +235,7 @@ def normal_weight(*shape):
     return nn.Parameter(torch.randn(*shape) * 0.01)  # Section 6: weights ~ N(0, 0.01²)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Token mixers, the first sublayer. A mixer is an nn.Module built as cls(cfg), with
 # forward(x, cache=None) mapping X^[in_sub1] (B, t, d) to X^[out_sub1] (B, t, d)
 # causally, with no dropout inside, and optionally a class attribute `uses_heads` (True:
@@ -247,18 +254,16 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, self.n = cfg.n_embd, cfg.n_head
-        self.W_QKV = nn.Linear(
-            d, 3 * d, bias=False
-        )  # W_j^[Q], W_j^[K], W_j^[V] of all heads
+        # W_j^[Q], W_j^[K], W_j^[V] of all heads
+        self.W_QKV = nn.Linear(d, 3 * d, bias=False)
         self.W_out_att = nn.Linear(d, d, bias=False)  # W^[out_att]
 
     def forward(self, x, cache=None):
         B, t, d = x.shape
         h = d // self.n
         q, k, v = self.W_QKV(x).split(d, dim=2)  # Eq. (10)-(12), (B, t, d) each
-        q, k, v = (
-            z.view(B, t, self.n, h).transpose(1, 2) for z in (q, k, v)
-        )  # (B, n, t, h)
+        # (B, n, t, h) each
+        q, k, v = (z.view(B, t, self.n, h).transpose(1, 2) for z in (q, k, v))
         past = 0
         if cache is not None:
             if "k" in cache:
@@ -294,9 +299,8 @@ class SHE(nn.Module):
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
     def forward(self, x, cache=None):
-        x_ext = causal_fir(
-            x, self.W_ext, cache
-        )  # Eq. (23): x_i^ext = sum_j x_j W_{i-j+1}
+        # Eq. (23): x_i^ext = sum_j x_j W_{i-j+1}
+        x_ext = causal_fir(x, self.W_ext, cache)
         x_adj = self.W_adj(x) * x_ext  # Eq. (24): X^adj = (X W^adj) o X^ext
         return self.W_out(x_adj)  # Eq. (25): X^out_sub1 = X^adj W^out
 
@@ -309,16 +313,14 @@ class WE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
-        self.w_ext = normal_weight(
-            l, d
-        )  # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
+        # the taps w_1^[ext] .. w_l^[ext] (l of them: Notes, 2)
+        self.w_ext = normal_weight(l, d)
         self.W_adj = nn.Linear(d, d, bias=False)  # W^[adj]
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
     def forward(self, x, cache=None):
-        x_ext = causal_fir(
-            x, self.w_ext, cache
-        )  # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
+        # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
+        x_ext = causal_fir(x, self.w_ext, cache)
         x_adj = self.W_adj(x) * x_ext  # Eq. (24)
         return self.W_out(x_adj)  # Eq. (25)
 
@@ -340,9 +342,8 @@ class HE(nn.Module):
 
     def forward(self, x, cache=None):
         x_e = self.W_in_ext(x)  # Eq. (27): X^ext = X W^in_ext
-        x_ext = causal_fir(
-            x_e, self.w_ext, cache
-        )  # Eq. (28): x_i^out_ext = sum_j x^ext_j o w_{i-j+1}
+        # Eq. (28): x_i^out_ext = sum_j x^ext_j o w_{i-j+1}
+        x_ext = causal_fir(x_e, self.w_ext, cache)
         x_adj = self.W_adj(x) * x_ext  # Eq. (24)
         return self.W_out(x_adj)  # Eq. (25)
 
@@ -357,9 +358,8 @@ class ME(nn.Module):
         self.w_ext = normal_weight(cfg.block_size)  # the taps w_1^[ext] .. w_l^[ext]
 
     def forward(self, x, cache=None):
-        return causal_fir(
-            x, self.w_ext, cache
-        )  # Eq. (29): x_i^out_sub1 = sum_j x_j w_{i-j+1}
+        # Eq. (29): x_i^out_sub1 = sum_j x_j w_{i-j+1}
+        return causal_fir(x, self.w_ext, cache)
 
 
 class HEExtraction(nn.Module):
@@ -412,7 +412,7 @@ def find_mixer(name):
     raise ValueError(f"unknown mixer {name!r}{why}; choose one of: {choices}")
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # The extraction shared by the four Extractors: a causal FIR filter along time, Eq.
 # (23), (26), (28), (29). The same tap k serves every position (the weights follow "the
 # reverse order of the input").
@@ -433,10 +433,10 @@ def causal_fir_reference(x, w):
 
 
 def causal_fir(x, w, cache=None):
-    """causal_fir_reference, fast, and with a cache for generation. Without a cache, x is
-    the whole (B, t, d) sequence. With one, x holds the new positions and cache["x"] the
-    earlier inputs: a single new token costs one row of the sum, O(t d) for vector or
-    scalar taps and O(t d^2) for matrix taps, as Tables 5 and 6 count."""
+    """causal_fir_reference, fast, and with a cache for generation. Without a cache, x
+    is the whole (B, t, d) sequence. With one, x holds the new positions and cache["x"]
+    the earlier inputs: a single new token costs one row of the sum, O(t d) for vector
+    or scalar taps and O(t d^2) for matrix taps, as Tables 5 and 6 count."""
     if cache is None:
         return fir_full(x, w)
     past = cache.get("x")
@@ -447,7 +447,7 @@ def causal_fir(x, w, cache=None):
     return fir_last_row(x_all, w)[:, None]  # (B, 1, d)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Generation, Eq. (2): Transformer.generate_stream turns the last position's logits into
 # the next token
 
@@ -477,9 +477,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    logits = (
-        logits - logits.amax(dim=-1, keepdim=True)
-    ) / temperature  # top at 0: a tiny T stays finite
+    # the top logit at 0: a tiny T stays finite
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         k = min(top_k, logits.size(-1))
         keep = logits.topk(k, dim=-1).indices  # (B, k)

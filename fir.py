@@ -1,17 +1,22 @@
 """
-How extractor.causal_fir is computed fast. The four Extractors share one operation, a causal FIR filter
-along time, Eq. (23), (26), (28), (29):
+How extractor.causal_fir is computed fast. The four Extractors share one operation, a
+causal FIR filter along time, Eq. (23), (26), (28), (29):
 
-    y_i = sum_{j <= i} x_j (*) w_{i-j+1}        x (B, t, d); taps w (l, d, d), (l, d) or (l,)
+    y_i = sum_{j <= i} x_j (*) w_{i-j+1}   x (B, t, d); taps w (l, d, d), (l, d) or (l,)
 
-(*) is x_j @ W for SHE's matrix taps, x_j o w for WE's and HE's vector taps, x_j w for ME's scalar taps.
-extractor.causal_fir_reference is that double sum as written; every path here computes the same numbers.
-fir_full(x, w) filters the whole sequence by the path that default_path picks; fir_last_row(x, w) gives
-the newest position only (one token of generation). The paths (PATHS: the taps' dims each computes):
-    toeplitz          scalar taps: a lower-triangular (t x t) matrix of the taps times X, one GEMM
-    toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too, a matrix per channel)
-    fft               rfft, a product per frequency, irfft: O(t log t) per channel instead of O(t^2)
-    fft-cuda          matrix taps on CUDA: the fft path in the layouts that cuBLAS and cuFFT take as they are
+(*) is x_j @ W for SHE's matrix taps, x_j o w for WE's and HE's vector taps, x_j w for
+ME's scalar taps. extractor.causal_fir_reference is that double sum as written; every
+path here computes the same numbers. fir_full(x, w) filters the whole sequence by the
+path that default_path picks; fir_last_row(x, w) gives the newest position only (one
+token of generation). The paths (PATHS: the taps' dims each computes):
+    toeplitz          scalar taps: a lower-triangular (t x t) matrix of the taps times
+                      X, one GEMM
+    toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too,
+                      a matrix per channel)
+    fft               rfft, a product per frequency, irfft: O(t log t) per channel
+                      instead of O(t^2)
+    fft-cuda          matrix taps on CUDA: the fft path in the layouts that cuBLAS and
+                      cuFFT take as they are
 TF32: train.py lets CUDA's float32 matmuls run in TF32 (a 10-bit mantissa; cuBLAS's TF32
 mode covers complex64 GEMMs too). Every GEMM here runs in IEEE float32 instead
 (ieee_float32), unless ALLOW_TF32 = True, which lets them follow the global setting, to
@@ -22,24 +27,27 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-FFT_MIN_T_SCALAR = 1024  # scalar taps: Toeplitz below this t (measured faster on the CPU), FFT from here on
-CUDA_TOEPLITZ_MAX_T_VECTOR = (
-    0  # vector taps on CUDA: toeplitz-strided up to this t, else the FFT (0:
-)
-# never, until bench.py section 1 on a GPU shows it faster at t = l = 128)
-ALLOW_TF32 = False  # True: the FIR's GEMMs follow torch.backends.cuda.matmul.allow_tf32 (see TF32 above)
+# scalar taps: Toeplitz below this t (measured faster on the CPU), FFT from here on
+FFT_MIN_T_SCALAR = 1024
+# vector taps on CUDA: toeplitz-strided up to this t, else the FFT (0: never, until
+# bench.py section 1 on a GPU shows it faster at t = l = 128)
+CUDA_TOEPLITZ_MAX_T_VECTOR = 0
+# True: the FIR's GEMMs follow torch.backends.cuda.matmul.allow_tf32 (see TF32 above)
+ALLOW_TF32 = False
+# each path -> the w.dim()s it computes
 PATHS = {
     "toeplitz": (1,),
     "toeplitz-strided": (1, 2),
     "fft": (1, 2, 3),
     "fft-cuda": (3,),
-}  # w.dim()s
+}
 _forced = None  # the path every fir_full call takes inside forcing()
 
 
 def default_path(device_type, taps_dim, t):
-    """fir_full's path on this device type for taps of taps_dim axes (1 scalars, 2 vectors,
-    3 matrices) over t positions; CPU and MPS take the paths measured on the CPU."""
+    """fir_full's path on this device type for taps of taps_dim axes (1 scalars, 2
+    vectors, 3 matrices) over t positions; CPU and MPS take the paths measured on the
+    CPU."""
     if device_type == "cuda":
         if taps_dim == 3:
             return "fft-cuda"
@@ -64,8 +72,8 @@ def forcing(path):
 
 
 def fir_full(x, w, path=None):
-    """The filter over the whole sequence: x (B, t, d), taps w (l, ...) with l >= t -> (B,
-    t, d), from the first t taps. path: one of PATHS, else forcing()'s, else
+    """The filter over the whole sequence: x (B, t, d), taps w (l, ...) with l >= t ->
+    (B, t, d), from the first t taps. path: one of PATHS, else forcing()'s, else
     default_path's. toeplitz follows autocast; the other paths compute in float32 under
     it (float64 stays float64) and return the input's dtype."""
     t = x.shape[1]
@@ -77,7 +85,8 @@ def fir_full(x, w, path=None):
     path = path or _forced or default_path(x.device.type, w.dim(), t)
     if w.dim() not in PATHS.get(path, ()):
         raise ValueError(
-            f"no FIR path {path!r} for taps of shape {tuple(w.shape)}; taps' dims: {PATHS}"
+            f"no FIR path {path!r} for taps of shape {tuple(w.shape)}; "
+            f"taps' dims: {PATHS}"
         )
     if path == "toeplitz":
         return toeplitz(w).to(x.dtype) @ x  # Eq. (29): (t, t) @ (B, t, d) -> (B, t, d)
@@ -90,8 +99,8 @@ def fir_full(x, w, path=None):
 
 @contextlib.contextmanager
 def ieee_float32(device):
-    """Inside, CUDA's float32 and complex64 GEMMs run in IEEE float32 even where TF32 is on
-    (not so with ALLOW_TF32). It sets allow_tf32, the flag train.py sets, which keeps
+    """Inside, CUDA's float32 and complex64 GEMMs run in IEEE float32 even where TF32 is
+    on (not so with ALLOW_TF32). It sets allow_tf32, the flag train.py sets, which keeps
     PyTorch's old and new precision settings in step, and reads fp32_precision, which
     answers under either (allow_tf32 raises after a mix)."""
     tf32 = (
@@ -110,8 +119,8 @@ def ieee_float32(device):
 
 # ---- short sequences: the sum as a Toeplitz matrix times X
 def toeplitz(w):
-    """(t,) taps -> (t, t) lower-triangular Toeplitz matrix T[i, j] = w[i - j] for j <= i,
-    gathered through an index tensor (its gradient is a scatter, index_put: a sort on
+    """(t,) taps -> (t, t) lower-triangular Toeplitz matrix T[i, j] = w[i - j] for j <=
+    i, gathered through an index tensor (its gradient is a scatter, index_put: a sort on
     CUDA, hence toeplitz_strided there)."""
     t = w.shape[0]
     k = torch.arange(t, device=w.device)
@@ -120,10 +129,10 @@ def toeplitz(w):
 
 
 def toeplitz_strided(w):
-    """toeplitz as a view, for scalar taps (t,) -> (t, t) or vector taps (t, d) -> (d, t,
-    t), one matrix per channel. With t - 1 zeros before the taps, z, row i of a sliding
-    window (unfold) reads z[i : i + t]; flipped (the one copy), it holds z[i + t - 1 -
-    j] = w[i - j]."""
+    """toeplitz as a view, for scalar taps (t,) -> (t, t) or vector taps (t, d) -> (d,
+    t, t), one matrix per channel. With t - 1 zeros before the taps, z, row i of a
+    sliding window (unfold) reads z[i : i + t]; flipped (the one copy), it holds z[i +
+    t - 1 - j] = w[i - j]."""
     t = w.shape[0]
     z = torch.cat([w.new_zeros((t - 1,) + w.shape[1:]), w])  # (2t - 1, ...)
     return z.unfold(0, t, 1).movedim(0, -2).flip(-1)  # (t, ..., t) -> (..., t, t)
@@ -136,9 +145,8 @@ def diagonal_sums(m):
     holds diagonal k as row k."""
     t = m.shape[-1]
     padded = F.pad(m, (0, 0, 0, t))  # (..., 2t, t), contiguous
-    diagonals = padded.as_strided(
-        m.shape, padded.stride()[:-2] + (t, t + 1)
-    )  # [k, j]: m[j + k, j]
+    # [k, j]: m[j + k, j]
+    diagonals = padded.as_strided(m.shape, padded.stride()[:-2] + (t, t + 1))
     return diagonals.sum(-1).movedim(-1, 0)
 
 
@@ -147,12 +155,10 @@ def toeplitz_times(T, z):
     matrix per channel.
     """
     if T.dim() == 2:  # one GEMM whose batch stride over T is 0 (neither T nor z copied)
-        return torch.bmm(
-            T.expand(z.shape[0], -1, -1), z
-        )  # Eq. (29): (B, t, t) @ (B, t, d)
-    return torch.bmm(T, z.permute(2, 1, 0)).permute(
-        2, 1, 0
-    )  # Eq. (26), (28): (d, t, t) @ (d, t, B)
+        # Eq. (29): (B, t, t) @ (B, t, d)
+        return torch.bmm(T.expand(z.shape[0], -1, -1), z)
+    # Eq. (26), (28): (d, t, t) @ (d, t, B)
+    return torch.bmm(T, z.permute(2, 1, 0)).permute(2, 1, 0)
 
 
 class ToeplitzStrided(torch.autograd.Function):
@@ -178,9 +184,8 @@ class ToeplitzStrided(torch.autograd.Function):
             if ctx.needs_input_grad[1] and T.dim() == 2:
                 dw = diagonal_sums(torch.bmm(g, x.mT).sum(0))  # (t, t) -> (t,)
             elif ctx.needs_input_grad[1]:
-                dw = diagonal_sums(
-                    torch.bmm(g.permute(2, 1, 0), x.permute(2, 0, 1))
-                )  # (d, t, t) -> (t, d)
+                gx = torch.bmm(g.permute(2, 1, 0), x.permute(2, 0, 1))  # (d, t, t)
+                dw = diagonal_sums(gx)  # (t, d)
         return dx, dw
 
 
@@ -214,13 +219,13 @@ def irfft_fbd(Y, n, t, cuda_layout):
 
 
 class FIRFFT(torch.autograd.Function):
-    """fir_full through rfft/irfft along time, the last axis (the transposes are the copy a
-    transform along another axis makes inside). The backward, written out (autograd's is
-    1.4-1.6x slower), reuses the spectra: dx = irfft(G W^H), dw = irfft(sum over the
-    batch of X^H G). Matrix taps: a (d x d) GEMM per frequency in (F, B, d) layout
-    (MKL's is 2.5-3.5x slower on rfft's layout or a lazy conjugate); cuda_layout: cuBLAS
-    reads W^H and X^H as views through its conjugate-transpose flag, irfft the products'
-    (F, B, d) layout."""
+    """fir_full through rfft/irfft along time, the last axis (the transposes are the
+    copy a transform along another axis makes inside). The backward, written out
+    (autograd's is 1.4-1.6x slower), reuses the spectra: dx = irfft(G W^H), dw =
+    irfft(sum over the batch of X^H G). Matrix taps: a (d x d) GEMM per frequency in
+    (F, B, d) layout (MKL's is 2.5-3.5x slower on rfft's layout or a lazy conjugate);
+    cuda_layout: cuBLAS reads W^H and X^H as views through its conjugate-transpose
+    flag, irfft the products' (F, B, d) layout."""
 
     @staticmethod
     def forward(ctx, x, w, cuda_layout):  # x (B, t, d), w (t, ...)
@@ -230,21 +235,16 @@ class FIRFFT(torch.autograd.Function):
         X = torch.fft.rfft(x.transpose(1, 2), n=n, dim=-1)  # (B, d, F), F = n // 2 + 1
         if w.dim() == 3:  # matrices
             X = X.permute(2, 0, 1).contiguous()  # (F, B, d)
-            W = (
-                torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1)
-                .permute(2, 0, 1)
-                .contiguous()
-            )  # (F, d, d)
+            W = torch.fft.rfft(w.permute(1, 2, 0), n=n, dim=-1)  # (d, d, F)
+            W = W.permute(2, 0, 1).contiguous()  # (F, d, d)
             ctx.save_for_backward(X, W)
             with ieee_float32(x.device):
-                return irfft_fbd(
-                    torch.bmm(X, W), n, t, cuda_layout
-                )  # Eq. (23) per frequency, (B, t, d)
+                # Eq. (23) per frequency, (B, t, d)
+                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout)
         W = torch.fft.rfft(w.t(), n=n, dim=-1)  # vectors (d, F) or scalars (F,)
         ctx.save_for_backward(X, W)
-        return torch.fft.irfft(X * W, n=n, dim=-1)[..., :t].transpose(
-            1, 2
-        )  # Eq. (26), (28), (29), (B, t, d)
+        y = torch.fft.irfft(X * W, n=n, dim=-1)[..., :t]  # Eq. (26), (28), (29)
+        return y.transpose(1, 2)  # (B, t, d)
 
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
@@ -254,10 +254,9 @@ class FIRFFT(torch.autograd.Function):
         dx = dw = None
         if W.dim() == 3:
             G = G.permute(2, 0, 1).contiguous()  # (F, B, d)
-            W_H, X_H = (
-                W.mH,
-                X.mH,
-            )  # views (cuda_layout), or with the conj resolved: MKL's fast path
+            # views (cuda_layout), or with the conj resolved: MKL's fast path
+            W_H = W.mH
+            X_H = X.mH
             if not ctx.cuda_layout:
                 W_H, X_H = W_H.resolve_conj(), X_H.resolve_conj()
             with ieee_float32(g.device):
@@ -265,17 +264,14 @@ class FIRFFT(torch.autograd.Function):
                     dx = irfft_fbd(
                         torch.bmm(G, W_H), n, t, ctx.cuda_layout
                     )  # (B, t, d)
-                if ctx.needs_input_grad[
-                    1
-                ]:  # (d, t, d) -> (t, d, d), summed over the batch
-                    dw = irfft_fbd(torch.bmm(X_H, G), n, t, ctx.cuda_layout).transpose(
-                        0, 1
-                    )
+                if ctx.needs_input_grad[1]:
+                    # summed over the batch, (d, t, d) -> (t, d, d)
+                    XG = irfft_fbd(torch.bmm(X_H, G), n, t, ctx.cuda_layout)
+                    dw = XG.transpose(0, 1)
             return dx, dw, None
         if ctx.needs_input_grad[0]:
-            dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t].transpose(
-                1, 2
-            )  # (B, t, d)
+            dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t]  # (B, d, t)
+            dx = dx.transpose(1, 2)  # (B, t, d)
         if ctx.needs_input_grad[1]:
             dW = (X.conj() * G).sum(0)  # (d, F), summed over the batch
             if W.dim() == 1:
@@ -286,8 +282,8 @@ class FIRFFT(torch.autograd.Function):
 
 def fir_last_row(x, w):
     """Row t-1 of the sum for x (B, t, d), the newest token's output (B, d): a direct
-    product, O(t d) for vector or scalar taps and O(t d^2) for matrix taps (Tables 5 and
-    6)."""
+    product, O(t d) for vector or scalar taps and O(t d^2) for matrix taps (Tables 5
+    and 6)."""
     x_back = x.flip(1)  # x_back[:, k] is the token k steps back, which meets tap k
     w = w[: x.shape[1]]
     if w.dim() == 3:

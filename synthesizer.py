@@ -1,8 +1,8 @@
 """
-The Synthesizer family (Tay et al., "Synthesizer: Rethinking Self-Attention for Transformer Models",
-ICML 2021, arXiv:2005.00743) as further drop-in token mixers: synthesized alignment matrices instead
-of Q K^T, named in SYNTHESIZERS (at the end). extractor.find_mixer imports this module only when a
-model uses one of them.
+The Synthesizer family (Tay et al., "Synthesizer: Rethinking Self-Attention for
+Transformer Models", ICML 2021, arXiv:2005.00743) as further drop-in token mixers:
+synthesized alignment matrices instead of Q K^T, named in SYNTHESIZERS (at the end).
+extractor.find_mixer imports this module only when a model uses one of them.
 """
 
 import math
@@ -33,17 +33,20 @@ from extractor import normal_weight  # N(0, 0.01²), the Extractors paper's Sect
 # which picks the rows of the position-indexed matrices. A new token costs one row of
 # logits plus the cached values.
 
-SYN_RANK = 8  # k of the Factorized Random Synthesizer ("In practice, we use a small value of k = 8")
+# k of the Factorized Random Synthesizer ("In practice, we use a small value of k = 8")
+SYN_RANK = 8
 
 
 def _syn_factors(l):
-    """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l) (l =
-    128: 8 x 16). A prime l has only 1 x l, which factorizes nothing: a ValueError."""
+    """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l)
+    (l = 128: 8 x 16). A prime l has only 1 x l, which factorizes nothing: a
+    ValueError."""
     a = max(f for f in range(1, math.isqrt(l) + 1) if l % f == 0)
     if a == 1 < l:
         fix = f"try block_size={max(4, l + 1)}"
         raise ValueError(
-            f"dense-fact needs block_size l = a b with a, b > 1, but l={l} is prime: {fix}"
+            f"dense-fact needs block_size l = a b with a, b > 1, "
+            f"but l={l} is prime: {fix}"
         )
     return a, l // a
 
@@ -61,8 +64,8 @@ def _syn_cache(cache, name, z):
 
 
 def _syn_softmax(s, past):
-    """Eq. (14) for synthesized logits: row i (absolute position past + i) keeps columns j
-    <= past + i, normalises over them only. s (..., t, T) -> (..., t, T)."""
+    """Eq. (14) for synthesized logits: row i (absolute position past + i) keeps
+    columns j <= past + i, normalises over them only. s (..., t, T) -> (..., t, T)."""
     keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(
         diagonal=past
     )
@@ -75,17 +78,15 @@ def _syn_attend(q, k, v, past, bias=None):
     e), k (B, n, T, e), v (B, n, T, h), bias (n, t, T): a float bias that needs a
     gradient runs torch's plain math on the CPU."""
     if bias is None and past == 0:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=1.0
-        )  # Eq. (14), (15)
+        # Eq. (14), (15)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
     keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(
         diagonal=past
     )
     if bias is not None:
         keep = bias.to(q.dtype).masked_fill(~keep, float("-inf"))  # additive float mask
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, scale=1.0
-    )  # Eq. (14), (15)
+    # Eq. (14), (15)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=1.0)
 
 
 class _Synthesizer(nn.Module):
@@ -99,9 +100,8 @@ class _Synthesizer(nn.Module):
         super().__init__()
         self.d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
         self.h = self.d // self.n
-        self.W_V = nn.Linear(
-            self.d, self.d, bias=False
-        )  # G(X) = X W_j^[V] of all heads
+        # G(X) = X W_j^[V] of all heads
+        self.W_V = nn.Linear(self.d, self.d, bias=False)
         self.W_out_att = nn.Linear(self.d, self.d, bias=False)  # W^[out_att]
 
     def forward(self, x, cache=None):
@@ -111,12 +111,10 @@ class _Synthesizer(nn.Module):
             raise ValueError(
                 f"sequence length {past + t} exceeds block_size l={self.l}"
             )
-        v = _syn_cache(
-            cache, "v", self.heads(self.W_V(x))
-        )  # Eq. (12), (B, n, T, h), T = past + t
-        return self.W_out_att(
-            self.mix(x, v, past, cache).transpose(1, 2).reshape(B, t, d)
-        )  # Eq. (15)-(17)
+        # Eq. (12), (B, n, T, h), T = past + t
+        v = _syn_cache(cache, "v", self.heads(self.W_V(x)))
+        r = self.mix(x, v, past, cache)  # Eq. (15), (B, n, t, h)
+        return self.W_out_att(r.transpose(1, 2).reshape(B, t, d))  # Eq. (16), (17)
 
     def heads(self, z):  # (B, t, d) -> (B, n, t, h)
         return z.view(z.shape[0], z.shape[1], self.n, self.h).transpose(1, 2)
@@ -128,20 +126,17 @@ class _Synthesizer(nn.Module):
         B, n, T, h = v.shape
         p = _syn_softmax(self.logits(past, T), past)  # (n, t, T)
         vv = v.permute(1, 2, 0, 3).reshape(n, T, B * h)  # (n, T, B h)
-        return (
-            (p.to(v.dtype) @ vv).view(n, -1, B, h).permute(2, 0, 1, 3)
-        )  # Eq. (15), (B, n, t, h)
+        # Eq. (15), (B, n, t, h)
+        return (p.to(v.dtype) @ vv).view(n, -1, B, h).permute(2, 0, 1, 3)
 
-    def scaled_qk(
-        self, x, cache, a_SA
-    ):  # +sa mixtures: alpha_SA Q / sqrt(h) (B, n, t, h), K (B, n, T, h)
+    # +sa mixtures: alpha_SA Q / sqrt(h) (B, n, t, h), K (B, n, T, h)
+    def scaled_qk(self, x, cache, a_SA):
         q, k = (self.heads(z) for z in self.W_QK(x).chunk(2, dim=-1))  # Eq. (10), (11)
         return q * (a_SA / math.sqrt(self.h)), _syn_cache(cache, "k", k)  # Eq. (13)
 
     def mixing_weights(self):
-        w = self.alpha.softmax(
-            dim=-1
-        )  # alpha_{1,h}, alpha_{2,h} > 0, sum 1; zeros at init: 1/2 each
+        # alpha_{1,h}, alpha_{2,h} > 0, sum 1; zeros at init: 1/2 each
+        w = self.alpha.softmax(dim=-1)
         return w[:, 0, None, None], w[:, 1, None, None]  # (n, 1, 1) each
 
 
@@ -150,12 +145,10 @@ class DenseSynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.W_1 = nn.Linear(
-            self.d, self.d, bias=False
-        )  # W_{1,h} of all heads, h hidden units each
-        self.W_2 = normal_weight(
-            self.n, self.l, self.h
-        )  # W_{2,h}: h -> l per head, stored (out, in)
+        # W_{1,h} of all heads, h hidden units each
+        self.W_1 = nn.Linear(self.d, self.d, bias=False)
+        # W_{2,h}: h -> l per head, stored (out, in)
+        self.W_2 = normal_weight(self.n, self.l, self.h)
 
     def hidden(self, x):
         return self.heads(F.relu(self.W_1(x)))  # Synthesizer Eq. (2), (B, n, t, h)
@@ -181,33 +174,30 @@ class FactorizedDenseSynthesizer(_Synthesizer):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.a, self.b = _syn_factors(self.l)
-        self.W_1 = nn.Linear(
-            self.d, self.d, bias=False
-        )  # as the Dense Synthesizer's W_{1,h}
+        # as the Dense Synthesizer's W_{1,h}
+        self.W_1 = nn.Linear(self.d, self.d, bias=False)
         self.W_A = normal_weight(self.n, self.h, self.a)  # F_{A,h}: h -> a per head
         self.W_B = normal_weight(self.n, self.h, self.b)  # F_{B,h}: h -> b per head
 
     def mix(self, x, v, past, cache):
         hid = self.heads(F.relu(self.W_1(x)))  # (B, n, t, h)
         A, B_ = hid @ self.W_A, hid @ self.W_B  # Synthesizer Eq. (5), (B, n, t, a|b)
-        C = (A[..., :, None] * B_[..., None, :]).flatten(
-            -2
-        )  # Synthesizer Eq. (6), (B, n, t, l)
+        # Synthesizer Eq. (6), (B, n, t, l)
+        C = (A[..., :, None] * B_[..., None, :]).flatten(-2)
         return _syn_softmax(C[..., : v.shape[2]], past) @ v  # Synthesizer Eq. (6)
 
 
 class RandomSynthesizer(_Synthesizer):
-    """Random Synthesizer, Synthesizer Eq. (4): a learned (l x l) R per head, the same for
-    every input, initialised N(0, 0.01²) like every weight of the Extractors paper
+    """Random Synthesizer, Synthesizer Eq. (4): a learned (l x l) R per head, the same
+    for every input, initialised N(0, 0.01²) like every weight of the Extractors paper
     (Section 6)."""
 
     fixed = False
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        if (
-            self.fixed
-        ):  # R_h ~ N(0, 1), in the state_dict, never in parameters(): not trained
+        if self.fixed:
+            # R_h ~ N(0, 1), in the state_dict, never in parameters(): not trained
             self.register_buffer("R", torch.randn(self.n, self.l, self.l))
         else:
             self.R = normal_weight(self.n, self.l, self.l)  # R_h
@@ -217,12 +207,13 @@ class RandomSynthesizer(_Synthesizer):
 
 
 class FixedRandomSynthesizer(RandomSynthesizer):
-    """Fixed Random Synthesizer (Synthesizer Eq. (4), "kept fixed"): R is drawn once from
-    the model's RNG and never trained. Its logits are N(0, 1), not the trained Random's
-    N(0, 0.01²): at 0.01 softmax(R) would be a uniform causal average to within about
-    1%, a running mean rather than the random alignment the Synthesizer paper tests. At
-    l = 128 the rows' mean entropy is 3.43 nats against the uniform rows' 3.88 (N(0,
-    0.01²): 3.878), the last row's largest weight 0.071 against 1/l = 0.0078."""
+    """Fixed Random Synthesizer (Synthesizer Eq. (4), "kept fixed"): R is drawn once
+    from the model's RNG and never trained. Its logits are N(0, 1), not the trained
+    Random's N(0, 0.01²): at 0.01 softmax(R) would be a uniform causal average to within
+    about 1%, a running mean rather than the random alignment the Synthesizer paper
+    tests. At l = 128 the rows' mean entropy is 3.43 nats against the uniform rows'
+    3.88 (N(0, 0.01²): 3.878), the last row's largest weight 0.071 against 1/l =
+    0.0078."""
 
     fixed = True
 
@@ -238,9 +229,8 @@ class FactorizedRandomSynthesizer(_Synthesizer):
         self.R_2 = normal_weight(self.n, self.l, k)  # R_{2,h}
 
     def logits(self, past, T):
-        return self.R_1[:, past:T] @ self.R_2[:, :T].transpose(
-            1, 2
-        )  # Synthesizer Eq. (7), (n, t, T)
+        # Synthesizer Eq. (7), (n, t, T)
+        return self.R_1[:, past:T] @ self.R_2[:, :T].transpose(1, 2)
 
 
 # Mixtures (Synthesizer Sec. 3.1, "Mixture of Synthesizers", unnumbered): Y_h =
@@ -261,12 +251,9 @@ class RandomDenseSynthesizer(DenseSynthesizer):
     def mix(self, x, v, past, cache):
         a_R, a_D = self.mixing_weights()
         q = a_D * self.hidden(x)  # alpha_D B_i: Synthesizer Eq. (1), (2)
-        bias = (
-            a_R * self.R[:, past : v.shape[2], : v.shape[2]]
-        )  # alpha_R R: Synthesizer Eq. (4)
-        return _syn_attend(
-            q, self.keys(x.shape[0], v.shape[2]), v, past, bias
-        )  # the mixture
+        T = v.shape[2]
+        bias = a_R * self.R[:, past:T, :T]  # alpha_R R: Synthesizer Eq. (4)
+        return _syn_attend(q, self.keys(x.shape[0], T), v, past, bias)  # the mixture
 
 
 class RandomSASynthesizer(_Synthesizer):
@@ -276,18 +263,16 @@ class RandomSASynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.W_QK = nn.Linear(
-            self.d, 2 * self.d, bias=False
-        )  # W_j^[Q], W_j^[K] of all heads
+        # W_j^[Q], W_j^[K] of all heads
+        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)
         self.R = normal_weight(self.n, self.l, self.l)  # Random's R_h
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):
         a_R, a_SA = self.mixing_weights()
         q, k = self.scaled_qk(x, cache, a_SA)  # alpha_SA Q K^T / sqrt(h): Eq. (13)
-        bias = (
-            a_R * self.R[:, past : v.shape[2], : v.shape[2]]
-        )  # alpha_R R: Synthesizer Eq. (4)
+        T = v.shape[2]
+        bias = a_R * self.R[:, past:T, :T]  # alpha_R R: Synthesizer Eq. (4)
         return _syn_attend(q, k, v, past, bias)  # the mixture
 
 
@@ -298,9 +283,8 @@ class DenseSASynthesizer(DenseSynthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.W_QK = nn.Linear(
-            self.d, 2 * self.d, bias=False
-        )  # W_j^[Q], W_j^[K] of all heads
+        # W_j^[Q], W_j^[K] of all heads
+        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):
@@ -308,9 +292,8 @@ class DenseSASynthesizer(DenseSynthesizer):
         q, k = self.scaled_qk(x, cache, a_SA)  # alpha_SA Q K^T / sqrt(h): Eq. (13)
         q = torch.cat([q, a_D * self.hidden(x)], dim=-1)  # (B, n, t, 2h)
         k = torch.cat([k, self.keys(x.shape[0], v.shape[2])], dim=-1)  # (B, n, T, 2h)
-        return _syn_attend(
-            q, k, v, past
-        )  # alpha_SA Eq. (13) + alpha_D Synthesizer Eq. (1), (2): the mixture
+        # the mixture: alpha_SA Eq. (13) + alpha_D Synthesizer Eq. (1), (2)
+        return _syn_attend(q, k, v, past)
 
 
 SYNTHESIZERS = {  # the --mixer names (extractor.find_mixer finds them here)

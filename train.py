@@ -514,6 +514,7 @@ def evaluate(model, args, val_data, device, ctx):
     starts = torch.from_numpy(
         np.linspace(0, len(val_data) - args.block_size - 1, n).round().astype(np.int64)
     )
+    was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
     for k in range(0, n, args.batch_size):
@@ -524,7 +525,7 @@ def evaluate(model, args, val_data, device, ctx):
             total += model(*get_batch(val_data, mine, args.block_size, device))[
                 1
             ].float()
-    model.train()
+    model.train(was_training)
     return mean_over_processes(total).item() / args.eval_batches
 
 
