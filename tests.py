@@ -15,6 +15,7 @@ import hashlib
 import http.server
 import importlib
 import io
+import itertools
 import json
 import math
 import os
