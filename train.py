@@ -181,13 +181,11 @@ def model_settings(args, **more):
     return {k: getattr(args, k) for k in fields} | more
 
 
-# --------------------------------------------------------------------------------------
-# data and batches
+# ---- data and batches ----------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
     """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in
-    every run.
-    """
+    every run."""
     state = np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)
     generator = torch.Generator().manual_seed(int(state[0]))
     return torch.randperm(n_starts, generator=generator)  # (n_starts,)
@@ -195,8 +193,7 @@ def epoch_permutation(n_starts, data_seed, epoch):
 
 def batch_starts(i, n_starts, batch_size, data_seed):
     """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size
-    left over skipped).
-    """
+    left over skipped)."""
     epoch, j = divmod(i, n_starts // batch_size)
     starts = epoch_permutation(n_starts, data_seed, epoch)
     return starts[j * batch_size : (j + 1) * batch_size]
@@ -294,8 +291,7 @@ class CapturedStep:
         return self.loss.clone()
 
 
-# --------------------------------------------------------------------------------------
-# the run
+# ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, started):
     """The data, the model and its step, the run's files, then the loop: batch, step,
     and at a log point evaluate, log, checkpoint, stop."""
@@ -350,9 +346,8 @@ def train(args, ckpt, started):
     elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
     b = args.batch_size // WORLD
     n_starts = len(train_data) - args.block_size
-    losses = torch.zeros(
-        args.log_interval, device=device
-    )  # each batch's, on the device
+    # each batch's loss since the last log point, kept on the device
+    losses = torch.zeros(args.log_interval, device=device)
     val = None
     done = []  # when each batch since the last log point ended
     slowest = 0.0  # the slowest of them, s
@@ -375,7 +370,8 @@ def train(args, ckpt, started):
             continue
         if evaluate_now:
             val = evaluate(model, args, val_data, device, ctx)
-        stop = any_process(stop, device)
+        # (DDP: any process's)
+        stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
         costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
         tok_s = len(done) * args.batch_size * args.block_size / (done[-1] - since)
         times = [elapsed0 + t - t0 for t in done]
@@ -392,8 +388,8 @@ def train(args, ckpt, started):
         done = []
         slowest = 0.0
         since = time.time()
-    if val is not None:
-        say(f"done: {args.out_dir}; final val loss {val:.4f}")
+    final = f"; final val loss {val:.4f}" if val is not None else ""
+    say(f"done: {args.out_dir}{final}")
     say(
         f"plot: python experiments/plot.py {args.out_dir}; "
         f"sample: python sample.py --out_dir {args.out_dir}"
@@ -426,17 +422,11 @@ def evaluate(model, args, val_data, device, ctx):
 
 def mean_over_processes(t):
     """Under DDP the mean of t over the processes, each of which calls this at the same
-    point.
-    """
+    point."""
     if WORLD > 1:
         t = t / WORLD
         dist.all_reduce(t)
     return t
-
-
-def any_process(flag, device):
-    """Under DDP whether any process's flag is set; each calls this at one point."""
-    return mean_over_processes(torch.tensor(float(flag), device=device)).item() > 0
 
 
 def evaluates(args, it):
@@ -493,8 +483,7 @@ def stopped(args, device, it):
     return report_peak_memory(args, device, 0 if signum is None else 128 + signum)
 
 
-# --------------------------------------------------------------------------------------
-# what the run is and how it computes: run.json and the console
+# ---- what the run is and how it computes ---------------------------------------------
 def describe(args, cfg, info, n_train, n_val, start):
     """What the run is and how it computes, on the console."""
     how = info["computed"]
@@ -605,8 +594,7 @@ def computed(device, args, step):
 
 def peak_memory(device):
     """(bytes, what): on CUDA the most the tensors ever held, elsewhere the process's
-    peak resident memory.
-    """
+    peak resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
     import resource  # (Unix; ru_maxrss is in kB on Linux, in bytes on macOS)
@@ -619,8 +607,7 @@ def peak_memory(device):
 
 def report_peak_memory(args, device, exit_code):
     """The peak memory (this session's, when resumed) into run.json and on the console;
-    the exit code.
-    """
+    the exit code."""
     if MASTER:
         peak, what = peak_memory(device)
         path = os.path.join(args.out_dir, "run.json")
@@ -632,12 +619,10 @@ def report_peak_memory(args, device, exit_code):
     return exit_code
 
 
-# --------------------------------------------------------------------------------------
-# the run folder and ckpt.pt
+# ---- the run folder and ckpt.pt ------------------------------------------------------
 def default_out_dir(args):
     """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact):
-    out/me-m2-l64-b32.
-    """
+    out/me-m2-l64-b32."""
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
     for flag, (symbol, value, _, _) in TABLE_1.items():
         v = getattr(args, flag)
@@ -651,8 +636,7 @@ def default_out_dir(args):
 @contextmanager
 def locked(out_dir):
     """The run folder, made if need be and locked against a second train.py (Unix;
-    freed even by kill -9); the .*.tmp of a write killed midway removed.
-    """
+    freed even by kill -9); the .*.tmp of a write killed midway removed."""
     if os.path.isfile(out_dir):
         fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
     made = not os.path.isdir(out_dir)
@@ -688,13 +672,13 @@ def judge(args, parser, argv):
     has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
     if args.resume and not has_ckpt:
         how = (
-            "--overwrite starts its run again" if has_log else "drop --resume to start"
+            "--overwrite starts the run again" if has_log else "drop --resume to start"
         )
         fail(f"no checkpoint {path} to resume; {how}")
     if not (args.resume or args.overwrite) and (has_ckpt or has_log):
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
         fail(
-            f"{args.out_dir} holds a run ({how}; --overwrite starts it again): "
+            f"{args.out_dir} holds a run ({how}; --overwrite starts it again); "
             "or pick another --out_dir"
         )
     if not args.resume:
@@ -727,8 +711,7 @@ def judge(args, parser, argv):
 
 def load_checkpoint(path):
     """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one
-    line if damaged.
-    """
+    line if damaged."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
@@ -796,8 +779,7 @@ def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed
 
 def restore(ckpt, model, optimizer, scaler, device):
     """A resumed run's state: the model, AdamW (as this device runs it), the loss
-    scaler, the RNGs.
-    """
+    scaler, the RNGs."""
     if len(ckpt["rng"]) != WORLD:
         fail(
             f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as "
@@ -821,12 +803,10 @@ def restore(ckpt, model, optimizer, scaler, device):
         torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
 
 
-# --------------------------------------------------------------------------------------
-# the console, stopping
+# ---- the console, stopping -----------------------------------------------------------
 def say(*args):
     """A console line at once (nohup too), from process 0; a closed stdout (| head)
-    acts as a signal.
-    """
+    acts as a signal."""
     if MASTER:
         try:
             print(*args, flush=True)
