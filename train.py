@@ -78,6 +78,9 @@ def seconds(text):
 
 COUNT = bounded(int, 1)
 NATURAL = bounded(int, 0)
+NON_NEGATIVE = bounded(float, 0)
+FRACTION = bounded(float, 0, 1)
+SEED = bounded(int, 0, 2**63)
 # the settings that name a run: flag -> (the paper's symbol, Table 1's value, what it
 # is, its type: argparse checks the bounds, Config the model's sizes)
 TABLE_1 = {
@@ -88,22 +91,12 @@ TABLE_1 = {
     "n_head": ("n", 32, "heads of self-attention (and of the Synthesizers)", int),
     "dropout": ("p", 0.1, "dropout rate", float),
     "batch_size": ("b", 64, "batch size, over all processes", COUNT),
-    "lr": ("lr", 1e-3, "AdamW's learning rate gamma, constant", bounded(float, 0)),
-    "beta1": ("bm", 0.9, "AdamW's beta_1", bounded(float, 0, 1)),
-    "beta2": ("bv", 0.999, "AdamW's beta_2", bounded(float, 0, 1)),
-    "weight_decay": ("wd", 0.01, "AdamW's weight decay (PyTorch's)", bounded(float, 0)),
-    "grad_clip": (
-        "clip",
-        0.0,
-        "clip gradients' norm to this; 0: off",
-        bounded(float, 0),
-    ),
-    "seed": (
-        "seed",
-        1337,
-        "seed of the initialisation and of dropout",
-        bounded(int, 0, 2**63),
-    ),
+    "lr": ("lr", 1e-3, "AdamW's learning rate gamma, constant", NON_NEGATIVE),
+    "beta1": ("bm", 0.9, "AdamW's beta_1", FRACTION),
+    "beta2": ("bv", 0.999, "AdamW's beta_2", FRACTION),
+    "weight_decay": ("wd", 0.01, "AdamW's weight decay (PyTorch's)", NON_NEGATIVE),
+    "grad_clip": ("clip", 0.0, "clip gradients' norm to this; 0: off", NON_NEGATIVE),
+    "seed": ("seed", 1337, "seed of the initialisation and of dropout", SEED),
     "data_seed": ("dseed", 1337, "seed of the batch order", NATURAL),
 }
 # the other flags with a value: flag -> (its type, default, what it is)
