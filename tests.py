@@ -2233,15 +2233,13 @@ def test_every_mixer_sees_the_same_batches_and_validation_windows(
         # (each run computes its order anew, as in its own process)
         train.epoch_permutation.cache_clear()
         assert run(tmp_path, data, "--max_iters=10", *flags.split(), name=name) == 0
-    # 10 batches, 2 validations of 2 batches
-    assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2
+    assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2  # + 2 validations of 2
     assert all(
         torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         for a, b in zip(seen["sa"], seen["me"])
     )
     x, y = seen["sa"][0]
-    assert x.shape == (4, 8)
-    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+    assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y: x shifted by 1
     # the same validation windows each time
     assert torch.equal(seen["sa"][5][0], seen["sa"][12][0])
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
@@ -2326,8 +2324,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
     if decay != 0.01:  # (Table 1's decay as the default, then another)
         flags.append(f"--weight_decay={decay}")
     args = train.build_parser().parse_args(flags)
-    # u, l, d, c, m, n, p (no dropout), the mixer
-    cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")
+    cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")  # u, l, d, c, m, n, p, the mixer
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
     reference = copy.deepcopy(model.double())
     params = list(reference.parameters())
@@ -2335,10 +2332,10 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
     dtype = "float16" if clip else "float32"  # fp16 scales the loss
     scaler = train.precision(torch.device("cpu"), dtype)[1]
     assert scaler.is_enabled() == (clip > 0)
+    ctx = contextlib.nullcontext()
     for t in range(1, 4):
         generator = torch.Generator().manual_seed(t)
         x, y = torch.randint(0, 30, (2, 2, 8), generator=generator)
-        ctx = contextlib.nullcontext()
         kw = {"grad_clip": clip} if clip else {}
         loss = train.train_step(model, adamw, scaler, ctx, x, y, **kw)
         ref_loss = reference(x, y)[1]
@@ -2365,9 +2362,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_lo
     assert run(tmp_path, data, "--max_iters", "14", name="whole") == 0
     get_batch, calls = train.get_batch, []
 
-    def ctrl_c(*a):
-        """Ctrl-C during the validation at batch 5 (calls 6 and 7): the run stops after
-        batch 6."""
+    def ctrl_c(*a):  # in batch 5's validation (calls 6 and 7): it stops after batch 6
         calls.append(1)
         if len(calls) == 7:
             os.kill(os.getpid(), signal.SIGINT)
@@ -2453,8 +2448,8 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     for drawn in ("loss.png", "taps.png"):  # what plot.py and taps.py draw there
         open(os.path.join(out, drawn), "w").close()
     assert run(tmp_path, data, "--max_iters", "3", "--overwrite") == 0
-    assert ckpt_iter(out) == 3 and len(log_rows(out)) == 3
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.csv", "run.json"]
+    assert ckpt_iter(out) == 3 and len(log_rows(out)) == 3  # the old run's all gone
     os.remove(os.path.join(out, "ckpt.pt"))  # the log kept, the large file deleted
     before = files(out)
     said = error_line(capsys, run, tmp_path, data, "--max_iters", "4")
@@ -2462,9 +2457,8 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     said = error_line(capsys, run, tmp_path, data, "--resume")
     assert "to resume; --overwrite starts the run again" in said
     assert files(out) == before
-    assert "is a file: pass a folder" in error_line(
-        capsys, run, tmp_path, data, name="run/log.csv"
-    )
+    said = error_line(capsys, run, tmp_path, data, name="run/log.csv")
+    assert "is a file: pass a folder" in said
     os.remove(os.path.join(out, "log.csv"))  # as a run killed before its checkpoint
     assert run(tmp_path, data, "--max_iters", "4") == 0 and ckpt_iter(out) == 4
 
@@ -2617,9 +2611,7 @@ def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
 def start_run(tmp_path, data, *more):
-    """train.py in a subprocess, its console in a pipe, once its first progress line
-    has come.
-    """
+    """train.py in a subprocess, its console in a pipe, once its first line has come."""
     out = str(tmp_path / "sub")
     flags = TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "100000"]
     flags += ["--log_interval", "10", *more]
