@@ -2497,13 +2497,14 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
     assert ckpt_iter(out) == 5 and len(log_rows(out)) == 5
     assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
     with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
+        f.truncate(1000)  # half-written: torch's message is a long paragraph
     try:
         torch.load(path, weights_only=True)
-    except Exception as e:  # (not cut: a whole line)
-        why = f"{type(e).__name__}: {e}"
+    except Exception as e:
+        whole = f"{type(e).__name__}: {e}"
     said = error_line(capsys, train.main, resume)
-    assert said == f"error: cannot read {path} ({why}); it is damaged or not train.py's"
+    shown = said.split(f"cannot read {path} (")[1].split(" ...); it is damaged")[0]
+    assert len(shown) > 60 and whole.startswith(shown + " ")  # cut between words
 
 
 def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
