@@ -1810,8 +1810,9 @@ def test_prepare_data_from_the_command_line_is_one_line_without_traceback(tmp_pa
 # ======== training (train.py): batches, settings, the step, run folders, checkpoints,
 # stopping ========
 
-TINY = "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8 --batch_size 4 --n_head 4".split()
-TINY += f"--eval_batches 2 --eval_interval 5 --log_interval 5 --device {DEVICE}".split()
+TINY = "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8".split()
+TINY += "--batch_size 4 --n_head 4 --eval_batches 2 --eval_interval 5".split()
+TINY += f"--log_interval 5 --device {DEVICE}".split()
 
 
 def run(tmp_path, data, *flags, name="run"):
@@ -1821,29 +1822,29 @@ def run(tmp_path, data, *flags, name="run"):
     )
 
 
-log_rows = lambda out: list(csv.DictReader(open(os.path.join(out, "log.csv"))))
-losses = lambda out: [
-    (r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)
-]  # strings: bits
-ckpt_iter = lambda out: torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)[
-    "iter"
-]
+def log_rows(out):
+    with open(os.path.join(out, "log.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def losses(out):
+    """Each row's batch, training cost and validation loss, as strings: bits."""
+    return [(r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)]
+
+
+def ckpt_iter(out):
+    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
 
 
 def files(folder):
     """Every file of a folder with its bytes: a refused command must change none."""
-    return {
-        n: open(os.path.join(folder, n), "rb").read()
-        for n in sorted(os.listdir(folder))
-    }
+    names = sorted(os.listdir(folder))
+    return {n: open(os.path.join(folder, n), "rb").read() for n in names}
 
 
 # ---- the batches: a seeded order per epoch, the same for every mixer
 def test_batch_order_is_a_seeded_permutation_per_epoch():
-    n, b = (
-        50,
-        8,
-    )  # 6 full batches per epoch; the 2 leftover starts of each epoch are skipped
+    n, b = 50, 8  # 6 full batches per epoch; each epoch's 2 leftover starts skipped
     batches = [train.batch_starts(i, n, b, 3) for i in range(18)]
     assert all(len(x) == b for x in batches)
     epochs = [torch.cat(batches[e * 6 : (e + 1) * 6]) for e in range(3)]
@@ -1852,43 +1853,36 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     )
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), batches[2])
-    assert not torch.equal(
-        train.batch_starts(0, n, b, 4), batches[0]
-    )  # another data seed
+    another_seed = train.batch_starts(0, n, b, 4)
+    assert not torch.equal(another_seed, batches[0])
 
 
 def test_every_mixer_sees_the_same_batches_and_validation_windows(
     data, tmp_path, monkeypatch
 ):
     seen, get_batch = {}, train.get_batch
-    for name, flags in {
-        "sa": ["--mixer", "sa", "--seed", "1"],
-        "me": ["--dropout", "0"],
-    }.items():
-        spy = lambda *a, name=name: (
-            seen.setdefault(name, []).append(get_batch(*a)) or seen[name][-1]
-        )  # noqa: E731
+    for name, flags in {"sa": "--mixer sa --seed 1", "me": "--dropout 0"}.items():
+
+        def spy(*a, name=name):
+            seen.setdefault(name, []).append(get_batch(*a))
+            return seen[name][-1]
+
         monkeypatch.setattr(train, "get_batch", spy)
-        train.epoch_permutation.cache_clear()  # (each run computes its order anew, as in its own process)
-        assert run(tmp_path, data, "--max_iters", "10", *flags, name=name) == 0
-    assert (
-        len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2
-    )  # 10 batches, 2 validations of 2 batches
+        # (each run computes its order anew, as in its own process)
+        train.epoch_permutation.cache_clear()
+        assert run(tmp_path, data, "--max_iters=10", *flags.split(), name=name) == 0
+    assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2  # + 2 validations of 2
     assert all(
         torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         for a, b in zip(seen["sa"], seen["me"])
     )
     x, y = seen["sa"][0]
-    assert x.shape == (4, 8) and torch.equal(
-        x[:, 1:], y[:, :-1]
-    )  # y is x shifted by one token
-    assert torch.equal(
-        seen["sa"][5][0], seen["sa"][12][0]
-    )  # the same validation windows each time
+    assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y: x shifted by 1
+    # the same validation windows each time
+    assert torch.equal(seen["sa"][5][0], seen["sa"][12][0])
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
-    starts = [
-        round(k * (len(val) - 9) / 7) for k in range(8)
-    ]  # 8 windows of l+1 spread from first to last
+    # 8 windows of l+1 spread from first to last
+    starts = [round(k * (len(val) - 9) / 7) for k in range(8)]
     windows = torch.tensor(np.stack([val[s : s + 8] for s in starts]))
     assert torch.equal(torch.cat([seen["sa"][5][0], seen["sa"][6][0]]), windows)
 
@@ -1898,36 +1892,49 @@ def test_help_gives_each_setting_its_symbol_and_table1_value(capsys):
     assert train.main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     table1 = (
-        "N_LAYER m: number of layers (18); BLOCK_SIZE l: context length (128); N_EMBD d: dimension of the "
-        "model (128); N_HIDDEN c: nodes in the FFN's hidden layer (512); N_HEAD n: heads of self-attention; "
-        "DROPOUT p: dropout rate (0.1); BATCH_SIZE b: batch size; LR lr: AdamW's learning rate gamma, "
-        "constant (0.001); BETA1 bm: AdamW's beta_1 (0.9); BETA2 bv: AdamW's beta_2 (0.999)"
+        "N_LAYER m: number of layers (18); BLOCK_SIZE l: context length (128); "
+        "N_EMBD d: dimension of the model (128); N_HIDDEN c: nodes in the FFN's "
+        "hidden layer (512); N_HEAD n: heads of self-attention; DROPOUT p: dropout "
+        "rate (0.1); "
+        "BATCH_SIZE b: batch size; LR lr: AdamW's learning rate gamma, constant "
+        "(0.001); BETA1 bm: AdamW's beta_1 (0.9); BETA2 bv: AdamW's beta_2 (0.999)"
     )
     for text in table1.split("; "):
         assert text in out, text
-    assert "(default: None)" not in out
-    defaults = vars(
-        train.build_parser().parse_args([])
-    )  # the flags' defaults are the model's, Table 1's
+    assert "(default: None)" not in out and "(None)" not in out
+    # the flags' defaults are the model's, Table 1's
+    defaults = vars(train.build_parser().parse_args([]))
     model = ("n_layer", "block_size", "n_embd", "n_hidden", "n_head", "dropout")
     assert [defaults[k] for k in model] == [getattr(Config, k) for k in model]
-    assert (defaults["lr"], defaults["batch_size"], defaults["max_iters"], defaults["weight_decay"]) == (
-        1e-3, 64, 60000, 0.01)  # fmt: skip
+    others = ("lr", "batch_size", "max_iters", "weight_decay")
+    assert [defaults[k] for k in others] == [1e-3, 64, 60000, 0.01]
 
 
-@pytest.mark.parametrize("flags, says", [
-    ("--batch_size 0", "--batch_size must be at least 1"), ("--lr 0", "need --lr > 0"),
-    ("--beta2 1", "--beta2 in [0, 1)"), ("--grad_clip nan", "--grad_clip must be a finite number"),
-    ("--seed 9223372036854775808", "--seed in [0, 2**63)"), ("--time_limit 5x", "'5x' is not a time"),
-    ("--mixer nope", "unknown mixer 'nope'"), ("--n_head 5", "n_head=5 must divide n_embd=16"),
-    ("--resume --overwrite", "pass one of them"), ("--eval_batches 500", "use fewer --eval_batches"),
-    ("--device cuda:99", "torch sees no such device"), ("--max_iters x", "invalid int value: 'x'"),
-    ("--dtype half", "invalid choice: 'half'"),
-])  # fmt: skip
-def test_bad_flags_are_one_line_and_write_nothing(flags, says, data, tmp_path, capsys):
-    assert says in error_line(
+BAD_FLAGS = {
+    "--batch_size 0": "argument --batch_size: must be in [1, inf), got 0",
+    "--lr -1": "argument --lr: must be in [0, inf), got -1",
+    "--beta2 1": "argument --beta2: must be in [0, 1), got 1",
+    "--grad_clip nan": "argument --grad_clip: must be in [0, inf), got nan",
+    "--seed=-1": "argument --seed: must be in [0, 9223372036854775808), got -1",
+    "--time_limit 5x": "'5x' is not a time",
+    "--mixer nope": "unknown mixer 'nope'",
+    "--mixer torch.nn.Linear": "--mixer torch.nn.Linear is not a mixer (TypeError",
+    "--mixer torch.nn.Identity": "is not a mixer (TypeError",
+    "--n_head 5": "n_head=5 must divide n_embd=16",
+    "--resume --overwrite": "--overwrite: not allowed with argument --resume",
+    "--eval_batches 500": "fewer than --eval_batches 500 x --batch_size 4",
+    "--device cuda:99": "torch sees no such device",
+    "--max_iters x": "invalid number value: 'x'",
+    "--dtype half": "invalid choice: 'half'",
+}
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS)
+def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys):
+    said = error_line(
         capsys, run, tmp_path, data, "--mixer=sa", "--max_iters=3", *flags.split()
     )
+    assert BAD_FLAGS[flags] in said
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -1947,41 +1954,32 @@ def literal_adamw(
 
 @pytest.mark.parametrize("clip, decay", [(0.0, 0.01), (0.05, 0.1)])
 def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
-    """Three of train.py's steps against AdamW written out, in float64: the same parameters
-    to float64 precision. Clipping first scales the gradients to a norm of at most clip
-    (with fp16's loss scaling)."""
-    flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"] + [
-        f"--weight_decay={decay}"
-    ] * (decay != 0.01)
-    args = train.build_parser().parse_args(
-        flags
-    )  # (Table 1's decay as the default, then another)
-    cfg = Config(
-        30, 8, 8, 16, 1, 2, 0.0, "he"
-    )  # u, l, d, c, m, n, p (no dropout), the mixer
+    """Three of train.py's steps against AdamW written out, in float64: the same
+    parameters to float64 precision. Clipping first scales the gradients to a norm of at
+    most clip (with fp16's loss scaling, by 2**16, exact in float64: the clip must see
+    the gradients unscaled)."""
+    flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"]
+    if decay != 0.01:  # (Table 1's decay as the default, then another)
+        flags.append(f"--weight_decay={decay}")
+    args = train.build_parser().parse_args(flags)
+    cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")  # u, l, d, c, m, n, p, the mixer
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
     reference = copy.deepcopy(model.double())
     params = list(reference.parameters())
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
-    scaler = train.precision(torch.device("cpu"), "float16" if clip else "float32")[
-        1
-    ]  # fp16 scales the loss
-    ctx = (
-        contextlib.nullcontext()
-    )  # (by 2**16, exact in float64): the clip must see the gradients unscaled
+    dtype = "float16" if clip else "float32"  # fp16 scales the loss
+    scaler = train.precision(torch.device("cpu"), dtype)[1]
     assert scaler.is_enabled() == (clip > 0)
+    ctx = contextlib.nullcontext()
     for t in range(1, 4):
-        x, y = torch.randint(
-            0, 30, (2, 2, 8), generator=torch.Generator().manual_seed(t)
-        )
-        loss = train.train_step(
-            model, adamw, scaler, ctx, x, y, **({"grad_clip": clip} if clip else {})
-        )
+        generator = torch.Generator().manual_seed(t)
+        x, y = torch.randint(0, 30, (2, 2, 8), generator=generator)
+        kw = {"grad_clip": clip} if clip else {}
+        loss = train.train_step(model, adamw, scaler, ctx, x, y, **kw)
         ref_loss = reference(x, y)[1]
         grads = torch.autograd.grad(ref_loss, params)
-        assert (
-            abs(loss.item() - ref_loss.item()) < 1e-12
-        )  # the loss before the step, Eq. (3)
+        # the loss before the step, Eq. (3)
+        assert abs(loss.item() - ref_loss.item()) < 1e-12
         norm = math.sqrt(sum((g**2).sum().item() for g in grads))
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         with torch.no_grad():
@@ -1992,232 +1990,272 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
 
 
 # ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data
-# only
-def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit(
+# only; log.csv is written with each checkpoint
+def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_log(
     data, tmp_path, monkeypatch, capsys
 ):
+    """Ctrl-C, then --resume with log.csv deleted and killed at once (ckpt.pt stays),
+    then with log.csv's header only: the log begins anew at the checkpoint's batch."""
+    whole = str(tmp_path / "whole")
     assert run(tmp_path, data, "--max_iters", "14", name="whole") == 0
     get_batch, calls = train.get_batch, []
 
-    def ctrl_c(
-        *a,
-    ):  # during the validation at batch 5 (calls 6 and 7): the run stops after batch 6
+    def ctrl_c(*a):  # in batch 5's validation (calls 6 and 7): it stops after batch 6
         calls.append(1)
         if len(calls) == 7:
             os.kill(os.getpid(), signal.SIGINT)
         return get_batch(*a)
 
+    def killed(*a):
+        raise KeyboardInterrupt  # a kill before the next checkpoint
+
     monkeypatch.setattr(train, "get_batch", ctrl_c)
-    rc, out = (
-        run(tmp_path, data, "--max_iters", "14", "--lr", "0.001"),
-        str(tmp_path / "run"),
-    )
-    assert (
-        rc == 130
-        and ckpt_iter(out) == 6
-        and "SIGINT: stopped at batch 6" in capsys.readouterr().out
-    )
-    monkeypatch.setattr(train, "get_batch", get_batch)
-    with open(os.path.join(out, "log.csv"), "a") as f:
-        f.write(
-            "7,1.5,,0.001,1.0,1.0\n8,2."
-        )  # rows logged after the checkpoint, one cut: dropped
-    assert (
-        train.main(["--out_dir", out, "--resume", "--max_iters", "14"]) == 0
-    )  # the rest from ckpt.pt
-    assert losses(out) == losses(str(tmp_path / "whole")) and len(losses(out)) == 14
-
-
-def test_resume_keeps_the_runs_settings_and_data(data, tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert run(tmp_path, data, "--max_iters", "5", "--lr", "0.003") == 0
-    assert (
-        train.main(
-            ["--out_dir", out, "--resume", "--max_iters", "10", "--log_interval", "2"]
-        )
-        == 0
-    )
-    args = json.load(open(os.path.join(out, "run.json")))["args"]
-    assert (args["lr"], args["log_interval"], args["n_layer"]) == (0.003, 2, 2)
+    assert run(tmp_path, data, "--max_iters", "14", "--lr", "0.001") == 130
+    assert ckpt_iter(out) == 6 and losses(out) == losses(whole)[:6]
+    assert "SIGINT: stopped at batch 6" in capsys.readouterr().out
+    path = os.path.join(out, "log.csv")
+    os.remove(path)
+    monkeypatch.setattr(train, "get_batch", killed)
+    resume = ["--out_dir", out, "--resume", "--max_iters", "14"]
+    assert train.main(resume) == 130 and ckpt_iter(out) == 6
+    gone = f"{path} has no rows after batch 0: those of batches 1 to 6 are gone"
+    said = capsys.readouterr().out
+    assert gone in said and f"aborted; the last checkpoint, {out}/ckpt.pt" in said
+    with open(path, "w") as f:
+        f.write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n")
+    monkeypatch.setattr(train, "get_batch", get_batch)
+    assert train.main(resume) == 0 and gone in capsys.readouterr().out
+    assert losses(out) == losses(whole)[6:]  # the rest from ckpt.pt, to the bit
+
+
+USER_MIXER_CHANGED = USER_MIXER.replace("self.w", "self.weight")
+
+
+def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
+    data, tmp_path, monkeypatch, capsys
+):
+    """--resume: the run's settings (flags may change MAY_CHANGE's), its data; a data
+    folder that moved (ckpt.pt keeps its path): pass --data_dir; a mixer of one's own
+    whose parameters changed since: their names."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "mine.py").write_text(USER_MIXER)
+    out, moved = str(tmp_path / "run"), str(tmp_path / "moved")
+    here = make_data(tmp_path / "data")  # (the fixture's data)
+    assert run(tmp_path, here, "--max_iters=5", "--lr=0.003", "--mixer=mine.Mean") == 0
+    resume = ["--out_dir", out, "--resume", "--max_iters", "10"]
     for flag, says in (
         ("--dtype=bfloat16", "trained with --dtype float32"),
         ("--lr=0.001", "--lr 0.003"),
+        (
+            f"--data_dir={make_data(tmp_path / 'other', seed=1)}",
+            "trained on other data",
+        ),
     ):
-        assert says in error_line(
-            capsys, train.main, ["--out_dir", out, "--resume", flag]
-        )
-    other = f"--data_dir={make_data(tmp_path / 'other', seed=1)}"
-    said = error_line(
-        capsys, train.main, ["--out_dir", out, "--resume", "--max_iters=20", other]
-    )
-    assert (
-        "trained on other data (train_sha256, val_sha256 differ)" in said
-        and ckpt_iter(out) == 10
-    )
-    assert "nothing to train" in (
-        train.main(["--out_dir", out, "--resume"]) or capsys.readouterr().out
-    )
+        assert says in error_line(capsys, train.main, resume + [flag])
+    os.rename(here, moved)
+    said = error_line(capsys, train.main, resume)
+    assert f"trained on the data in {here}, which is gone: pass --data_dir" in said
+    resume += ["--data_dir", moved, "--log_interval", "2"]
+    (tmp_path / "mine.py").write_text(USER_MIXER_CHANGED)
+    sys.modules.pop("mine")
+    said = error_line(capsys, train.main, resume)
+    assert 'Missing key(s) in state_dict: "layers.0.mixer.weight", "layers.1.' in said
+    assert 'Unexpected key(s) in state_dict: "layers.0.mixer.w", "layers.1.' in said
+    (tmp_path / "mine.py").write_text(USER_MIXER)
+    sys.modules.pop("mine")
+    assert train.main(resume) == 0 and ckpt_iter(out) == 10
+    args = json.load(open(os.path.join(out, "run.json")))["args"]
+    assert (args["lr"], args["log_interval"], args["n_layer"]) == (0.003, 2, 2)
+    assert train.main(["--out_dir", out, "--resume"]) == 0
+    assert f"{out} is at batch 10: nothing to train" in capsys.readouterr().out
 
 
-# ---- the run folder: one run each
-def test_a_folder_holds_one_run(data, tmp_path, capsys):
+# ---- the run folder: one run each, from its first checkpoint on
+def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters", "5") == 0
     before = files(out)
-    assert "holds a run: --resume continues it" in error_line(
-        capsys, run, tmp_path, data, "--max_iters", "5"
-    )
+    said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
+    assert f"{out} holds a run (--resume continues it; --overwrite starts" in said
     assert files(out) == before
     with train.locked(out):  # a train.py working in the folder
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "9", "--resume")
-    assert "another train.py is running in" in said and files(out) == before
-    assert (
-        run(tmp_path, data, "--max_iters", "3", "--overwrite") == 0
-        and ckpt_iter(out) == 3
-    )
-    assert len(log_rows(out)) == 3  # the old run's log is gone with it
-    os.remove(
-        os.path.join(out, "ckpt.pt")
-    )  # now the folder holds no run: a plain command starts it
-    assert "drop --resume" in error_line(capsys, run, tmp_path, data, "--resume")
+    assert f"{out} is in use: a run of another train.py is in progress" in said
+    assert files(out) == before
+    for drawn in ("loss.png", "taps.png"):  # what plot.py and taps.py draw there
+        open(os.path.join(out, drawn), "w").close()
+    assert run(tmp_path, data, "--max_iters", "3", "--overwrite") == 0
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.csv", "run.json"]
+    assert ckpt_iter(out) == 3 and len(log_rows(out)) == 3  # the old run's all gone
+    os.remove(os.path.join(out, "ckpt.pt"))  # the log kept, the large file deleted
+    before = files(out)
+    said = error_line(capsys, run, tmp_path, data, "--max_iters", "4")
+    assert f"{out} holds a run (its ckpt.pt is gone; --overwrite starts" in said
+    said = error_line(capsys, run, tmp_path, data, "--resume")
+    assert "to resume; --overwrite starts the run again" in said
+    assert files(out) == before
+    said = error_line(capsys, run, tmp_path, data, name="run/log.csv")
+    assert "is a file: pass a folder" in said
+    os.remove(os.path.join(out, "log.csv"))  # as a run killed before its checkpoint
     assert run(tmp_path, data, "--max_iters", "4") == 0 and ckpt_iter(out) == 4
 
 
-def test_checkpoints_are_written_whole_or_not_at_all(
-    data, tmp_path, monkeypatch, capsys
-):
+@contextlib.contextmanager
+def full_disk(size=3000):
+    """A file size limit as a full disk: writes past `size` bytes fail (ckpt.pt: ~90 kB,
+    run.json ~1.4 kB)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
+    """A full disk in the middle of ckpt.pt: one line that says what stays, no .tmp
+    left, and a folder with no checkpoint stays free; a damaged ckpt.pt: one line."""
     out = str(tmp_path / "run")
-    assert run(tmp_path, data, "--max_iters", "5") == 0
-    save = torch.save
-
-    def full_disk(obj, f):
-        save(obj, f)
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(torch, "save", full_disk)
-    said = error_line(
-        capsys, train.main, ["--out_dir", out, "--resume", "--max_iters", "10"]
-    )
+    path = os.path.join(out, "ckpt.pt")
+    with full_disk():
+        said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
     assert (
         said
-        == f"error: cannot write {out}/ckpt.pt (No space left on device); the last checkpoint stays"
+        == f"error: cannot write {path} (File too large); no checkpoint was written"
     )
-    assert (
-        ckpt_iter(out) == 5 and [n for n in os.listdir(out) if n.endswith(".tmp")] == []
-    )
+    assert run(tmp_path, data, "--max_iters", "5") == 0  # (a plain command)
+    resume = ["--out_dir", out, "--resume", "--max_iters", "10"]
+    with full_disk():
+        said = error_line(capsys, train.main, resume)
+    stays = f"the last checkpoint, {path}, stays"
+    assert said == f"error: cannot write {path} (File too large); {stays}"
+    assert ckpt_iter(out) == 5 and len(log_rows(out)) == 5
+    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
+    with open(path, "r+b") as f:
+        f.truncate(1000)  # half-written: torch's message is a long paragraph
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as e:
+        whole = f"{type(e).__name__}: {e}"
+    said = error_line(capsys, train.main, resume)
+    shown = said.split(f"cannot read {path} (")[1].split(" ...); it is damaged")[0]
+    assert len(shown) > 60 and whole.startswith(shown + " ")  # cut between words
 
 
-def test_a_cost_that_is_not_finite_ends_the_run_keeping_the_last_checkpoint(
-    data, tmp_path, capsys
-):
-    said = error_line(
-        capsys, run, tmp_path, data, "--lr=1e30", "--max_iters=50", "--ckpt_interval=1"
-    )
+def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
+    """A cost that is not finite (the last checkpoint stays), the CPU out of memory
+    (none was written); no glibc: no malloc options."""
+    flags = ["--lr=1e30", "--max_iters=50", "--ckpt_interval=1"]
+    said = error_line(capsys, run, tmp_path, data, *flags)
     assert "the training cost became nan at batch" in said and "--grad_clip" in said
-    bad = int(said.split("at batch ")[1].split(";")[0])
-    assert ckpt_iter(str(tmp_path / "run")) < bad
+    out = str(tmp_path / "run")
+    assert f"; the last checkpoint, {out}/ckpt.pt, stays" in said
+    assert ckpt_iter(out) < int(said.split("at batch ")[1].split(";")[0])
+
+    def too_large(*a):
+        return torch.empty(2**62, dtype=torch.uint8)  # the allocator refuses it
+
+    def no_such_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(train, "get_batch", too_large)
+    said = error_line(capsys, run, tmp_path, data, name="other")
+    assert said.startswith("error: out of memory: use a smaller --batch_size")
+    assert said.endswith("; no checkpoint was written")
+    monkeypatch.setattr(train.platform, "libc_ver", lambda: ("", ""))  # musl, macOS
+    monkeypatch.setattr(train.ctypes, "CDLL", no_such_library)
+    assert train.pick_device("cpu") == torch.device("cpu")  # (no malloc options)
 
 
-def test_time_limit_stops_at_a_checkpoint_before_the_time_is_up(
+def test_time_limit_counts_from_the_start_and_foresees_the_validation(
     data, tmp_path, monkeypatch, capsys
 ):
-    clock, get_batch = [1000.0], train.get_batch
+    """A clock of 1 s a batch (validation's too) and 10 s to load the data: 21 s at
+    batch 9, + twice the slowest batch + batch 10's validation (2) + 5 s (a guess at a
+    checkpoint's time) > 29 s. From the loop's start, or without the validation: later.
+    """
+    clock, get_batch, load_data = [1000.0], train.get_batch, train.load_data
+
+    def batch(*a):
+        clock[0] += 1
+        return get_batch(*a)
+
+    def slow_load(*a):
+        clock[0] += 10
+        return load_data(*a)
+
     monkeypatch.setattr(train.time, "time", lambda: clock[0])
-    monkeypatch.setattr(
-        train,
-        "get_batch",
-        lambda *a: clock.__setitem__(0, clock[0] + 1) or get_batch(*a),
-    )
-    rc = run(
-        tmp_path,
-        data,
-        "--max_iters",
-        "100",
-        "--time_limit",
-        "0.5m",
-        "--eval_batches",
-        "0",
-    )
-    assert (
-        rc == 0
-        and "--time_limit: stopped at batch 24 with a checkpoint"
-        in capsys.readouterr().out
-    )
-    assert (
-        ckpt_iter(str(tmp_path / "run")) == 24
-    )  # 24 s + 2 x the slowest batch + 5 s (a guess at a
-    # checkpoint's time, before one was measured) > 30 s: the checkpoint is written with
-    # time to spare
+    monkeypatch.setattr(train, "get_batch", batch)
+    monkeypatch.setattr(train, "load_data", slow_load)
+    assert run(tmp_path, data, "--max_iters", "100", "--time_limit", "29s") == 0
+    said = capsys.readouterr().out
+    assert "--time_limit: stopped at batch 9 with a checkpoint" in said
+    assert ckpt_iter(str(tmp_path / "run")) == 9 and clock[0] - 1000 <= 29
 
 
 # ---- what a run writes: log.csv, run.json, the console
 def test_log_run_json_and_console(data, tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert (
-        run(tmp_path, data, "--max_iters", "12", "--mixer", "sa", "--n_layer", "1") == 0
-    )
+    flags = ["--max_iters", "12", "--mixer", "sa", "--n_layer", "1"]
+    assert run(tmp_path, data, *flags) == 0
     console = capsys.readouterr().out
     rows = log_rows(out)
     assert [int(r["iter"]) for r in rows] == list(range(1, 13)) and rows[0][
         "lr"
     ] == "0.001"
-    assert [r["iter"] for r in rows if r["val_loss"]] == [
-        "5",
-        "10",
-        "12",
-    ]  # every 5 and at the end
-    assert [line.split(" |")[0] for line in console.splitlines() if line.startswith("iter")] == [
-        "iter 5/12", "iter 10/12", "iter 12/12"]  # fmt: skip
+    # every 5 and at the end
+    assert [r["iter"] for r in rows if r["val_loss"]] == ["5", "10", "12"]
+    lines = [line.split(" |")[0] for line in console.splitlines()]
+    iters = [line for line in lines if line.startswith("iter")]
+    assert iters == ["iter 5/12", "iter 10/12", "iter 12/12"]
     mean = sum(float(r["train_loss"]) for r in rows[5:10]) / 5
-    assert (
-        f"iter 10/12 | loss {mean:.4f} | val {float(rows[9]['val_loss']):.4f} |"
-        in console
-    )
+    val = float(rows[9]["val_loss"])
+    assert f"iter 10/12 | loss {mean:.4f} | val {val:.4f} |" in console
     info = json.load(open(os.path.join(out, "run.json")))
-    assert info["config"] == dict(vocab_size=64, block_size=8, n_embd=16, n_hidden=32, n_layer=1, n_head=4,
-                                  dropout=0.1, mixer="sa")  # fmt: skip
-    assert info["params"]["mixers"] == 4 * 16 * 16 and info["data"]["train_sha256"] == json.load(
-        open(os.path.join(data, "meta.json")))["train_sha256"]  # fmt: skip
-    assert (
-        info["computed"]["device"] == str(DEVICE)
-        and info["computed"]["torch"] == torch.__version__
-    )
-    assert info["computed"]["step"] == (
-        "CapturedStep" if DEVICE.type == "cuda" else "eager"
-    )
+    sizes = dict(vocab_size=64, block_size=8, n_embd=16, n_hidden=32, n_layer=1)
+    assert info["config"] == dict(**sizes, n_head=4, dropout=0.1, mixer="sa")
+    assert info["params"]["mixers"] == 4 * 16 * 16
+    meta = json.load(open(os.path.join(data, "meta.json")))
+    assert info["data"]["train_sha256"] == meta["train_sha256"]
+    step = "CapturedStep" if DEVICE.type == "cuda" else "eager"
+    how = info["computed"]
+    assert [how["device"], how["torch"], how["step"]] == [
+        str(DEVICE),
+        torch.__version__,
+        step,
+    ]
     assert info["peak_memory_mb"] > 0 and f"{info['peak_memory_is']}: " in console
 
 
-@pytest.mark.parametrize("flags, name", [
-    ([], "sa-32"), (["--mixer", "me"], "me"), (["--mixer", "sa", "--n_head", "4"], "sa-4"),
-    (["--mixer", "me", "--n_layer", "2", "--block_size", "64", "--batch_size", "32"], "me-m2-l64-b32"),
-    (["--lr", "3e-4", "--dropout", "0"], "sa-32-p0-lr0.0003"),
-    (["--beta1", "0", "--batch_size", "10"], "sa-32-b10-bm0"), (["--seed", "12345678"], "sa-32-seed12345678"),
-    (["--weight_decay", "0.1", "--data_seed", "7"], "sa-32-wd0.1-dseed7"),
-])  # fmt: skip
-def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags, name):
-    assert train.default_out_dir(
-        train.build_parser().parse_args(flags)
-    ) == os.path.join("out", name)
+FOLDER_NAMES = {
+    "": "sa-32",
+    "--mixer me": "me",
+    "--mixer sa --n_head 4": "sa-4",
+    "--mixer me --n_layer 2 --block_size 64 --batch_size 32": "me-m2-l64-b32",
+    "--lr 3e-4 --dropout 0": "sa-32-p0-lr0.0003",
+    "--beta1 0 --batch_size 10": "sa-32-b10-bm0",
+    "--seed 12345678": "sa-32-seed12345678",
+    "--weight_decay 0.1 --data_seed 7": "sa-32-wd0.1-dseed7",
+}
+
+
+@pytest.mark.parametrize("flags", FOLDER_NAMES)
+def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
+    args = train.build_parser().parse_args(flags.split())
+    assert train.default_out_dir(args) == os.path.join("out", FOLDER_NAMES[flags])
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
 def start_run(tmp_path, data, *more):
-    """train.py in a subprocess, its console in a pipe, once its first progress line
-    has come.
-    """
+    """train.py in a subprocess, its console in a pipe, once its first line has come."""
     out = str(tmp_path / "sub")
-    flags = (
-        TINY
-        + f"--data_dir {data} --out_dir {out} --max_iters 100000 --log_interval 10".split()
-        + [*more]
-    )
-    p = subprocess.Popen(
-        [sys.executable, "train.py", *flags],
-        cwd=ROOT,
-        text=True,
-        stdout=subprocess.PIPE,
-    )
+    flags = TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "100000"]
+    flags += ["--log_interval", "10", *more]
+    cmd = [sys.executable, "train.py", *flags]
+    p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE)
     while not p.stdout.readline().startswith("iter "):
         assert p.poll() is None
     return p, out
@@ -2229,10 +2267,8 @@ def test_kill_and_hangup_stop_with_a_checkpoint(sig, data, tmp_path):
     p, out = start_run(tmp_path, data)
     p.send_signal(sig)
     rest = p.communicate(timeout=60)[0]
-    assert (
-        p.returncode == 128 + sig
-        and f"{signal.Signals(sig).name}: stopped at batch" in rest
-    )
+    assert p.returncode == 128 + sig
+    assert f"{signal.Signals(sig).name}: stopped at batch" in rest
     assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, ckpt_iter(out) + 1))
 
 
@@ -2242,14 +2278,14 @@ def test_a_closed_stdout_stops_like_a_signal_and_kill_9_resumes_from_the_checkpo
 ):
     p, out = start_run(tmp_path, data, "--log_interval", "1")
     p.stdout.close()  # | head: the reader has gone
-    assert (
-        p.wait(timeout=60) == 128 + signal.SIGPIPE and ckpt_iter(out) >= 2
-    )  # a batch or two later
+    # a batch or two later
+    assert p.wait(timeout=60) == 128 + signal.SIGPIPE and ckpt_iter(out) >= 2
     p, out = start_run(tmp_path, data, "--ckpt_interval", "10", "--resume")
     time.sleep(0.5)
-    p.kill()  # kill -9: no checkpoint now; the last one stands
+    p.kill()  # kill -9: no checkpoint now; the last one stands, and its log
     p.wait()
     done = ckpt_iter(out)
+    assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, done + 1))
     assert train.main(["--out_dir", out, "--resume", "--max_iters", str(done + 5)]) == 0
     assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, done + 6))
 

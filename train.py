@@ -1,18 +1,21 @@
 """
-Train a language model whose first sublayer is a token mixer of extractor.py (the paper's Section 6).
+Train a language model whose first sublayer is a token mixer of extractor.py (the
+paper's Section 6): Table 1's run (m=18, l=d=128, 60000 batches of 64), a longer run of
+out/me, a run that stops at a checkpoint before 40 minutes, one run over 4 GPUs (DDP).
 
-    python prepare_data.py && python train.py --mixer=me      # Table 1: m=18, l=d=128, 60000 batches of 64
-    python train.py --mixer=me --n_layer=2 --block_size=64 --batch_size=32 --max_iters=1000  # CPU: minutes
-    python train.py --mixer=me --max_iters=80000 --resume     # continue out/me where it stopped
-    python train.py --mixer=she --time_limit=40m              # stop at a checkpoint before 40 minutes
-    torchrun --standalone --nproc_per_node=4 train.py --mixer=she   # one run over 4 GPUs (DDP)
+    python prepare_data.py && python train.py --mixer=me
+    python train.py --mixer=me --max_iters=80000 --resume
+    python train.py --mixer=she --time_limit=40m
+    torchrun --standalone --nproc_per_node=4 train.py --mixer=she
 
-Every run sees the same batches in the same order: batch i is slice i of a permutation of the start
-positions in train.bin, seeded by --data_seed alone. The run folder (out/<mixer>, plus -<symbol><value>
-for each setting that is not Table 1's) holds log.csv (every batch's training cost, the validation
-losses, tokens/s), ckpt.pt (all that --resume needs to continue bit for bit) and run.json (settings,
-parameter counts, the data's sha256, how the run computed, peak memory). A folder holds one run once it
-has a ckpt.pt. Ctrl-C, kill, a closed terminal and --time_limit end the batch, checkpoint and stop.
+Every run sees the same batches in the same order: batch i is slice i of a permutation
+of the start positions in train.bin, seeded by --data_seed alone. The run folder
+(out/<mixer>, plus -<symbol><value> for each setting that is not Table 1's) holds
+run.json (settings, parameter counts, the data's sha256, how the run computed, peak
+memory), ckpt.pt (all that --resume needs to continue bit for bit) and log.csv (every
+batch's training cost, the validation losses, tokens/s), written with each checkpoint.
+A folder holds a run once a checkpoint was written in it. Ctrl-C, kill, a closed
+terminal and --time_limit end the batch, checkpoint and stop.
 """
 
 import argparse
@@ -20,12 +23,15 @@ import ctypes
 import dataclasses
 import functools
 import glob
+import io
 import json
 import math
 import os
+import platform
 import re
 import signal
 import sys
+import textwrap
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -35,54 +41,81 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fir
-from extractor import Config, Transformer
+from extractor import Config, Transformer, find_mixer
 from prepare_data import atomic_write, fail, fmt_time, load_data
 
 # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
-RANK, WORLD, LOCAL_RANK = (
-    int(os.environ.get(k, "0")) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-)
-WORLD, MASTER = max(WORLD, 1), RANK == 0
-STOP = {
-    "signal": None
-}  # set by Ctrl-C, kill, a closed terminal or stdout: stop after this batch
-TABLE_1 = {  # the settings that name a run: flag -> (the paper's symbol, Table 1's value, what it is)
-    "n_layer": ("m", 18, "number of layers"),
-    "block_size": ("l", 128, "context length"),
-    "n_embd": ("d", 128, "dimension of the model"),
-    "n_hidden": ("c", 512, "nodes in the FFN's hidden layer"),
-    "n_head": ("n", 32, "heads of self-attention (and of the Synthesizers)"),
-    "dropout": ("p", 0.1, "dropout rate"),
-    "batch_size": ("b", 64, "batch size, over all processes"),
-    "lr": ("lr", 1e-3, "AdamW's learning rate gamma, constant"),
-    "beta1": ("bm", 0.9, "AdamW's beta_1"),
-    "beta2": ("bv", 0.999, "AdamW's beta_2"),
-    "weight_decay": (
-        "wd",
-        0.01,
-        "AdamW's weight decay (not in the paper: PyTorch's default)",
-    ),
-    "grad_clip": ("clip", 0.0, "clip the gradients' norm to this; 0 = off"),
-    "seed": ("seed", 1337, "seed of the initialisation and of dropout"),
-    "data_seed": ("dseed", 1337, "seed of the batch order"),
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+MASTER = RANK == 0
+# set by Ctrl-C, kill, a closed terminal or stdout: stop after this batch
+STOP = {"signal": None}
+LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
+# the files of a run, and what our tools draw from it: --overwrite removes them
+RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
+
+
+def bounded(kind, low, high=math.inf):
+    """An argparse type: a number of this kind in [low, high)."""
+
+    def number(text):
+        value = kind(text)
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
+        return value
+
+    return number
+
+
+def seconds(text):
+    """An argparse type: --time_limit in seconds (90, 90s, 40m, 2h)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time: write 90s, 40m, 2h")
+    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
+
+
+COUNT = bounded(int, 1)
+NATURAL = bounded(int, 0)
+NON_NEGATIVE = bounded(float, 0)
+FRACTION = bounded(float, 0, 1)
+SEED = bounded(int, 0, 2**63)
+# the settings that name a run: flag -> (the paper's symbol, Table 1's value, what it
+# is, its type: argparse checks the bounds, Config the model's sizes)
+TABLE_1 = {
+    "n_layer": ("m", 18, "number of layers", int),
+    "block_size": ("l", 128, "context length", int),
+    "n_embd": ("d", 128, "dimension of the model", int),
+    "n_hidden": ("c", 512, "nodes in the FFN's hidden layer", int),
+    "n_head": ("n", 32, "heads of self-attention (and of the Synthesizers)", int),
+    "dropout": ("p", 0.1, "dropout rate", float),
+    "batch_size": ("b", 64, "batch size, over all processes", COUNT),
+    "lr": ("lr", 1e-3, "AdamW's learning rate gamma, constant", NON_NEGATIVE),
+    "beta1": ("bm", 0.9, "AdamW's beta_1", FRACTION),
+    "beta2": ("bv", 0.999, "AdamW's beta_2", FRACTION),
+    "weight_decay": ("wd", 0.01, "AdamW's weight decay (PyTorch's)", NON_NEGATIVE),
+    "grad_clip": ("clip", 0.0, "clip gradients' norm to this; 0: off", NON_NEGATIVE),
+    "seed": ("seed", 1337, "seed of the initialisation and of dropout", SEED),
+    "data_seed": ("dseed", 1337, "seed of the batch order", NATURAL),
+}
+# the other flags with a value: flag -> (its type, default, what it is)
+FLAGS = {
+    "max_iters": (NATURAL, 60000, "batches to train on (%(default)s)"),
+    "time_limit": (seconds, None, "stop at a checkpoint before this: 90s, 40m, 2h"),
+    "eval_interval": (COUNT, 1000, "validation every this many batches (%(default)s)"),
+    "eval_batches": (NATURAL, 20, "batches of validation (%(default)s); 0: none"),
+    "ckpt_interval": (COUNT, 1000, "ckpt.pt and log.csv every this many batches"),
+    "log_interval": (COUNT, 100, "a console line every this many batches"),
+    "data_dir": (str, "data", "prepare_data.py's train.bin, val.bin, meta.json"),
+    "out_dir": (str, "", "the run folder (default: out/<mixer>-<changed settings>)"),
+    "device": (str, "auto", "auto (cuda, mps, then cpu), cpu, cuda, cuda:1, mps"),
 }
 # --resume takes every setting from ckpt.pt but these; the data must be the same
-MAY_CHANGE = {
-    "max_iters",
-    "eval_interval",
-    "ckpt_interval",
-    "log_interval",
-    "data_dir",
-    "device",
-    "compile",
-}
-THIS_COMMAND = {
-    "out_dir",
-    "resume",
-    "overwrite",
-    "time_limit",
-    "cuda_graph",
-}  # never from ckpt.pt
+MAY_CHANGE = {"max_iters", "eval_interval", "ckpt_interval", "log_interval"}
+MAY_CHANGE |= {"data_dir", "device", "compile"}
+# and these come from the command alone, never from ckpt.pt
+THIS_COMMAND = {"out_dir", "resume", "overwrite", "time_limit", "cuda_graph"}
 
 
 def build_parser():
@@ -90,167 +123,73 @@ def build_parser():
         description="Train a Transformer language model with a token mixer."
     )
     p.error = lambda msg: fail(f"{msg} (see python train.py --help)")
-    mixers = "sa, she, we, he, me, he-ext, a Synthesizer (dense, random, ...) or your module.Class"
+    mixers = "sa, she, we, he, me, he-ext, a Synthesizer (dense, random, ...)"
     p.add_argument(
-        "--mixer", default="sa", help=f"the first sublayer: {mixers} (default: sa)"
+        "--mixer",
+        default="sa",
+        help=f"the first sublayer: {mixers} or your module.Class (default: sa)",
     )
-    for name, (symbol, value, text) in TABLE_1.items():
+    for name, (symbol, value, text, kind) in TABLE_1.items():
         p.add_argument(
-            f"--{name}",
-            type=type(value),
-            default=value,
-            help=f"{symbol}: {text} (%(default)s)",
+            f"--{name}", type=kind, default=value, help=f"{symbol}: {text} ({value})"
         )
-    p.add_argument(
-        "--max_iters", type=int, default=60000, help="batches to train on (%(default)s)"
+    for name, (kind, value, text) in FLAGS.items():
+        p.add_argument(f"--{name}", type=kind, default=value, help=text)
+    one_of = p.add_mutually_exclusive_group()
+    one_of.add_argument(
+        "--resume", action="store_true", help="continue out_dir's run, its settings"
     )
-    p.add_argument(
-        "--time_limit",
-        default="",
-        help="stop at a checkpoint before this is up: 90s, 40m, 2h",
+    one_of.add_argument(
+        "--overwrite", action="store_true", help="remove out_dir's run, start again"
     )
-    p.add_argument(
-        "--eval_interval",
-        type=int,
-        default=1000,
-        help="validation every this many batches",
-    )
-    p.add_argument(
-        "--eval_batches",
-        type=int,
-        default=20,
-        help="batches of validation (20); 0: none",
-    )
-    p.add_argument(
-        "--ckpt_interval",
-        type=int,
-        default=1000,
-        help="ckpt.pt every this many batches",
-    )
-    p.add_argument(
-        "--log_interval",
-        type=int,
-        default=100,
-        help="a console line every this many batches",
-    )
-    p.add_argument(
-        "--data_dir",
-        default="data",
-        help="prepare_data.py's train.bin, val.bin, meta.json",
-    )
-    p.add_argument(
-        "--out_dir",
-        default="",
-        help="the run folder (default: out/<mixer>-<changed settings>)",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue out_dir's run, with its settings",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start out_dir's run again from batch 0",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="auto (cuda, mps, then cpu), cpu, cuda, cuda:1, mps",
-    )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="autocast",
-    )
+    dtypes = ["float32", "bfloat16", "float16"]
+    p.add_argument("--dtype", default="float32", choices=dtypes, help="autocast")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     on_off = argparse.BooleanOptionalAction
-    p.add_argument(
-        "--tf32",
-        action=on_off,
-        default=True,
-        help="CUDA: float32 matmuls in TF32 (default)",
-    )
-    p.add_argument(
-        "--cuda_graph",
-        action=on_off,
-        default=True,
-        help="CUDA: replay the step as a CUDA graph",
-    )
+    p.add_argument("--tf32", action=on_off, default=True, help="CUDA: TF32 matmuls")
+    p.add_argument("--cuda_graph", action=on_off, default=True, help="CUDA: graph step")
     return p
 
 
-def check_args(args):
-    """Bounds that would otherwise fail in the middle of a run: one line each."""
-    for name in ("batch_size", "eval_interval", "ckpt_interval", "log_interval"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be at least 1, got {getattr(args, name)}")
-    for name in ("max_iters", "eval_batches", "grad_clip", "weight_decay", "data_seed"):
-        if not 0 <= getattr(args, name) < math.inf:
-            fail(f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
-    a = args
-    if not (
-        0 < a.lr < math.inf
-        and 0 <= a.beta1 < 1
-        and 0 <= a.beta2 < 1
-        and 0 <= a.seed < 2**63
-    ):
-        fail(
-            f"need --lr > 0, --beta1, --beta2 in [0, 1), --seed in [0, 2**63); got {a.lr}, {a.beta1}, ..."
-        )
-    if args.resume and args.overwrite:
-        fail(
-            "--resume continues out_dir's run and --overwrite replaces it: pass one of them"
-        )
+def check_model(args):
+    """The model's settings as Config checks them, --mixer a mixer: one line each."""
     if args.batch_size % WORLD:
-        fail(
-            f"--batch_size {args.batch_size} must be divisible by the {WORLD} processes"
-        )
+        fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
     try:
-        seconds(args.time_limit)
-        Config(**model_settings(args, vocab_size=1))
+        cfg = Config(**model_settings(args, vocab_size=1))
     except ValueError as e:
         fail(str(e))
-
-
-def seconds(text):
-    """--time_limit in seconds (90, 90s, 40m, 2h); none is no limit."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
-    if text and not m:
-        raise ValueError(f"--time_limit {text!r} is not a time: write 90s, 40m or 2h")
-    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]] if text else math.inf
+    x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
+    try:
+        assert find_mixer(cfg.mixer)(cfg)(x, None).shape == x.shape, "not x's shape"
+    except Exception as e:  # not a module of the config that maps x to x's shape
+        fail(
+            f"--mixer {cfg.mixer} is not a mixer ({type(e).__name__}: {e}): a mixer is "
+            "an nn.Module of the config whose forward(x, cache) keeps x's shape"
+        )
 
 
 def model_settings(args, **more):
-    return {
-        k: getattr(args, k) for k in Config.__dataclass_fields__ if k != "vocab_size"
-    } | more
+    fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
+    return {k: getattr(args, k) for k in fields} | more
 
 
-# -------------------------------------------------------------------------------------
-# data and batches
+# ---- data and batches ----------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
     """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in
-    every run.
-    """
-    seed = int(
-        np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)[0]
-    )
-    return torch.randperm(
-        n_starts, generator=torch.Generator().manual_seed(seed)
-    )  # (n_starts,)
+    every run."""
+    state = np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)
+    generator = torch.Generator().manual_seed(int(state[0]))
+    return torch.randperm(n_starts, generator=generator)  # (n_starts,)
 
 
 def batch_starts(i, n_starts, batch_size, data_seed):
     """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size
-    left over skipped).
-    """
+    left over skipped)."""
     epoch, j = divmod(i, n_starts // batch_size)
-    return epoch_permutation(n_starts, data_seed, epoch)[
-        j * batch_size : (j + 1) * batch_size
-    ]
+    starts = epoch_permutation(n_starts, data_seed, epoch)
+    return starts[j * batch_size : (j + 1) * batch_size]
 
 
 def get_batch(data, starts, block_size, device):
@@ -369,22 +308,25 @@ class CapturedStep:
         return self(x, y)
 
 
-# --------------------------------------------------------------------------------------------
-# the run
-def train(args, ckpt):
-    """The data, the model and its step, the run's files, then the loop."""
-    start, elapsed0 = (ckpt["iter"], ckpt["elapsed_s"]) if ckpt else (0, 0.0)
+# ---- the run -------------------------------------------------------------------------
+def train(args, ckpt, started):
+    """The data, the model and its step, the run's files, then the loop: batch, step,
+    and at a log point evaluate, log, checkpoint, stop."""
+    start = ckpt["iter"] if ckpt else 0
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
     )
-    if args.eval_batches * args.batch_size > len(val_data) - args.block_size:
+    windows = len(val_data) - args.block_size
+    if args.eval_batches * args.batch_size > windows:
         fail(
-            "val.bin holds fewer than --eval_batches x --batch_size windows: use fewer --eval_batches"
+            f"val.bin holds {windows} windows, fewer than --eval_batches "
+            f"{args.eval_batches} x --batch_size {args.batch_size}: use fewer batches"
         )
     if ckpt and ckpt["data"] != data:
         differ = ", ".join(k for k in data if ckpt["data"].get(k) != data[k])
         fail(
-            f"{args.out_dir}/ckpt.pt was trained on other data ({differ} differ); pass its --data_dir"
+            f"{args.out_dir}/ckpt.pt was trained on other data ({differ} differ); "
+            "pass its --data_dir"
         )
     device = pick_device(args.device)
     if WORLD > 1:
@@ -401,106 +343,66 @@ def train(args, ckpt):
         else model
     )
     step = make_step(ddp, optimizer, scaler, ctx, args, device)
-    if MASTER:  # the folder becomes this run's: run.json, and log.csv new or cut back to the checkpoint
+    rows = []  # log.csv's lines (process 0), written with each checkpoint
+    if MASTER:
         info = dict(
             config=dataclasses.asdict(cfg),
             args=vars(args),
             params=raw_model.param_counts(),
         )
         info.update(data=data, world_size=WORLD, computed=computed(device, args, step))
-        start_files(args.out_dir, info, start)
+        rows = start_files(args, info, start)
         describe(args, cfg, info, len(train_data), len(val_data), start)
-    # batch -> step -> at log points: evaluate, log, checkpoint; until max_iters, a
-    # signal or the time limit
-    b, n_starts = args.batch_size // WORLD, len(train_data) - args.block_size
-    losses = torch.zeros(
-        args.log_interval, device=device
-    )  # each batch's loss, kept on the device
-    t0 = t_resumed = time.time()  # (t_resumed: the end of the last log point)
-    val, times, slowest, pause = (
-        None,
-        [],
-        0.0,
-        5.0,
-    )  # (pause: the longest log point's work, s)
-    for it in range(
-        start + 1, args.max_iters + 1
-    ):  # it: the batches done once this one is
-        starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)[
-            RANK * b : (RANK + 1) * b
-        ]
-        x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
-        losses[len(times)] = step(x, y)
-        times.append(time.time())
-        slowest = max(slowest, times[-1] - (times[-2] if len(times) > 1 else t_resumed))
-        asked = STOP["signal"] is not None or times[
-            -1
-        ] + 2 * slowest + pause - t0 > seconds(args.time_limit)
-        evaluate_now = args.eval_batches > 0 and (
-            it % args.eval_interval == 0 or it == args.max_iters
-        )
+    elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
+    b = args.batch_size // WORLD
+    n_starts = len(train_data) - args.block_size
+    # each batch's loss since the last log point, kept on the device
+    losses = torch.zeros(args.log_interval, device=device)
+    val = None
+    done = []  # when each batch since the last log point ended
+    slowest = 0.0  # the slowest of them, s
+    pause = 5.0  # the longest log point's work, s (a guess until one is measured)
+    t0 = since = time.time()  # (since: the end of the last log point)
+    for it in range(start + 1, args.max_iters + 1):  # it: the batches done after it
+        starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)
+        mine = starts[RANK * b : (RANK + 1) * b]
+        x, y = get_batch(train_data, mine, args.block_size, device)  # (b, l), (b, l)
+        losses[len(done)] = step(x, y)
+        now = time.time()
+        slowest = max(slowest, now - (done[-1] if done else since))
+        done.append(now)
+        stop = must_stop(args, it, now - started, slowest, pause)
+        evaluate_now = evaluates(args, it)
         ckpt_now = it % args.ckpt_interval == 0 or it == args.max_iters
-        log_now = (
-            evaluate_now or ckpt_now or it % args.log_interval == 0 or it == start + 10
-        )
-        if not (
-            log_now or asked and WORLD == 1
-        ):  # (under DDP, every process stops at a log point)
+        log_now = evaluate_now or ckpt_now or it % args.log_interval == 0
+        stop_now = stop and WORLD == 1  # (under DDP, all stop at a log point)
+        if not (log_now or stop_now or it == start + 10):
             continue
-        val = evaluate(model, args, val_data, device, ctx) if evaluate_now else val
-        stopping = (
-            mean_over_processes(torch.tensor(float(asked), device=device)).item() > 0
-        )
-        tok_s = len(times) * args.batch_size * args.block_size / (times[-1] - t_resumed)
-        rows = log(
-            args,
-            losses[: len(times)],
-            times,
-            it,
-            val if evaluate_now else None,
-            tok_s,
-            elapsed0 - t0,
-        )
-        eta = fmt_time(
-            (args.max_iters - it) * (times[-1] - t0) / (it - start)
-        )  # at this session's pace
-        line = (
-            f"iter {it}/{args.max_iters} | loss {np.mean([v for _, v, _ in rows]):.4f}"
-        )
-        line += f" | val {val:.4f}" if evaluate_now else ""
-        say(
-            f"{line} | {tok_s / 1e3:.1f}k tok/s | elapsed {fmt_time(elapsed0 + times[-1] - t0)} | ETA {eta}"
-        )
-        if ckpt_now or stopping:
+        if evaluate_now:
+            val = evaluate(model, args, val_data, device, ctx)
+        # (DDP: any process's)
+        stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
+        costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
+        tok_s = len(done) * args.batch_size * args.block_size / (done[-1] - since)
+        times = [elapsed0 + t - t0 for t in done]
+        eta = (args.max_iters - it) * (now - t0) / (it - start)  # at this pace
+        rows += log(args, it, costs, times, val if evaluate_now else None, tok_s, eta)
+        if ckpt_now or stop:
+            elapsed = elapsed0 + time.time() - t0
             save_checkpoint(
-                args,
-                raw_model,
-                optimizer,
-                scaler,
-                cfg,
-                data,
-                it,
-                elapsed0 + time.time() - t0,
+                args, rows, raw_model, optimizer, scaler, cfg, data, it, elapsed
             )
-        if stopping:
-            why = (
-                "--time_limit"
-                if STOP["signal"] is None
-                else signal.Signals(STOP["signal"]).name
-            )
-            say(
-                f"{why}: stopped at batch {it} with a checkpoint; go on with the same command and --resume"
-            )
-            return report_peak_memory(
-                args, device, 0 if STOP["signal"] is None else 128 + STOP["signal"]
-            )
-        times, t_resumed, pause = [], time.time(), max(pause, time.time() - times[-1])
+        if stop:
+            return stopped(args, device, it)
+        pause = max(pause, time.time() - now)
+        done = []
+        slowest = 0.0
+        since = time.time()
+    final = f"; final val loss {val:.4f}" if val is not None else ""
+    say(f"done: {args.out_dir}{final}")
     say(
-        f"done: {args.out_dir}"
-        + (f"; final val loss {val:.4f}" if val is not None else "")
-    )
-    say(
-        f"plot: python experiments/plot.py {args.out_dir}; sample: python sample.py --out_dir {args.out_dir}"
+        f"plot: python experiments/plot.py {args.out_dir}; "
+        f"sample: python sample.py --out_dir {args.out_dir}"
     )
     return report_peak_memory(args, device, 0)
 
@@ -531,227 +433,89 @@ def evaluate(model, args, val_data, device, ctx):
 
 def mean_over_processes(t):
     """Under DDP the mean of t over the processes, each of which calls this at the same
-    point.
-    """
+    point."""
     if WORLD > 1:
         t = t / WORLD
         dist.all_reduce(t)
     return t
 
 
-def log(args, losses, times, it, val, tok_s, t_to_elapsed):
-    """The batches since the last log point into log.csv (DDP: the whole batch's loss);
-    nan or inf ends it.
-    """
-    rows = list(
-        zip(
-            range(it - len(times) + 1, it + 1),
-            mean_over_processes(losses).tolist(),
-            times,
-        )
+def evaluates(args, it):
+    """Whether batch `it` ends with a validation: every eval_interval, and the last."""
+    return args.eval_batches > 0 and (
+        it % args.eval_interval == 0 or it == args.max_iters
     )
-    for i, v, _ in rows:
-        if not math.isfinite(v):
-            fail(f"the training cost became {v} at batch {i}; its last checkpoint is kept. Start again "
-                 "(--overwrite) with a smaller --lr or with --grad_clip")  # fmt: skip
-    if MASTER:
-        with open(os.path.join(args.out_dir, "log.csv"), "a") as f:
-            for i, v, t in rows:
-                val_i = repr(val) if i == it and val is not None else ""
-                f.write(
-                    f"{i},{v!r},{val_i},{args.lr},{tok_s:.1f},{t_to_elapsed + t:.3f}\n"
-                )
+
+
+def must_stop(args, it, elapsed, slowest, pause):
+    """Whether batch `it`, done `elapsed` s after train.py started, must be the last: a
+    signal came, or the time limit leaves no room for the next batch (twice the slowest
+    since the last log point), its validation if it has one (eval_batches batches, each
+    a forward only) and a log point's work (pause: its longest yet)."""
+    if STOP["signal"] is not None:
+        return True
+    if args.time_limit is None:
+        return False
+    batches = 2 + args.eval_batches * evaluates(args, it + 1)
+    return elapsed + batches * slowest + pause > args.time_limit
+
+
+def log(args, it, costs, times, val, tok_s, eta):
+    """The batches since the last log point: their log.csv rows (each batch's training
+    cost, at `it` the validation loss if there is one) and a console line. nan or inf
+    ends the run."""
+    first = it - len(costs) + 1
+    for i, cost in enumerate(costs, first):
+        if not math.isfinite(cost):
+            fail(
+                f"the training cost became {cost} at batch {i}; {kept(args.out_dir)}. "
+                "Start again (--overwrite) with a smaller --lr or with --grad_clip"
+            )
+    rows = []
+    for i, cost, t in zip(range(first, it + 1), costs, times):
+        val_i = repr(val) if i == it and val is not None else ""
+        rows.append(f"{i},{cost!r},{val_i},{args.lr},{tok_s:.1f},{t:.3f}\n")
+    line = f"iter {it}/{args.max_iters} | loss {np.mean(costs):.4f}"
+    if val is not None:
+        line += f" | val {val:.4f}"
+    speed = f"{tok_s / 1e3:.1f}k tok/s"
+    say(f"{line} | {speed} | elapsed {fmt_time(times[-1])} | ETA {fmt_time(eta)}")
     return rows
 
 
+def stopped(args, device, it):
+    """A run stopped at a checkpoint by a signal or --time_limit: a line, its status."""
+    signum = STOP["signal"]
+    why = "--time_limit" if signum is None else signal.Signals(signum).name
+    say(
+        f"{why}: stopped at batch {it} with a checkpoint; go on with the same command "
+        "and --resume"
+    )
+    return report_peak_memory(args, device, 0 if signum is None else 128 + signum)
+
+
+# ---- what the run is and how it computes ---------------------------------------------
 def describe(args, cfg, info, n_train, n_val, start):
     """What the run is and how it computes, on the console."""
     how = info["computed"]
+    say(f"{cfg}")
     say(
-        f"{cfg}\non {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), {how['step']} step"
+        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), "
+        f"{how['step']} step"
     )
     say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in info["params"].items()))
-    epochs = (
-        args.max_iters * args.batch_size / (n_train - args.block_size)
-    )  # passes over the windows
-    tokens = (
-        f"{n_train:,} train, {n_val:,} val tokens"  # each window predicts l tokens:
-    )
+    epochs = args.max_iters * args.batch_size / (n_train - args.block_size)
+    targets = epochs * args.block_size  # each window predicts l tokens
     say(
-        f"data: {tokens}; {epochs:.3f} epochs, each token a target {epochs * args.block_size:.1f} times"
+        f"data: {n_train:,} train, {n_val:,} val tokens; {epochs:.3f} epochs, "
+        f"each token a target {targets:.1f} times"
     )
     if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
         say(
-            "note: Table 1's model takes days on a CPU; the README's CPU quick start takes minutes"
+            "note: Table 1's model takes days on a CPU; the README's CPU quick start "
+            "takes minutes"
         )
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
-
-
-# --------------------------------------------------------------------------- the run
-# folder and ckpt.pt
-def default_out_dir(args):
-    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact):
-    out/me-m2-l64-b32.
-    """
-    name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
-    for flag, (symbol, value, _) in TABLE_1.items():
-        v = getattr(args, flag)
-        if v != value and not (flag == "n_head" and args.mixer == "sa"):
-            name += f"-{symbol}{v if isinstance(v, int) or float(f'{v:g}') != v else f'{v:g}'}"
-    return os.path.join("out", name)
-
-
-def judge(args, parser, argv):
-    """The checkpoint to resume, args set from it (flags may change MAY_CHANGE's only),
-    or None to start.
-    """
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    if not args.resume:
-        if os.path.exists(path) and not args.overwrite:
-            fail(f"{args.out_dir} holds a run: --resume continues it, --overwrite starts it again; or pick "
-                 "another --out_dir")  # fmt: skip
-        return None
-    if not os.path.exists(path):
-        fail(f"no checkpoint {path} to resume; drop --resume to start the run")
-    ckpt, unset = load_checkpoint(path), object()
-    given = vars(
-        parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
-    )
-    saved = {
-        k: ckpt["args"][k] for k in given if k in ckpt["args"] and k not in THIS_COMMAND
-    }
-    differ = [
-        f"--{k} {v}"
-        for k, v in saved.items()
-        if k not in MAY_CHANGE and given[k] not in (unset, v)
-    ]
-    if differ:
-        fail(
-            f"{path} was trained with {', '.join(differ)}: --resume keeps its settings; drop those flags"
-        )
-    vars(args).update({k: v for k, v in saved.items() if given[k] is unset})
-    return ckpt
-
-
-@contextmanager
-def locked(out_dir):
-    """The run folder, made if need be and locked against a second train.py (Unix;
-    freed even by kill -9).
-    """
-    made = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    fd = os.open(out_dir, os.O_RDONLY) if os.name == "posix" else None
-    try:
-        if fd is not None:
-            import fcntl
-
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fail(
-                    f"another train.py is running in {out_dir}; wait for it, or pick another --out_dir"
-                )
-        for tmp in glob.glob(
-            os.path.join(glob.escape(out_dir), ".*.tmp")
-        ):  # of a write killed midway
-            os.remove(tmp)
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)
-        if made and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-
-
-def load_checkpoint(path):
-    """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one
-    line if damaged.
-    """
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
-        assert not missing, f"no {', '.join(sorted(missing))}"
-    except Exception as e:
-        fail(
-            f"cannot read {path} ({type(e).__name__}: {str(e)[:60]}); it is damaged or not train.py's"
-        )
-    return ckpt
-
-
-def start_files(out_dir, info, start):
-    """run.json, and log.csv: new (the old ckpt.pt gone first), or resuming, cut back
-    to the checkpoint.
-    """
-    path, rows = os.path.join(out_dir, "log.csv"), []
-    if start and os.path.exists(path):
-        with open(path) as f:
-            rows = [
-                r
-                for r in f.readlines()[1:]
-                if r.endswith("\n") and r.split(",")[0].isdigit()
-            ]
-        rows = [r for r in rows if int(r.split(",")[0]) <= start]
-    elif os.path.exists(os.path.join(out_dir, "ckpt.pt")):
-        os.remove(
-            os.path.join(out_dir, "ckpt.pt")
-        )  # --overwrite: never the old model beside a new log
-    atomic_write(
-        path, "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n" + "".join(rows)
-    )
-    atomic_write(os.path.join(out_dir, "run.json"), json.dumps(info, indent=1) + "\n")
-
-
-def save_checkpoint(args, model, optimizer, scaler, cfg, data, it, elapsed):
-    """ckpt.pt, written whole or not at all, with every process's RNG states: --resume
-    goes on bit for bit.
-    """
-    state = {
-        "torch": torch.get_rng_state()
-    }  # (dropout's streams: Python's random is not used)
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    rngs = [state] * WORLD
-    if WORLD > 1:
-        dist.all_gather_object(rngs, state)
-    if MASTER:
-        ckpt = dict(
-            model=model.state_dict(),
-            optimizer=optimizer.state_dict(),
-            scaler=scaler.state_dict(),
-        )
-        ckpt.update(
-            config=dataclasses.asdict(cfg),
-            args=vars(args),
-            iter=it,
-            elapsed_s=elapsed,
-            data=data,
-        )
-        ckpt["rng"] = rngs
-        atomic_write(
-            os.path.join(args.out_dir, "ckpt.pt"), lambda f: torch.save(ckpt, f)
-        )
-
-
-def restore(ckpt, model, optimizer, scaler, device):
-    """A resumed run's state: the model, AdamW (as this device runs it), the loss
-    scaler, the RNGs.
-    """
-    if len(ckpt["rng"]) != WORLD:
-        fail(
-            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as many (torchrun)"
-        )
-    model.load_state_dict(ckpt["model"])
-    saved, mine = (
-        ckpt["optimizer"],
-        optimizer.param_groups,
-    )  # AdamW's kind (fused, ...) stays this device's
-    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])
-    groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
-    optimizer.load_state_dict(dict(saved, param_groups=groups))
-    scaler.load_state_dict(ckpt["scaler"]) if ckpt["scaler"] else None
-    torch.set_rng_state(ckpt["rng"][RANK]["torch"])
-    if device.type == "cuda" and "cuda" in ckpt["rng"][RANK]:
-        torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
 
 
 # ------------------------------------------------------------------------------ the
@@ -782,7 +546,7 @@ def pick_device(name):
             "cuda", LOCAL_RANK if device.index is None else device.index
         )
         torch.cuda.set_device(device)
-    if device.type == "cpu" and sys.platform == "linux":
+    if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
         # glibc keeps freed memory rather than give large tensors' pages back and fault
         # them in at every step: 1.4x tokens/s at m = 2 (the options: M_MMAP_MAX,
         # M_TRIM_THRESHOLD, M_TOP_PAD)
@@ -819,41 +583,219 @@ def computed(device, args, step):
 
 def peak_memory(device):
     """(bytes, what): on CUDA the most the tensors ever held, elsewhere the process's
-    peak resident memory.
-    """
+    peak resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
     import resource  # (Unix; ru_maxrss is in kB on Linux, in bytes on macOS)
 
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
-        1024 if sys.platform == "darwin" else 1
-    )
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if sys.platform == "darwin":
+        kb /= 1024
     return int(kb * 1024), "peak resident memory"
 
 
 def report_peak_memory(args, device, exit_code):
     """The peak memory (this session's, when resumed) into run.json and on the console;
-    the exit code.
-    """
+    the exit code."""
     if MASTER:
         peak, what = peak_memory(device)
-        with open(os.path.join(args.out_dir, "run.json")) as f:
-            info = dict(
-                json.load(f), peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what
-            )
-        atomic_write(
-            os.path.join(args.out_dir, "run.json"), json.dumps(info, indent=1) + "\n"
-        )
+        path = os.path.join(args.out_dir, "run.json")
+        with open(path) as f:
+            info = json.load(f)
+        info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
+        atomic_write(path, json.dumps(info, indent=1) + "\n")
         say(f"{what}: {peak / 2**30:.2f} GB")
     return exit_code
 
 
-# -------------------------------------------------------------------------------- the
-# console, stopping
+# ---- the run folder and ckpt.pt ------------------------------------------------------
+def default_out_dir(args):
+    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact):
+    out/me-m2-l64-b32."""
+    name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
+    for flag, (symbol, value, _, _) in TABLE_1.items():
+        v = getattr(args, flag)
+        if v == value or flag == "n_head" and args.mixer == "sa":
+            continue
+        short = f"{v:g}"  # (floats: the shortest that is exact)
+        name += f"-{symbol}{v if isinstance(v, int) or float(short) != v else short}"
+    return os.path.join("out", name)
+
+
+@contextmanager
+def locked(out_dir):
+    """The run folder, made if need be and locked against a second train.py (Unix;
+    freed even by kill -9); the .*.tmp of a write killed midway removed."""
+    if os.path.isfile(out_dir):
+        fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
+    made = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY) if os.name == "posix" else None
+    try:
+        if fd is not None:
+            import fcntl
+
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fail(
+                    f"{out_dir} is in use: a run of another train.py is in progress "
+                    "there; wait for it, or pick another --out_dir"
+                )
+        for tmp in glob.glob(os.path.join(glob.escape(out_dir), ".*.tmp")):
+            os.remove(tmp)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+        if made and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+
+
+def judge(args, parser, argv):
+    """The checkpoint to resume, args then set from it (flags may change MAY_CHANGE's
+    only), or None to start. A folder holds a run once a checkpoint was written in it:
+    its ckpt.pt, or the log.csv written with it (that stays when ckpt.pt is deleted)."""
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    has_ckpt = os.path.exists(path)
+    has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
+    if args.resume and not has_ckpt:
+        how = (
+            "--overwrite starts the run again" if has_log else "drop --resume to start"
+        )
+        fail(f"no checkpoint {path} to resume; {how}")
+    if not (args.resume or args.overwrite) and (has_ckpt or has_log):
+        how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
+        fail(
+            f"{args.out_dir} holds a run ({how}; --overwrite starts it again); "
+            "or pick another --out_dir"
+        )
+    if not args.resume:
+        return None
+    ckpt = load_checkpoint(path)
+    unset = object()
+    nothing_given = argparse.Namespace(**dict.fromkeys(vars(args), unset))
+    given = vars(parser.parse_args(argv, nothing_given))
+    saved = {
+        k: v for k, v in ckpt["args"].items() if k in given and k not in THIS_COMMAND
+    }
+    differ = [
+        f"--{k} {v}"
+        for k, v in saved.items()
+        if k not in MAY_CHANGE and given[k] not in (unset, v)
+    ]
+    if differ:
+        fail(
+            f"{path} was trained with {', '.join(differ)}: --resume keeps its "
+            "settings; drop those flags"
+        )
+    if given["data_dir"] is unset and not os.path.isdir(saved["data_dir"]):
+        fail(
+            f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
+            "pass --data_dir with the folder where that data is now"
+        )
+    vars(args).update({k: v for k, v in saved.items() if given[k] is unset})
+    return ckpt
+
+
+def load_checkpoint(path):
+    """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one
+    line if damaged."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
+        assert not missing, f"no {', '.join(sorted(missing))}"
+    except Exception as e:
+        why = textwrap.shorten(f"{type(e).__name__}: {e}", 100, placeholder=" ...")
+        fail(f"cannot read {path} ({why}); it is damaged or not train.py's")
+    return ckpt
+
+
+def start_files(args, info, start):
+    """The folder becomes this run's: --overwrite removes the old run's files, run.json
+    is written; a resumed run's log.csv rows are read back."""
+    if args.overwrite:
+        for name in RUN_FILES:
+            if os.path.exists(os.path.join(args.out_dir, name)):
+                os.remove(os.path.join(args.out_dir, name))
+    path = os.path.join(args.out_dir, "run.json")
+    atomic_write(path, json.dumps(info, indent=1) + "\n")
+    return read_log(args.out_dir, start)
+
+
+def read_log(out_dir, start):
+    """log.csv's rows up to the checkpoint's batch: all of them, as they are written
+    with it. A log that is gone or ends sooner goes on from there, with a line saying
+    so."""
+    path = os.path.join(out_dir, "log.csv")
+    lines = []
+    if os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()[1:]
+    rows = [r for r in lines if int(r.split(",")[0]) <= start]
+    last = int(rows[-1].split(",")[0]) if rows else 0
+    if last < start:
+        say(
+            f"note: {path} has no rows after batch {last}: those of batches "
+            f"{last + 1} to {start} are gone; it goes on from batch {start + 1}"
+        )
+    return rows
+
+
+def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed):
+    """ckpt.pt, with every process's RNG states (--resume goes on bit for bit), then
+    log.csv up to its batch: each written whole or not at all."""
+    state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    rngs = [state] * WORLD
+    if WORLD > 1:
+        dist.all_gather_object(rngs, state)
+    if not MASTER:
+        return
+    ckpt = dict(
+        model=model.state_dict(),
+        optimizer=optimizer.state_dict(),
+        scaler=scaler.state_dict(),
+    )
+    ckpt.update(config=dataclasses.asdict(cfg), args=vars(args), iter=it)
+    ckpt.update(elapsed_s=elapsed, data=data, rng=rngs)
+    buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
+    torch.save(ckpt, buffer)
+    atomic_write(os.path.join(args.out_dir, "ckpt.pt"), buffer.getvalue())
+    atomic_write(os.path.join(args.out_dir, "log.csv"), LOG_HEADER + "".join(rows))
+
+
+def restore(ckpt, model, optimizer, scaler, device):
+    """A resumed run's state: the model, AdamW (as this device runs it), the loss
+    scaler, the RNGs."""
+    if len(ckpt["rng"]) != WORLD:
+        fail(
+            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as "
+            "many (torchrun)"
+        )
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # a mixer of one's own whose parameters changed since
+        lines = str(e).splitlines()[1:]  # (the first: "Error(s) in loading ...")
+        why = " ".join(line.strip() for line in lines)
+        fail(f"ckpt.pt does not fit the model --mixer {model.cfg.mixer} makes: {why}")
+    saved = ckpt["optimizer"]
+    mine = optimizer.param_groups  # AdamW's kind (fused, ...) stays this device's
+    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])
+    groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
+    optimizer.load_state_dict(dict(saved, param_groups=groups))
+    if ckpt["scaler"]:
+        scaler.load_state_dict(ckpt["scaler"])
+    torch.set_rng_state(ckpt["rng"][RANK]["torch"])
+    if device.type == "cuda" and "cuda" in ckpt["rng"][RANK]:
+        torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
+
+
+# ---- the console, stopping -----------------------------------------------------------
 def say(*args):
     """A console line at once (nohup too), from process 0; a closed stdout (| head)
-    acts as a signal.
-    """
+    acts as a signal."""
     if MASTER:
         try:
             print(*args, flush=True)
@@ -864,51 +806,61 @@ def say(*args):
 
 def ask_to_stop(signum, frame):
     STOP["signal"] = signum
-    signal.signal(
-        signal.SIGINT, signal.default_int_handler
-    )  # a second Ctrl-C aborts at once
+    # a second Ctrl-C aborts at once
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def kept(out_dir):
+    """What a run that fails leaves, said as the folder is."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if os.path.exists(path):
+        return f"the last checkpoint, {path}, stays"
+    return "no checkpoint was written"
 
 
 def main(argv=None):
+    started = time.time()  # --time_limit counts from here
     argv = sys.argv[1:] if argv is None else list(argv)
-    signals = [
-        s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s
-    ]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad flag (its line is printed), or --help
+        return e.code
+    args.data_dir = os.path.abspath(args.data_dir)
+    args.out_dir = args.out_dir or default_out_dir(args)
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP"):  # (not on Windows)
+        signals.append(signal.SIGHUP)
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        check_args(args)
-        args.data_dir, args.out_dir = (
-            os.path.abspath(args.data_dir),
-            args.out_dir or default_out_dir(args),
-        )
-        ckpt = judge(args, parser, argv)
-        check_args(args)  # (the checkpoint's settings too)
-        if (ckpt["iter"] if ckpt else 0) >= args.max_iters:
-            return (
-                say(
-                    f"{args.out_dir} is at batch {ckpt['iter'] if ckpt else 0}: nothing to train"
-                )
-                or 0
-            )
         with locked(args.out_dir) if MASTER else nullcontext():
+            ckpt = judge(args, parser, argv)
+            check_model(args)  # (the checkpoint's settings too)
+            start = ckpt["iter"] if ckpt else 0
+            if start >= args.max_iters:
+                say(f"{args.out_dir} is at batch {start}: nothing to train")
+                return 0
             for s in signals:
                 signal.signal(s, ask_to_stop)
-            return train(args, ckpt)
-    except torch.OutOfMemoryError:
+            return train(args, ckpt, started)
+    except SystemExit as e:  # fail(): the line is printed
+        return e.code
+    except KeyboardInterrupt:  # a second Ctrl-C
+        say(f"\naborted; {kept(args.out_dir)}")
+        return 130
+    except OSError as e:  # a full disk, a lost folder
         print(
-            "error: out of memory on the device: use a smaller --batch_size",
+            f"error: cannot write {e.filename} ({e.strerror}); {kept(args.out_dir)}",
             file=sys.stderr,
         )
         return 1
-    except SystemExit as e:  # fail() and argparse: the line is printed
-        return e.code
-    except KeyboardInterrupt:  # a second Ctrl-C
-        return say("\naborted; the last checkpoint is kept") or 130
-    except OSError as e:  # a full disk, a lost folder
+    except (RuntimeError, MemoryError) as e:
+        cpu = "can't allocate memory" in str(e)  # (torch's CPU allocator)
+        if not (cpu or isinstance(e, (torch.OutOfMemoryError, MemoryError))):
+            raise
         print(
-            f"error: cannot write {e.filename} ({e.strerror}); the last checkpoint stays",
+            "error: out of memory: use a smaller --batch_size (or --block_size); "
+            f"{kept(args.out_dir)}",
             file=sys.stderr,
         )
         return 1
@@ -917,7 +869,8 @@ def main(argv=None):
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():
-            dist.barrier()  # tear the process group down together (gloo may abort if one leaves early)
+            # tear the process group down together (gloo may abort if one leaves early)
+            dist.barrier()
             dist.destroy_process_group()
 
 
