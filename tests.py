@@ -2916,8 +2916,90 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
 
 
 # ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
-# check ========
+# check, what it copies into results/ ========
 SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
+
+
+def _fake_run(folder, batches, device):
+    """A run folder as train.py leaves it: log.csv of `batches` rows, run.json."""
+    os.makedirs(folder, exist_ok=True)
+    rows = [f"{i},{5 - i / 100},,0.001,1000,{i}\n" for i in range(1, batches + 1)]
+    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
+    open(f"{folder}/log.csv", "w").write(header + "".join(rows))
+    json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
+
+
+def _tree(folder):
+    """{path: bytes} of every file under folder."""
+    paths = glob.glob(f"{folder}/**/*", recursive=True)
+    return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
+
+
+def test_reproduce_without_cuda_says_so_and_touches_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    import reproduce
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results, work = tmp_path / "results", tmp_path / "work"
+    _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
+    before = _tree(results)
+    for argv in ([], ["--check"], ["me", "--device=cuda:1"]):
+        argv += [f"--results={results}", f"--work={work}"]
+        assert "no CUDA device" in error_line(capsys, reproduce.main, argv)
+    assert _tree(results) == before and not work.exists()
+
+
+def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
+    tmp_path, capsys, monkeypatch
+):
+    import reproduce
+
+    results, work = tmp_path / "results", tmp_path / "work"
+    committed = results / "logs" / "table1" / "me"
+    _fake_run(committed, 40, "cuda:0")
+    log = committed / "log.csv"
+    (committed / "log.csv.gz").write_bytes(gzip.compress(log.read_bytes()))
+    os.remove(log)
+    redrawn = []
+
+    def redraw(results):
+        redrawn.append(results)
+        return True
+
+    monkeypatch.setattr(reproduce, "redraw", redraw)
+
+    def main(batches, device, code, *flags):
+        def train_all(names, flags, work):
+            _fake_run(os.path.join(work, "me"), batches, device)
+            return [code]
+
+        monkeypatch.setattr(reproduce, "train_all", train_all)
+        argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
+        return reproduce.main(argv + list(flags))
+
+    before = _tree(results)
+    for batches, device, code, rc in (
+        (39, "cuda:0", 0, 0),
+        (40, "cpu", 0, 0),
+        (99, "cuda", 1, 1),
+    ):
+        assert main(batches, device, code) == rc
+        assert _tree(results) == before and redrawn == [], (batches, device, code)
+    assert main(40, "cuda", 0) == 0 and redrawn == [str(results)]  # as long: copied
+    assert json.load(open(committed / "run.json")) == {"args": {"device": "cuda"}}
+    assert main(20, "cpu", 0, "--replace") == 0 and len(redrawn) == 2
+    assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
+    assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
+
+    def stopped(names, flags, work):
+        raise KeyboardInterrupt  # Ctrl-C while the runs train
+
+    monkeypatch.setattr(reproduce, "train_all", stopped)
+    capsys.readouterr()
+    assert reproduce.main(["--device=cpu", f"--work={work}"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("stopped: ") and err.endswith("goes on from there\n")
 
 
 @pytest.mark.slow
@@ -2927,62 +3009,50 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     import reproduce
 
     results, work = tmp_path / "results", str(tmp_path / "work")
-    argv = [
-        "--device=cpu",
-        f"--data_dir={data}",
-        f"--work={work}",
-        f"--results={results}",
-    ]
+    argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
+    argv.append("--device=cpu")
     runs = {"sa-1": [*SIZES, "--mixer=sa", "--n_head=1"], "me": [*SIZES, "--mixer=me"]}
+    monkeypatch.setattr(
+        reproduce, "redraw", lambda results: True
+    )  # (2000-batch windows)
     for n in (20, 40):  # a second call goes on from the first's checkpoints
-        monkeypatch.setattr(
-            reproduce, "RUNS", {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
-        )
+        tiny = {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
+        monkeypatch.setattr(reproduce, "RUNS", tiny)
         assert reproduce.main(argv) == 0
     for name in ("sa-1", "me"):
         with gzip.open(results / "logs" / "table1" / name / "log.csv.gz", "rt") as f:
             assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
-        assert (
-            "training from batch 20 to 40"
-            in open(os.path.join(work, name, "console.txt")).read()
-        )
+        console = open(os.path.join(work, name, "console.txt")).read()
+        assert "training from batch 20 to 40" in console
     for name in (
         "sa-1",
         "me",
-    ):  # the "CPU runs": these models trained here, 100 batches each
-        cpu = results / "logs" / "table1-cpu" / name
+    ):  # the "CPU runs": these models trained here, 100 batches
+        out = tmp_path / name
         flags = [
             *runs[name],
             "--max_iters=100",
             f"--data_dir={data}",
-            f"--out_dir={tmp_path / name}",
+            f"--out_dir={out}",
         ]
         assert train.main(flags + ["--device=cpu"]) == 0
+        cpu = results / "logs" / "table1-cpu" / name
         os.makedirs(cpu)
-        with (
-            open(tmp_path / name / "log.csv", "rb") as f,
-            gzip.open(cpu / "log.csv.gz", "wb") as g,
-        ):
+        with open(out / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
             g.write(f.read())
     assert reproduce.main(argv + ["--check"]) == 0
-    assert (
-        "passed: every 10-batch window within 0.05"
-        in (results / "gpu" / "check.txt").read_text()
-    )
+    check = results / "gpu" / "check.txt"
+    assert "passed: every 10-batch window within 0.05" in check.read_text()
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "rt") as f:
         rows = list(csv.reader(f))
-    rows[35][1] = str(
-        float(rows[35][1]) - 0.6
-    )  # batch 35: its window's mean 0.06 lower on the "CPU"
+    # batch 35: its window's mean 0.06 lower on the "CPU"
+    rows[35][1] = str(float(rows[35][1]) - 0.6)
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "wt") as f:
         csv.writer(f).writerows(rows)
     assert reproduce.main(argv + ["--check"]) == 1
-    table = (results / "gpu" / "check.txt").read_text().splitlines()
-    assert (
-        table[-2].startswith("me ")
-        and "+0.0600" in table[-2]
-        and table[-1].startswith("FAILED")
-    )
+    table = check.read_text().splitlines()
+    assert table[-2].startswith("me ") and "+0.0600" in table[-2]
+    assert table[-1].startswith("FAILED")
 
 
 # ======== tools: plots and CSVs (plot.py), what the mixers learned (taps.py), results/
