@@ -3317,7 +3317,7 @@ def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
     assert _csv(res / "fig10.csv") == [rows[0], point(keys[0]), rows[1], he64, rows[3]]
     short = [runs[keys[2]], _run(tmp_path / "s", "me", [4] * 2400)]
     assert "have 2400 to 2500 batches" in error_line(capsys, plot.main, short + argv)
-    assert "both he at l = 64;" in error_line(
+    assert "both he at l = 64; pass one" in error_line(
         capsys, plot.main, [runs[keys[2]], new] + argv
     )
     heads = [
@@ -3338,7 +3338,7 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     cases = {
         "nope/run.json: No such file or directory": [str(tmp_path / "nope")],
         f"{run} and {run}/ are one run folder; pass each run once": [run, run + "/"],
-        "has 10 batches, fewer than a window of 50; pass --window 10 or drop it": [
+        f"has 10 batches, fewer than a window of 50; pass --window 10 or leave {run} out": [
             run,
             "--window",
             "50",
@@ -3352,7 +3352,7 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
             "--sweep",
             "colour",
         ],
-        "--window and --batches must be at least 1": [run, "--window", "0"],
+        "--window must be at least 1, got 0": [run, "--window", "0"],
         "must be mixer,l,batches,median_last_10,val_loss": [
             run,
             run + "/log.csv",
