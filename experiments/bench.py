@@ -4,14 +4,14 @@ The token mixers against attention on this device, and the paper's operation cou
 
     python experiments/bench.py                 # every section at Table 1's shapes
     python experiments/bench.py --quick         # tiny shapes, few rounds: seconds
-    python experiments/bench.py --sections step --device cuda --compile --json b.json
+    python experiments/bench.py --sections step --device cuda --json bench.json
     python experiments/bench.py --table7        # Tables 3-7, and the FLOPs counted
 
 Sections: sublayer, one mixer's forward+backward (on CUDA each FIR path: fir.py's CUDA
 defaults come from it); step, the Table 1 model's training step as train.py takes it (on
-CUDA captured in a CUDA graph, eager, bf16 of both, compiled with --compile), on CUDA or
-with --floor beside its floor, its FLOPs and the bytes it must move at the rates
-measured in the same run; memory, one training step's peak and the largest batch that
+CUDA captured in a CUDA graph, eager, and bf16 of both), on CUDA or with --floor beside
+its floor, its FLOPs and the bytes it must move at the rates measured in the same run;
+memory, one training step's peak and the largest batch that
 fits a --gpu_gib GPU. Times are medians of interleaved rounds after warm-up (the mixers
 take turns, so a noisy moment hits them all), and the ratios to sa from the same run.
 """
@@ -48,16 +48,10 @@ SIZES |= dict(rounds=15, step_rounds=4, gemm_n=8192, copy_mib=1024)
 QUICK = dict(d=32, l=32, batch=4, vocab=300, hidden=128, n_layer=1)  # --quick
 QUICK |= dict(rounds=2, step_rounds=1, gemm_n=256, copy_mib=16)
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
-# section step: name -> (autocast dtype, how the step runs); CUDA runs the first four
-# (captured: train.py's way on CUDA, train.CapturedStep), the CPU eager; --compile adds
-# compiled
-VARIANTS = {
-    "captured": ("float32", "captured"),
-    "eager": ("float32", "eager"),
-    "bf16": ("bfloat16", "eager"),
-    "bf16-captured": ("bfloat16", "captured"),
-    "compiled": ("float32", "compiled"),
-}
+# section step: variant -> autocast dtype; CUDA runs all four, the CPU eager; the
+# captured ones in a CUDA graph, as train.py does on CUDA (train.CapturedStep)
+VARIANTS = {"captured": "float32", "eager": "float32", "bf16": "bfloat16"}
+VARIANTS["bf16-captured"] = "bfloat16"
 
 
 def interleaved(fns, rounds, device, warmup=2):
@@ -113,9 +107,8 @@ def sublayer_paths(module, t, device):
     default = fir.default_path(device.type, dim, t)
     if device.type != "cuda":
         return [default]
-    return [default] + [
-        p for p, dims in fir.PATHS.items() if dim in dims and p != default
-    ]
+    others = [p for p, dims in fir.PATHS.items() if dim in dims and p != default]
+    return [default] + others
 
 
 def storage_bytes(tensors, skip=()):
@@ -260,9 +253,8 @@ def floor_columns(step_ms, flops, moved, rate, copy):
     row = dict(flops=flops, bytes=moved, flop_ms=1e3 * flops / rate)
     row["byte_ms"] = 1e3 * moved / copy
     row["floor_ms"] = max(row["flop_ms"], row["byte_ms"])
-    return row | dict(
-        vs_floor=step_ms / row["floor_ms"], flop_rate=rate, byte_rate=copy
-    )
+    row["vs_floor"] = step_ms / row["floor_ms"]
+    return row | dict(flop_rate=rate, byte_rate=copy)
 
 
 def section_step(s, args, device):
@@ -271,10 +263,8 @@ def section_step(s, args, device):
     row), beside its floor if asked."""
     cuda = device.type == "cuda"
     floor = cuda or args.floor
-    variants = list(VARIANTS)[:4] if cuda else ["eager"]
-    if args.compile:
-        variants.append("compiled")
-    dtypes = dict.fromkeys(VARIANTS[v][0] for v in variants)
+    variants = list(VARIANTS) if cuda else ["eager"]
+    dtypes = dict.fromkeys(VARIANTS[v] for v in variants)
     ctxs = {dt: train.precision(device, dt)[0] for dt in dtypes}
     rates = measure_rates(device, list(ctxs), s) if floor else {}
     steps, counts, params = {}, {}, {}
@@ -282,25 +272,23 @@ def section_step(s, args, device):
         model, opt, x, y = new_model(s, args, m, s["batch"], device)
         scaler = torch.amp.GradScaler(device.type, enabled=False)
         params[m] = sum(p.numel() for p in model.parameters())
-        for dt in ctxs if floor else ():  # (also AdamW's first step: its moments)
-            step = functools.partial(
-                train.train_step, model, opt, scaler, ctxs[dt], x, y
-            )
+        for dt in ctxs if floor else []:  # (also AdamW's first step: its moments)
+            step = functools.partial(train.train_step, model, opt, scaler, ctxs[dt])
             logits = x.numel() * s["vocab"] * (2 if "bf" in dt else 4)
-            counts[m, dt] = step_counts(model, opt, step, logits)
+            counts[m, dt] = step_counts(model, opt, lambda: step(x, y), logits)
         for v in variants:
-            dt, how = VARIANTS[v]
-            net = torch.compile(model) if how == "compiled" else model
-            step = functools.partial(train.train_step, net, opt, scaler, ctxs[dt])
-            if how == "captured":
+            step = functools.partial(
+                train.train_step, model, opt, scaler, ctxs[VARIANTS[v]]
+            )
+            if v.endswith("captured"):
                 step = train.CapturedStep(step)
-            try:  # captured: 3 eager warm-up steps, then the capture
-                for _ in range({"captured": 4, "compiled": 1}.get(how, 0)):
-                    step(x, y)
-            except Exception as e:  # torch.compile: no code for complex tensors
-                why = f"{type(e).__name__}: {str(e).strip()[:80]}"
-                print(f"  {m} {v} fails, no row: {why}", flush=True)
-                continue
+                try:  # 3 eager warm-up steps, then the capture
+                    for _ in range(4):
+                        step(x, y)
+                except Exception as e:
+                    why = f"{type(e).__name__}: {str(e).strip()[:80]}"
+                    print(f"  {m} {v} fails, no row: {why}", flush=True)
+                    continue
             steps[m, v] = functools.partial(step, x, y)
     t = interleaved(steps, s["step_rounds"] * (5 if cuda else 1), device)
     rows = []
@@ -310,7 +298,7 @@ def section_step(s, args, device):
         row["vs_sa"] = t["sa", v] / sec if ("sa", v) in t else None
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
         if floor:
-            dt = VARIANTS[v][0]
+            dt = VARIANTS[v]
             flops, moved = counts[m, dt]
             row |= floor_columns(row["step_ms"], flops, moved, rates[dt], rates["copy"])
         rows.append(row)
@@ -528,7 +516,6 @@ def parse_args(argv):
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few rounds")
     p.add_argument("--floor", action="store_true", help="step's floor also off CUDA")
-    p.add_argument("--compile", action="store_true", help="step also compiled")
     p.add_argument("--n_head", type=int, default=32, help="heads of sa (Table 1's)")
     p.add_argument("--gpu_gib", type=float, default=6.0, help="memory: the GPU's GiB")
     p.add_argument("--json", help="also write every table's rows to this file")
