@@ -50,9 +50,8 @@ UNREADABLE = (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Er
 
 
 def damaged(path, e):
-    fail(
-        f"{path} is damaged ({type(e).__name__}: {e}); restore it or leave this run out"
-    )
+    why = f"{type(e).__name__}: {e}"
+    fail(f"{path} is damaged ({why}); restore it or leave this run out")
 
 
 def read_log(run_dir):
@@ -75,10 +74,7 @@ def read_log(run_dir):
             numbers = [float(row[c]) for c in ("iter", "train_loss", "tokens_per_s")]
             good.append(numbers + [float(row["val_loss"] or "nan")])
     if not good:
-        fail(
-            f"{path} holds no row of train.py's log; wait for the run's first log line,"
-            " or restore it"
-        )
+        fail(f"{path} has no row of train.py's log yet; wait for one, or restore it")
     it, loss, tok_s, val = np.array(good).T  # (rows,) each
     it = it.astype(np.int64)
     has = ~np.isnan(val)
@@ -154,10 +150,8 @@ def check_corpus(runs):
         names = []
         for v, sha in corpora:
             names.append(f"vocabulary {v}" + (f", train.bin {sha[:12]}" if sha else ""))
-        fail(
-            f"the runs were trained on other data ({'; '.join(sorted(names))}); compare"
-            " runs of one corpus"
-        )
+        data = "; ".join(sorted(names))
+        fail(f"the runs were trained on other data ({data}); pass runs of one corpus")
 
 
 def window_medians(loss, window):
@@ -287,10 +281,8 @@ def save(fig, path, title=None):
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable ...", ...}
     if fmt not in kinds:
-        fail(
-            f"cannot write a .{fmt} image {shlex.quote(path)}; use one of:"
-            f" .{', .'.join(sorted(kinds))}"
-        )
+        known = ", .".join(sorted(kinds))
+        fail(f"cannot write a .{fmt} image {shlex.quote(path)}; use one of .{known}")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -334,10 +326,8 @@ def read_rows(path, header, what):
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows or list(rows[0]) != header:
-        fail(
-            f"{path} is not a CSV that {what} wrote; its header must be"
-            f" {','.join(header)}"
-        )
+        columns = ",".join(header)
+        fail(f"{path} is not a CSV that {what} wrote: its header must be {columns}")
 
     def parse(k, v):  # the mixer's name, an empty val_loss, and numbers
         return v if k == "mixer" or v == "" else json.loads(v)
@@ -361,9 +351,9 @@ def seed_rows(runs, until, earlier):
     given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
     for e in earlier:
         if e["batches"] != n:
+            at = e["batches"]
             fail(
-                f"a seeds.csv row of {e['mixer']} is at {e['batches']} batches; pass"
-                " that --batches"
+                f"a seeds.csv row of {e['mixer']} has {at} batches; pass --batches {at}"
             )
         if (e["mixer"], e["seed"], e["data_seed"]) not in given:
             rows.append(e)
@@ -440,10 +430,7 @@ def output_path(output, inputs, own, one_figure=False):
     """-o, or for one run (unless one_figure) RUN/<own>; one line for several runs
     without -o."""
     if output is None and (len(inputs) > 1 or one_figure):
-        fail(
-            "a figure of several runs, --raw or --sweep has no default file: name it"
-            " with -o FILE"
-        )
+        fail("several runs, --raw and --sweep have no default file: name it with -o")
     return output or os.path.join(inputs[0], own)
 
 
@@ -470,20 +457,15 @@ def sweep(args, runs, csvs, output, window):
         seen[mixer, value] = r["dir"]
         rows.append(run_row({"mixer": mixer, x: value}, r["log"], [window]))
     if key == "n_head" and (len({row["mixer"] for row in rows}) > 1 or csvs):
-        fail(
-            "--sweep n_head compares the head counts of one mixer; pass run folders of"
-            " one mixer"
-        )
+        fail("--sweep n_head compares the head counts of one mixer; pass runs of one")
     for path in csvs:
         header = ["mixer", x, "batches", f"median_last_{window}", "val_loss"]
         points = read_rows(path, header, f"--sweep {key}")
         rows += [p for p in points if (p["mixer"], p[x]) not in seen]
     lengths = sorted({r["batches"] for r in rows})
     if len(lengths) > 1:
-        fail(
-            f"the sweep's points have {lengths[0]} to {lengths[-1]} batches; pass"
-            " --batches N to compare"
-        )
+        least, most = lengths[0], lengths[-1]
+        fail(f"the sweep's points have {least} to {most} batches; pass --batches N")
     rows.sort(key=lambda r: (paper_rank(r["mixer"]), r[x]))
     plot_sweep(rows, key, output, window, setting_title(runs, key) if runs else None)
     if not args.results:
@@ -500,9 +482,7 @@ def plot_logs(args):
         if n is not None and n < 1:
             fail(f"{flag} must be at least 1, got {n}")
     if args.seeds and (not args.results or args.sweep):
-        fail(
-            "--seeds adds rows to seeds.csv, which --results DIR writes without --sweep"
-        )
+        fail("--seeds adds rows to seeds.csv, written by --results DIR without --sweep")
     one_figure = args.raw or args.sweep
     output = output_path(args.output, args.runs, "loss.png", one_figure)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
