@@ -183,35 +183,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     runs_help = f"which of {', '.join(RUNS)} (default: all)"
     p.add_argument("runs", nargs="*", default=list(RUNS), help=runs_help)
-    p.add_argument(
-        "--time_limit",
-        default="14m",
-        help="each train.py stops at a checkpoint within it",
-    )
-    p.add_argument(
-        "--check", action="store_true", help="only the check (100 batches each)"
-    )
+    p.add_argument("--time_limit", default="14m", help="each run stops within it")
+    p.add_argument("--check", action="store_true", help="only the check, 100 batches")
     p.add_argument("--device", default="cuda", help="the device of every train.py")
     p.add_argument("--data_dir", default="data", help="prepare_data.py's folder")
     p.add_argument("--work", default="out/table1", help="the run folders")
-    p.add_argument(
-        "--results", default=os.path.join(ROOT, "results"), help="logs and figures"
-    )
-    p.add_argument(
-        "--replace",
-        action="store_true",
-        help="copy a run that ended well over results' even if shorter or from another"
-        " kind of device",
-    )
+    results = os.path.join(ROOT, "results")
+    p.add_argument("--results", default=results, help="where logs and figures go")
+    replace = "copy a run that ended well even if shorter or from another device kind"
+    p.add_argument("--replace", action="store_true", help=replace)
     args = p.parse_args(argv)
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         fail(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
     if args.device.startswith("cuda") and not cuda_available():
-        fail(
-            "torch sees no CUDA device here; Table 1's runs are for a GPU (--device cpu"
-            " runs them on the CPU)"
-        )
+        fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
     # SIGTERM as Ctrl-C: `finally` stops the children
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -220,11 +206,8 @@ def main(argv=None):
         flags = [f"--time_limit={args.time_limit}", f"--device={args.device}"]
         codes = train_all(args.runs, flags + [f"--data_dir={args.data_dir}"], args.work)
     except KeyboardInterrupt:
-        print(
-            f"stopped: each run at its last checkpoint in {args.work}; the same command"
-            " goes on from there",
-            file=sys.stderr,
-        )
+        stopped = f"stopped: each run at its last checkpoint in {args.work}"
+        print(f"{stopped}; the same command goes on from there", file=sys.stderr)
         return 130
     kept = [keep(name, code, args) for name, code in zip(args.runs, codes)]
     if any(kept) and not redraw(args.results):
