@@ -323,9 +323,8 @@ def section_memory(s, args, device):
             # on the line through both: the activations grow with B
             per_seq = (peak - peak_half) / (B - half)
             row |= dict(peak_mib=peak / MiB, peak_half_mib=peak_half / MiB)
-            row |= dict(
-                per_seq_mib=per_seq / MiB, fits="yes" if peak <= budget else "no"
-            )
+            row["per_seq_mib"] = per_seq / MiB
+            row["fits"] = "yes" if peak <= budget else "no"
             if per_seq > 0:
                 row["max_batch"] = max(0, B + math.floor((budget - peak) / per_seq))
         rows.append(row)
@@ -422,13 +421,8 @@ def print_table7(d=128, l=128):
     def line(name, values):
         print(f"{name:>8}" + "".join(f"{v:>14,}" for v in values))
 
-    print(
-        f"Table 7 (d = l = {d}) from Tables 3 and 4; below it the modules' parameters"
-    )
-    print(
-        "and the FLOPs of one forward (torch.utils.flop_counter, 2 per multiply-add;"
-        " completed for SDPA, complex, FFTs)"
-    )
+    print(f"Table 7 (d = l = {d}) from Tables 3 and 4; below, the modules' parameters")
+    print("and one forward's FLOPs (flop_counter's, completed for SDPA, complex, FFT)")
     print(f"{'':>8}" + "".join(f"{label:>14}" for label in TABLE7))
     for r in (*OPS, "params", "total"):
         line(r, [c[r] for c in table7(d, l).values()])
@@ -440,8 +434,7 @@ def print_table7(d=128, l=128):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
-SECTIONS = {"sublayer": section_sublayer, "step": section_step}
-SECTIONS["memory"] = section_memory
+SECTIONS = dict(sublayer=section_sublayer, step=section_step, memory=section_memory)
 # section: title, columns (a row's keys, each with its format), notes; filled from the
 # settings
 TABLES = {
@@ -497,10 +490,8 @@ def show(name, rows, s):
     table.insert(1, ["-" * w for w in widths])
     print("\n" + title.format(**s))
     for r in table:  # the first column to the left, the others to the right
-        cells = [r[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(r[1:], widths[1:])
-        ]
-        print("  ".join(cells))
+        rest = [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        print("  ".join([r[0].ljust(widths[0])] + rest))
     print("\n".join("  " + n.format(**s) for n in notes.split("\n")), flush=True)
 
 

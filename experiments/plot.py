@@ -167,9 +167,8 @@ def plot_run(run, path, window):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alpha = 0.35 if window > 1 else 1
     every = "training cost, every batch"
-    ax.plot(
-        log["iter"], log["train_loss"], lw=0.5, alpha=alpha, color="C0", label=every
-    )
+    x, y = log["iter"], log["train_loss"]
+    ax.plot(x, y, lw=0.5, alpha=alpha, color="C0", label=every)
     if window > 1:
         ends, med = window_medians(log["train_loss"], window)
         medians = f"median of every {window} batches"
@@ -188,10 +187,8 @@ def plot_runs(runs, path, window, raw=False):
     ref = None
     if not raw and len(runs) > 1:
         ref = {r["name"]: r for r in runs}.get("sa-32")
-    if ref:
-        fig, axes = plt.subplots(1, 2, figsize=(15, 5), squeeze=False)
-    else:
-        fig, axes = plt.subplots(1, 1, figsize=(8, 5), squeeze=False)
+    size = (15, 5) if ref else (8, 5)
+    fig, axes = plt.subplots(1, 2 if ref else 1, figsize=size, squeeze=False)
     ax = axes[0][0]
     for r in runs:
         log, colour = r["log"], STYLE.get(r["name"])
@@ -213,9 +210,8 @@ def plot_runs(runs, path, window, raw=False):
             ends, med = window_medians(r["log"]["train_loss"], window)
             n = min(len(med), len(ref_med))  # the windows both runs have
             gap = med[:n] - ref_med[:n]
-            ax.plot(
-                ends[:n], gap, "-o", ms=3, color=STYLE.get(r["name"]), label=r["name"]
-            )
+            colour = STYLE.get(r["name"])
+            ax.plot(ends[:n], gap, "-o", ms=3, color=colour, label=r["name"])
         ax.set(ylabel=f"median cost minus {ref['name']}'s (nats)")
         finish(ax, f"gap to {ref['name']}, window by window")
     save(fig, path, setting_title(runs))
@@ -352,9 +348,7 @@ def seed_rows(runs, until, earlier):
     for e in earlier:
         if e["batches"] != n:
             at = e["batches"]
-            fail(
-                f"a seeds.csv row of {e['mixer']} has {at} batches; pass --batches {at}"
-            )
+            fail(f"seeds.csv: {e['mixer']} has {at} batches; pass --batches {at}")
         if (e["mixer"], e["seed"], e["data_seed"]) not in given:
             rows.append(e)
     return sorted(rows, key=seed_order)
@@ -402,25 +396,16 @@ def write_csv(path, rows):
 
 def build_parser():
     intro, examples = __doc__.strip().split("\n\n", 1)
-    form = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
-        description=intro, epilog=examples, formatter_class=form
-    )
-    runs = "run folders; with --sweep also CSVs that --sweep --results wrote"
-    p.add_argument("runs", nargs="+", help=runs)
-    output = "image file (.png, .pdf, .svg, ...); one run alone: RUN/loss.png"
-    p.add_argument("-o", "--output", help=output)
-    window = "batches per median (2000, or a 30th of the longest run)"
-    p.add_argument("--window", type=int, help=window)
+    raw = argparse.RawDescriptionHelpFormatter  # the examples as written
+    p = argparse.ArgumentParser(description=intro, epilog=examples, formatter_class=raw)
+    p.add_argument("runs", nargs="+", help="run folders; with --sweep also its CSVs")
+    p.add_argument("-o", "--output", help="image file (.png, .pdf, .svg, ...)")
+    p.add_argument("--window", type=int, help="batches per median (2000, or 1/30 run)")
     mode = p.add_mutually_exclusive_group()
-    raw = "every batch's cost instead of medians (Figure 9)"
-    mode.add_argument("--raw", action="store_true", help=raw)
-    sweep = "the last window's median against this setting"
-    mode.add_argument("--sweep", metavar="KEY", help=sweep)
-    results = "write the CSVs here (--sweep: <figure name>.csv)"
-    p.add_argument("--results", metavar="DIR", help=results)
-    seeds = "with --results: runs or a seeds.csv for seeds.csv"
-    p.add_argument("--seeds", nargs="+", default=[], help=seeds)
+    mode.add_argument("--raw", action="store_true", help="every batch (Figure 9)")
+    mode.add_argument("--sweep", metavar="KEY", help="last window against KEY")
+    p.add_argument("--results", metavar="DIR", help="write the CSVs here")
+    p.add_argument("--seeds", nargs="+", default=[], help="runs or CSV for seeds.csv")
     p.add_argument("--batches", type=int, help="use the first N batches of each run")
     p.error = lambda msg: fail(f"{msg} (see --help)")
     return p
