@@ -86,13 +86,24 @@ def sublayer(cfg):
 
 
 def new_model(s, args, mixer, batch, device):
-    """The model and AdamW as train.py builds them by default (Table 1), and a batch:
-    x, y (B, l) each."""
+    """The model and AdamW as train.py builds them by default (Table 1), and step():
+    a function of no arguments, train.py's training step of them on one batch (B, l)
+    in an autocast dtype, captured in a CUDA graph if asked."""
     defaults = train.build_parser().parse_args([])
     model, opt = train.build_model(make_config(s, args, mixer), defaults, device)
     seeded = torch.Generator().manual_seed(0)
     data = torch.randint(0, s["vocab"], (batch, s["l"] + 1), generator=seeded)
-    return model.train(), opt, data[:, :-1].to(device), data[:, 1:].to(device)
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)  # (no float16)
+
+    def step(dtype, captured=False):
+        ctx = train.precision(device, dtype)[0]
+        fn = functools.partial(train.train_step, model, opt, scaler, ctx)
+        if captured:  # as train.py on CUDA
+            fn = train.CapturedStep(fn)
+        return functools.partial(fn, x, y)
+
+    return model.train(), opt, step
 
 
 def sublayer_paths(module, t, device):
@@ -264,32 +275,25 @@ def section_step(s, args, device):
     cuda = device.type == "cuda"
     floor = cuda or args.floor
     variants = list(VARIANTS) if cuda else ["eager"]
-    dtypes = dict.fromkeys(VARIANTS[v] for v in variants)
-    ctxs = {dt: train.precision(device, dt)[0] for dt in dtypes}
-    rates = measure_rates(device, list(ctxs), s) if floor else {}
+    dtypes = list(dict.fromkeys(VARIANTS[v] for v in variants))
+    rates = measure_rates(device, dtypes, s) if floor else {}
     steps, counts, params = {}, {}, {}
     for m in args.mixers:
-        model, opt, x, y = new_model(s, args, m, s["batch"], device)
-        scaler = torch.amp.GradScaler(device.type, enabled=False)
+        model, opt, step = new_model(s, args, m, s["batch"], device)
         params[m] = sum(p.numel() for p in model.parameters())
-        for dt in ctxs if floor else []:  # (also AdamW's first step: its moments)
-            step = functools.partial(train.train_step, model, opt, scaler, ctxs[dt])
-            logits = x.numel() * s["vocab"] * (2 if "bf" in dt else 4)
-            counts[m, dt] = step_counts(model, opt, lambda: step(x, y), logits)
+        for dt in dtypes if floor else []:  # (also AdamW's first step: its moments)
+            logits = s["batch"] * s["l"] * s["vocab"] * (2 if "bf" in dt else 4)
+            counts[m, dt] = step_counts(model, opt, step(dt), logits)
         for v in variants:
-            step = functools.partial(
-                train.train_step, model, opt, scaler, ctxs[VARIANTS[v]]
-            )
-            if v.endswith("captured"):
-                step = train.CapturedStep(step)
-                try:  # 3 eager warm-up steps, then the capture
-                    for _ in range(4):
-                        step(x, y)
-                except Exception as e:
-                    why = f"{type(e).__name__}: {str(e).strip()[:80]}"
-                    print(f"  {m} {v} fails, no row: {why}", flush=True)
-                    continue
-            steps[m, v] = functools.partial(step, x, y)
+            captured = v.endswith("captured")
+            steps[m, v] = step(VARIANTS[v], captured)
+            try:  # captured: 3 eager warm-up steps, then the capture
+                for _ in range(4 if captured else 0):
+                    steps[m, v]()
+            except Exception as e:
+                why = f"{type(e).__name__}: {str(e).strip()[:80]}"
+                print(f"  {m} {v} fails, no row: {why}", flush=True)
+                del steps[m, v]
     t = interleaved(steps, s["step_rounds"] * (5 if cuda else 1), device)
     rows = []
     for (m, v), sec in sorted(t.items(), key=lambda kv: list(VARIANTS).index(kv[0][1])):
@@ -302,10 +306,9 @@ def section_step(s, args, device):
             flops, moved = counts[m, dt]
             row |= floor_columns(row["step_ms"], flops, moved, rates[dt], rates["copy"])
         rows.append(row)
-    measured = [
-        f"{k} {r / 1e12:.3g} T{'B' if k == 'copy' else 'FLOP'}/s"
-        for k, r in rates.items()
-    ]
+    measured = []
+    for k, r in rates.items():
+        measured.append(f"{k} {r / 1e12:.3g} {'TB/s' if k == 'copy' else 'TFLOP/s'}")
     s["rates"] = f"; rates measured: {', '.join(measured)}" if floor else ""
     return rows
 
@@ -335,10 +338,8 @@ def memory_at_batch(s, args, mixer, batch, device):
     """Bytes of (the parameters and AdamW's moments, the activations saved for backward,
     the peak of a step with the former) of a fresh model and AdamW at this batch; the
     first step makes AdamW's moments."""
-    model, opt, x, y = new_model(s, args, mixer, batch, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
-    ctx = train.precision(device, "float32")[0]
-    step = functools.partial(train.train_step, model, opt, scaler, ctx, x, y)
+    model, opt, step = new_model(s, args, mixer, batch, device)
+    step = step("float32")
     saved = saved_for_backward(step, model.parameters())
     peak = peak_bytes(step, device)
     state = state_bytes(model, opt)
