@@ -86,9 +86,8 @@ def sublayer(cfg):
 
 
 def new_model(s, args, mixer, batch, device):
-    """The model and AdamW as train.py builds them by default (Table 1), and step():
-    a function of no arguments, train.py's training step of them on one batch (B, l)
-    in an autocast dtype, captured in a CUDA graph if asked."""
+    """train.py's default model and AdamW (Table 1), and step(dtype, captured): their
+    training step on one batch (B, l), as a function of no arguments."""
     defaults = train.build_parser().parse_args([])
     model, opt = train.build_model(make_config(s, args, mixer), defaults, device)
     seeded = torch.Generator().manual_seed(0)
@@ -107,9 +106,8 @@ def new_model(s, args, mixer, batch, device):
 
 
 def sublayer_paths(module, t, device):
-    """The paths a mixer is timed on: its FIR taps' (W_ext or w_ext) default path on
-    this device, then on CUDA every other path that computes them; sdpa for attention,
-    matmul for the rest."""
+    """The paths a mixer is timed on: its FIR taps' default path here, then on CUDA
+    every other path for them; sdpa for attention, matmul for the rest."""
     names = ("W_ext", "w_ext")
     taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in names]
     if not taps:
@@ -139,9 +137,8 @@ def state_bytes(model, optimizer):
 
 
 def saved_for_backward(fn, params):
-    """Call fn; return the bytes autograd saved for backward meanwhile, each storage
-    once (q, k and v are views of one tensor), the parameters' left out (an op saving
-    its weight saves no activation)."""
+    """Call fn; the bytes autograd saved for backward, each storage once (q, k and v
+    are views of one), the parameters' left out (a saved weight is no activation)."""
     saved = []  # a saved tensor lives until backward: no storage is reused
 
     def pack(t):
@@ -155,9 +152,8 @@ def saved_for_backward(fn, params):
 
 
 def peak_bytes(step, device):
-    """The high-water mark of one call of step above the memory in use before it:
-    train.peak_memory reset (CUDA's peak statistics; Linux's VmHWM through
-    /proc/self/clear_refs), None where it cannot be."""
+    """The memory high-water mark of one call of step above the use before it (CUDA's
+    peak statistics, Linux's VmHWM reset by /proc/self/clear_refs), None elsewhere."""
     if device.type == "cuda":  # (the allocator's statistics are the host's: no wait)
         torch.cuda.reset_peak_memory_stats(device)
     elif device.type == "cpu" and os.path.exists("/proc/self/clear_refs"):
@@ -230,9 +226,8 @@ def section_sublayer(s, args, device):
 
 
 def measure_rates(device, dtypes, s):
-    """FLOP/s of an (n x n) @ (n x n) GEMM in each dtype (float32 under the TF32 setting
-    in effect) and bytes/s of a large copy (each byte read once and written once),
-    measured now."""
+    """Now: FLOP/s of an n x n GEMM in each dtype (float32 under the TF32 setting in
+    effect) and bytes/s of a large copy (each byte read once and written once)."""
     n, mib = s["gemm_n"], s["copy_mib"]
     if device.type != "cuda":
         n, mib = min(n, 2048), min(mib, 256)
@@ -269,9 +264,8 @@ def floor_columns(step_ms, flops, moved, rate, copy):
 
 
 def section_step(s, args, device):
-    """Each variant timed in interleaved rounds, past its warm-up (a model and AdamW per
-    mixer, shared by its variants; a line where capturing or compiling fails, and no
-    row), beside its floor if asked."""
+    """Each variant timed in interleaved rounds past its warm-up, a model and AdamW
+    per mixer (a line where capturing fails, and no row), beside its floor if asked."""
     cuda = device.type == "cuda"
     floor = cuda or args.floor
     variants = list(VARIANTS) if cuda else ["eager"]
@@ -335,9 +329,8 @@ def section_memory(s, args, device):
 
 
 def memory_at_batch(s, args, mixer, batch, device):
-    """Bytes of (the parameters and AdamW's moments, the activations saved for backward,
-    the peak of a step with the former) of a fresh model and AdamW at this batch; the
-    first step makes AdamW's moments."""
+    """Bytes of (parameters and AdamW's moments, activations saved for backward, the
+    peak of a step with the former) of a new model and AdamW at this batch."""
     model, opt, step = new_model(s, args, mixer, batch, device)
     step = step("float32")
     saved = saved_for_backward(step, model.parameters())
@@ -351,9 +344,8 @@ def memory_at_batch(s, args, mixer, batch, device):
 
 
 def complexity_training(d, l, n=1):
-    """Tables 3 and 4: multiplications, additions, divisions, exponentiations,
-    parameters. SHE's multiplications use the summand d*d*t + d*d + d + d*d (Notes on
-    the paper, 5)."""
+    """Tables 3 and 4: mult(iplications), add(itions), div(isions), exp(onentiations),
+    params; SHE's multiplications use the summand d*d*t + d*d + d + d*d (Notes, 5)."""
     none = dict(div=0, exp=0)  # the Extractors divide and exponentiate nothing
     sa = dict(mult=l * l * d + 4 * l * d * d + l * d, params=4 * d * d)
     sa |= dict(add=l * l * d + 4 * l * d * d - 4 * l * d - l * n)
@@ -408,9 +400,8 @@ def table7(d=128, l=128):
 
 
 def measured(mixer, d, l, n=1):
-    """(parameters, FLOPs of one forward of one sequence) of a sublayer, counted from
-    the module: no mixer has biases; the FLOPs as FlopCounterMode counts them, completed
-    (completed_flops)."""
+    """(parameters, FLOPs of one forward of one sequence) of a sublayer's module (no
+    mixer has biases): FlopCounterMode's count, completed (completed_flops)."""
     module = sublayer(Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
     counter = FlopCounterMode(display=False, custom_mapping=completed_flops())
     with torch.no_grad(), counter:

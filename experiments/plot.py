@@ -138,9 +138,8 @@ def paper_rank(name):
 
 
 def check_corpus(runs):
-    """One corpus for all runs (a cost over other text or tokens is another quantity):
-    one vocabulary, and one train.bin (its sha256) among the runs whose run.json records
-    it."""
+    """One corpus for all runs (a cost over other tokens is another quantity): one
+    vocabulary, and one train.bin (sha256) among the runs whose run.json records it."""
     corpora = set()
     for r in runs:
         s = r["settings"]
@@ -181,9 +180,8 @@ def plot_run(run, path, window):
 
 
 def plot_runs(runs, path, window, raw=False):
-    """Several runs overlaid: window medians (Figures 7-8) and beside them each run's
-    gap to sa-32's window medians where sa-32 is among them, or with raw every batch at
-    its batch number (Figure 9)."""
+    """Several runs overlaid: window medians (Figures 7-8), beside them each run's gap
+    to sa-32's where sa-32 is among them; or raw, every batch at its number (Fig. 9)."""
     ref = None
     if not raw and len(runs) > 1:
         ref = {r["name"]: r for r in runs}.get("sa-32")
@@ -218,9 +216,8 @@ def plot_runs(runs, path, window, raw=False):
 
 
 def setting_title(runs, swept=None):
-    """The runs' setting, e.g. 'm = 2, l = 32, 30000 batches, seed 1337'; where runs
-    differ, each value ('seeds 1337, 1338'); the data seed where it is not 1337 alone;
-    the swept setting left out."""
+    """The runs' setting, e.g. 'm = 2, l = 32, 30000 batches, seed 1337': each value
+    where they differ ('seeds 1337, 1338'), the data seed unless 1337, not the swept."""
 
     def values(key, default="?"):  # "2" or "2, 4", numbers first; "s" for several
         found = {r["settings"].get(key, default) for r in runs}
@@ -369,9 +366,8 @@ def by_batch(columns):
 
 
 def write_results(runs, folder, window, seed_table):
-    """The CSVs of --results in `folder`, each from its rows: medians.csv and
-    val_loss.csv (a column per run), summary.csv (a row per run), seeds.csv (--seeds);
-    returns their paths."""
+    """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
+    run), summary.csv (a row per run), seeds.csv (--seeds); returns their paths."""
     medians, vals = {}, {}
     for r in runs:
         log = r["log"]
@@ -420,9 +416,8 @@ def output_path(output, inputs, own, one_figure=False):
 
 
 def sweep(args, runs, csvs, output, window):
-    """Figures 7, 10, 11: per run its mixer (sa-<n>; sa for n_head), the swept setting,
-    batches, the median of the last `window` batches and the last validation loss, and
-    the CSVs' points at other settings."""
+    """Figures 7, 10, 11: per run its mixer (sa-<n>; sa for n_head), the setting,
+    batches, the last `window` batches' median, the last validation loss; the CSVs'."""
     key = args.sweep
     x = SYMBOLS.get(key, key)
     rows, seen = [], {}

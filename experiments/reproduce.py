@@ -47,9 +47,8 @@ def die_with_parent():
 
 
 def train_all(names, flags, work):
-    """train.py for each run, side by side, into work/<name> (resumed where it has a
-    checkpoint); returns their exit codes. A stop of this script stops them, each at a
-    checkpoint."""
+    """train.py for each run side by side into work/<name>, resumed where it has a
+    checkpoint; their exit codes. A stop of this script stops each at a checkpoint."""
     procs = []
     try:
         for name in names:
@@ -129,9 +128,8 @@ def length_and_device(run_dir):
 
 
 def keep(name, code, args):
-    """Copy a run's log (gzipped) and run.json into results/logs/table1/<name> if it
-    ended well, is at least as long as the run there and from the same kind of device
-    (or --replace); returns whether it did. A line says what it did."""
+    """Copy a run that ended well (log gzipped, run.json) into results/logs/table1/ if
+    as long as the one there and from one kind of device, or --replace; True if so."""
     src = os.path.join(args.work, name)
     dst = os.path.join(args.results, "logs", "table1", name)
     if code != 0:

@@ -29,9 +29,8 @@ YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"
 
 
 def tap_profile(model, windows=None):
-    """{layer (from 1): (l,) array}, what its mixer weighs k - 1 tokens back: ME's
-    |w_k|, WE's and HE's ||w_k||_2, SHE's ||W_k||_F; attention's mean weight over heads,
-    positions and `windows` (N, t)."""
+    """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}: ME's |w_k|,
+    WE's and HE's ||w_k||_2, SHE's ||W_k||_F, attention's mean weight on `windows`."""
     if model.cfg.mixer == "sa":
         return attention_by_distance(model, windows)
     # (l, d, d), (l, d) or (l,) where there are taps
@@ -46,9 +45,8 @@ def tap_profile(model, windows=None):
 
 
 def attention_weights(mixer, x):
-    """Eq. (13), (14) recomputed from a SelfAttention's input x (B, t, d): A (B, n, t,
-    t), each row a softmax over the positions j <= i (F.scaled_dot_product_attention
-    does not return it)."""
+    """Eq. (13), (14) from a SelfAttention's input x (B, t, d): A (B, n, t, t), each
+    row a softmax over j <= i (F.scaled_dot_product_attention does not return it)."""
     (B, t, d), n = x.shape, mixer.n
     q, k, _ = mixer.W_QKV(x).split(d, dim=2)  # Eq. (10), (11), (B, t, d) each
     q, k = (z.view(B, t, n, d // n).transpose(1, 2) for z in (q, k))  # (B, n, t, h)
@@ -58,9 +56,8 @@ def attention_weights(mixer, x):
 
 
 def attention_by_distance(model, windows, chunk=32):
-    """{layer: (t,) mean of A[i, i - k + 1] over heads, positions i >= k - 1 and the
-    windows (N, t)}, from each mixer's input (the layer-normed residual stream), which a
-    forward hook catches."""
+    """{layer: (t,) mean of A[i, i - k + 1] over heads, i >= k - 1 and the windows
+    (N, t)}, from each mixer's input (the layer-normed residual stream), by a hook."""
     t = windows.shape[1]
     sums = {layer.mixer: torch.zeros(t, dtype=torch.float64) for layer in model.layers}
 
@@ -88,9 +85,8 @@ def uniform_by_distance(t):
 
 
 def val_windows(data_dir, l, n=256, sha256=None):
-    """n windows of l tokens spread evenly over data_dir/val.bin (over which attention's
-    weights are averaged): (n, l) int64. With sha256 (the checkpoint's), refused unless
-    val.bin is the run's."""
+    """n windows of l tokens spread evenly over data_dir/val.bin: (n, l) int64; refused
+    unless val.bin's sha256 is `sha256` (the checkpoint's), where given."""
     path = os.path.join(data_dir, "val.bin")
     if not os.path.isfile(path):
         fail(f"{path} not found; pass --data_dir, the folder with the run's val.bin")
