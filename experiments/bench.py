@@ -1,19 +1,17 @@
 """
-The token mixers against attention on this device, and the paper's operation counts
-(Tables 3-7).
+The token mixers against attention on this device, and the paper's operation counts.
 
     python experiments/bench.py                 # every section at Table 1's shapes
     python experiments/bench.py --quick         # tiny shapes, few rounds: seconds
     python experiments/bench.py --sections step --device cuda --json bench.json
     python experiments/bench.py --table7        # Tables 3-7, and the FLOPs counted
 
-Sections: sublayer, one mixer's forward+backward (on CUDA each FIR path: fir.py's CUDA
-defaults come from it); step, the Table 1 model's training step as train.py takes it (on
-CUDA captured in a CUDA graph, eager, and bf16 of both), on CUDA or with --floor beside
-its floor, its FLOPs and the bytes it must move at the rates measured in the same run;
-memory, one training step's peak and the largest batch that
-fits a --gpu_gib GPU. Times are medians of interleaved rounds after warm-up (the mixers
-take turns, so a noisy moment hits them all), and the ratios to sa from the same run.
+Sections: sublayer, a mixer's forward+backward (on CUDA each FIR path: fir.py's CUDA
+defaults come from it); step, train.py's training step of Table 1's model (on CUDA in a
+CUDA graph, eager, bf16 of both), on CUDA or with --floor beside its floor: its FLOPs
+and the bytes it must move at the rates measured in the run; memory, a step's peak and
+the largest batch that fits a --gpu_gib GPU. Times: medians of interleaved rounds after
+warm-up (a noisy moment hits all the mixers), the ratios to sa from the same run.
 """
 
 import argparse

@@ -1,9 +1,8 @@
 """
-Training runs drawn the way the paper does (Section 6), and the results' CSVs: the
-median training cost of every non-overlapping window of batches (Figures 7-8, each run's
-gap to sa-32 beside it), every batch (Figure 9, --raw), or the median of the last window
+Training runs drawn as the paper does (Section 6), and the results' CSVs: the median
+training cost of every non-overlapping window of batches (Figures 7-8, each run's gap to
+sa-32 beside it), every batch (Figure 9, --raw), or the median of the last window
 against a swept setting (Figures 7, 10, 11, --sweep, the validation loss beside it).
-Needs only matplotlib and numpy.
 
     python experiments/plot.py out/me                                  # out/me/loss.png
     python experiments/plot.py out/{sa-1,sa-32,she,he,we,me} -o fig8.png  # and gaps

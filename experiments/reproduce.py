@@ -171,12 +171,6 @@ def redraw(results):
     return not any(codes)
 
 
-def cuda_available():
-    import torch  # (only here: plot.py's reading of logs needs none)
-
-    return torch.cuda.is_available()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     runs_help = f"which of {', '.join(RUNS)} (default: all)"
@@ -194,7 +188,9 @@ def main(argv=None):
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         fail(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
-    if args.device.startswith("cuda") and not cuda_available():
+    import torch  # (only here: the rest of this script needs none)
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
     # SIGTERM as Ctrl-C: `finally` stops the children
     signal.signal(signal.SIGTERM, signal.default_int_handler)
