@@ -84,8 +84,8 @@ def sublayer(cfg):
 
 
 def new_model(s, args, mixer, batch, device):
-    """train.py's default model and AdamW (Table 1), and step(dtype, captured): their
-    training step on one batch (B, l), as a function of no arguments."""
+    """train.py's default model and AdamW (Table 1), and make_step(dtype, captured):
+    their training step on one batch (B, l), a function of no arguments."""
     defaults = train.build_parser().parse_args([])
     model, opt = train.build_model(make_config(s, args, mixer), defaults, device)
     seeded = torch.Generator().manual_seed(0)
@@ -93,14 +93,14 @@ def new_model(s, args, mixer, batch, device):
     x, y = data[:, :-1].to(device), data[:, 1:].to(device)
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # (no float16)
 
-    def step(dtype, captured=False):
+    def make_step(dtype, captured=False):
         ctx = train.precision(device, dtype)[0]
         fn = functools.partial(train.train_step, model, opt, scaler, ctx)
         if captured:  # as train.py on CUDA
             fn = train.CapturedStep(fn)
         return functools.partial(fn, x, y)
 
-    return model.train(), opt, step
+    return model.train(), opt, make_step
 
 
 def sublayer_paths(module, t, device):
@@ -252,15 +252,6 @@ def step_counts(model, optimizer, step, logits):
     return counter.get_total_flops(), 2 * (state + saved + logits)
 
 
-def floor_columns(step_ms, flops, moved, rate, copy):
-    """The step's floor: its FLOPs and bytes at the rates measured, overlapped."""
-    row = dict(flops=flops, bytes=moved, flop_ms=1e3 * flops / rate)
-    row["byte_ms"] = 1e3 * moved / copy
-    row["floor_ms"] = max(row["flop_ms"], row["byte_ms"])
-    row["vs_floor"] = step_ms / row["floor_ms"]
-    return row | dict(flop_rate=rate, byte_rate=copy)
-
-
 def section_step(s, args, device):
     """Each variant timed in interleaved rounds past its warm-up, a model and AdamW
     per mixer (a line where capturing fails, and no row), beside its floor if asked."""
@@ -271,14 +262,14 @@ def section_step(s, args, device):
     rates = measure_rates(device, dtypes, s) if floor else {}
     steps, counts, params = {}, {}, {}
     for m in args.mixers:
-        model, opt, step = new_model(s, args, m, s["batch"], device)
+        model, opt, make_step = new_model(s, args, m, s["batch"], device)
         params[m] = sum(p.numel() for p in model.parameters())
         for dt in dtypes if floor else []:  # (also AdamW's first step: its moments)
             logits = s["batch"] * s["l"] * s["vocab"] * (2 if "bf" in dt else 4)
-            counts[m, dt] = step_counts(model, opt, step(dt), logits)
+            counts[m, dt] = step_counts(model, opt, make_step(dt), logits)
         for v in variants:
             captured = v.endswith("captured")
-            steps[m, v] = step(VARIANTS[v], captured)
+            steps[m, v] = make_step(VARIANTS[v], captured)
             try:  # captured: 3 eager warm-up steps, then the capture
                 for _ in range(4 if captured else 0):
                     steps[m, v]()
@@ -293,10 +284,13 @@ def section_step(s, args, device):
         row["tokens_per_s"] = s["batch"] * s["l"] / sec
         row["vs_sa"] = t["sa", v] / sec if ("sa", v) in t else None
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
-        if floor:
-            dt = VARIANTS[v]
-            flops, moved = counts[m, dt]
-            row |= floor_columns(row["step_ms"], flops, moved, rates[dt], rates["copy"])
+        if floor:  # its FLOPs and bytes at the rates measured, overlapped at best
+            flops, moved = counts[m, VARIANTS[v]]
+            rate, copy = rates[VARIANTS[v]], rates["copy"]
+            row |= dict(flops=flops, bytes=moved, flop_ms=1e3 * flops / rate)
+            row |= dict(byte_ms=1e3 * moved / copy, flop_rate=rate, byte_rate=copy)
+            row["floor_ms"] = max(row["flop_ms"], row["byte_ms"])
+            row["vs_floor"] = row["step_ms"] / row["floor_ms"]
         rows.append(row)
     measured = []
     for k, r in rates.items():
@@ -329,8 +323,8 @@ def section_memory(s, args, device):
 def memory_at_batch(s, args, mixer, batch, device):
     """Bytes of (parameters and AdamW's moments, activations saved for backward, the
     peak of a step with the former) of a new model and AdamW at this batch."""
-    model, opt, step = new_model(s, args, mixer, batch, device)
-    step = step("float32")
+    model, opt, make_step = new_model(s, args, mixer, batch, device)
+    step = make_step("float32")
     saved = saved_for_backward(step, model.parameters())
     peak = peak_bytes(step, device)
     state = state_bytes(model, opt)
