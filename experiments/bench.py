@@ -53,8 +53,7 @@ VARIANTS["bf16-captured"] = "bfloat16"
 
 
 def interleaved(fns, rounds, device, warmup=2):
-    """{name: fn} -> {name: median seconds of one call}: `warmup` rounds, then `rounds`
-    timed ones, in each of which every fn runs once, the order rotating each round."""
+    """{name: fn} -> {name: median seconds}: each fn once a round, in rotating order."""
     names = list(fns)
     times = {k: [] for k in fns}
     # waits for the queued kernels (the CPU's return at once)
@@ -119,8 +118,7 @@ def sublayer_paths(module, t, device):
 
 
 def storage_bytes(tensors, skip=()):
-    """Bytes of the storages under these tensors, each storage once (views share their
-    base's), those at the addresses `skip` left out."""
+    """Bytes of the tensors' storages, each once (views share one), not `skip`'s."""
     sizes = {}  # data_ptr -> bytes
     for t in tensors:
         sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -253,8 +251,7 @@ def step_counts(model, optimizer, step, logits):
 
 
 def section_step(s, args, device):
-    """Each variant timed in interleaved rounds past its warm-up, a model and AdamW
-    per mixer (a line where capturing fails, and no row), beside its floor if asked."""
+    """Each variant timed in interleaved rounds after warm-up, beside its floor."""
     cuda = device.type == "cuda"
     floor = cuda or args.floor
     variants = list(VARIANTS) if cuda else ["eager"]
@@ -321,8 +318,7 @@ def section_memory(s, args, device):
 
 
 def memory_at_batch(s, args, mixer, batch, device):
-    """Bytes of (parameters and AdamW's moments, activations saved for backward, the
-    peak of a step with the former) of a new model and AdamW at this batch."""
+    """Bytes of (parameters and AdamW's moments, saved activations, peak) at `batch`."""
     model, opt, make_step = new_model(s, args, mixer, batch, device)
     step = make_step("float32")
     saved = saved_for_backward(step, model.parameters())
@@ -382,8 +378,7 @@ OPS = ("mult", "add", "div", "exp")
 
 
 def table7(d=128, l=128):
-    """Table 7's columns: label -> the counts of Tables 3 and 4 with 'total', the four
-    operations'."""
+    """Table 7's columns: label -> Tables 3 and 4's counts and their 'total'."""
     out = {}
     for label, (m, n) in TABLE7.items():
         counts = complexity_training(d, l, n)[m]

@@ -54,8 +54,7 @@ def damaged(path, e):
 
 
 def read_log(run_dir):
-    """A run's log.csv (or .gz) as arrays: iter, train_loss, tokens_per_s; val_iter,
-    val_loss."""
+    """A run's log.csv (or .gz) as arrays: iter, train_loss, tokens_per_s, val_*."""
     path = os.path.join(run_dir, "log.csv")
     if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
         path += ".gz"  # a finished run's log as results/logs/ keeps it
@@ -89,8 +88,7 @@ def cut(log, until):
 
 
 def read_runs(run_dirs, until=None):
-    """Each run folder once, in the paper's order: name, dir, log (to batch `until`),
-    settings (run.json)."""
+    """Each run once, in the paper's order: name, dir, settings, its log to `until`."""
     paths = [os.path.realpath(d) for d in run_dirs]
     if len(set(paths)) < len(paths):
         same = " and ".join(d for d, p in zip(run_dirs, paths) if paths.count(p) > 1)
@@ -120,16 +118,14 @@ def read_runs(run_dirs, until=None):
 
 
 def label(settings):
-    """sa-<heads> for self-attention (the paper compares 1 and 32 heads), else the
-    mixer's name."""
+    """sa-<heads> for self-attention (the paper's 1 and 32 heads), else the mixer."""
     if settings["mixer"] == "sa":
         return f"sa-{settings['n_head']}"
     return settings["mixer"]
 
 
 def paper_rank(name):
-    """Sort key: sa by head count (sa-1, sa-2, ..., sa-128), then STYLE's order, then
-    others by name."""
+    """Sort key: sa by heads (sa-1, sa-2, ...), STYLE's order, the others by name."""
     heads = name.removeprefix("sa-")
     if name.startswith("sa-") and heads.isdigit():
         return (0, int(heads), name)
@@ -238,8 +234,7 @@ def setting_title(runs, swept=None):
 
 
 def plot_sweep(rows, key, path, window, title=None):
-    """A line per mixer against the swept setting: the median cost of the last `window`
-    batches (the paper's axes), and beside it the last validation loss."""
+    """A line per mixer against the swept setting: last window's median, val_loss."""
     x = SYMBOLS.get(key, key)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     panels = {f"median_last_{window}": f"median cost of the last {window} batches"}
@@ -268,8 +263,7 @@ def finish(ax, title):
 
 
 def save(fig, path, title=None):
-    """fig, titled, to path in the format its extension names (png without one); one
-    line for others."""
+    """fig, titled, to path in the format its extension names (none: png)."""
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable ...", ...}
     if fmt not in kinds:
@@ -289,8 +283,7 @@ def save(fig, path, title=None):
 
 
 def run_row(first, log, lasts):
-    """`first`, batches, the median of the last n batches for n in `lasts`, the last
-    validation loss."""
+    """`first`, batches, the last n batches' median for n in `lasts`, last val_loss."""
     row = first | {"batches": int(log["iter"][-1])}
     for n in lasts:
         row[f"median_last_{n}"] = float(np.median(log["train_loss"][-n:]))
@@ -299,8 +292,7 @@ def run_row(first, log, lasts):
 
 
 def summary_row(run):
-    """summary.csv: run_row, where the last validation loss was, parameters, median
-    logged tokens/s."""
+    """summary.csv: run_row, the last val_loss's batch, parameters, median tokens/s."""
     log, params = run["log"], run["settings"]["params"]
     row = run_row({"run": run["name"]}, log, (1000, 2000))
     row["val_at"] = int(log["val_iter"][-1]) if len(log["val_loss"]) else ""
@@ -311,8 +303,7 @@ def summary_row(run):
 
 
 def read_rows(path, header, what):
-    """The rows of a CSV that `what` (plot.py's flags) wrote, numbers as numbers, to
-    the last digit."""
+    """The rows of a CSV that `what` wrote, its numbers as numbers to the last digit."""
     if not os.path.isfile(path):
         fail(f"{path} not found; pass run folders, or a CSV that {what} wrote")
     with open(path, newline="") as f:
@@ -331,8 +322,7 @@ def read_rows(path, header, what):
 
 
 def seed_rows(runs, until, earlier):
-    """seeds.csv: a row per run at the shortest length (or `until`), and `earlier` rows
-    no run gives."""
+    """seeds.csv: each run at the shortest length (or `until`), `earlier`'s others."""
     n = min([int(r["log"]["iter"][-1]) for r in runs] + ([until] if until else []))
     rows = []
     for r in runs:
@@ -355,8 +345,7 @@ def seed_order(row):
 
 
 def by_batch(columns):
-    """{run: {batch: value}} as CSV rows: a batch a row, a column a run ("" where a run
-    has no value at that batch)."""
+    """{run: {batch: value}} as CSV rows: a batch a row, a run a column ("": none)."""
     rows = []
     for b in sorted({int(b) for column in columns.values() for b in column}):
         values = {n: repr(float(c[b])) if b in c else "" for n, c in columns.items()}
@@ -407,8 +396,7 @@ def build_parser():
 
 
 def output_path(output, inputs, own, one_figure=False):
-    """-o, or for one run (unless one_figure) RUN/<own>; one line for several runs
-    without -o."""
+    """-o, or for one run (unless one_figure) RUN/<own>; several runs need -o."""
     if output is None and (len(inputs) > 1 or one_figure):
         fail("several runs, --raw and --sweep have no default file: name it with -o")
     return output or os.path.join(inputs[0], own)
@@ -494,8 +482,7 @@ def plot_logs(args):
 
 
 def cli(work, hint):
-    """Print the paths work() wrote; one it cannot write (-o a folder, a full disk) is
-    one line and `hint`."""
+    """Print the paths work() wrote; one it cannot write: one line and `hint`."""
     try:
         written = work()
     except OSError as e:

@@ -39,8 +39,7 @@ TOLERANCE = 0.05  # the check: the largest gap to the CPU run's window mean
 
 
 def die_with_parent():
-    """Linux: the kernel sends the child SIGTERM (it checkpoints) if this script dies,
-    even by kill -9."""
+    """Linux: the kernel sends the child SIGTERM if this script dies, by kill -9 too."""
     # (no libc.so.6 or no prctl: not Linux)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -82,8 +81,7 @@ def window_means(run_dir):
 
 
 def check(names, args):
-    """Each model's first 100 batches here against its committed CPU run: the windows'
-    gaps, a table."""
+    """Each model's first 100 batches here against its committed CPU run: a table."""
     work = os.path.join(args.work, "check")
     shutil.rmtree(work, ignore_errors=True)  # the check trains anew
     flags = ["--max_iters=100", "--log_interval=10"]
@@ -154,8 +152,7 @@ def keep(name, code, args):
 
 
 def redraw(results):
-    """Figures 8 and 9 and Table 1's CSVs from results/logs/table1, with the windows of
-    results/README.md's "Redrawing" commands; returns whether all of them succeeded."""
+    """Table 1's figures and CSVs as results/README.md redraws them; True if all did."""
     logs = os.path.join(results, "logs", "table1")
     figures = os.path.join(results, "table1")
     runs = [os.path.join(logs, n) for n in RUNS if os.path.isdir(os.path.join(logs, n))]

@@ -78,8 +78,7 @@ def attention_by_distance(model, windows, chunk=32):
 
 
 def uniform_by_distance(t):
-    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,) means
-    over i >= k - 1."""
+    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,)."""
     w = 1 / np.arange(1, t + 1)  # row i's weight
     return np.array([w[back:].mean() for back in range(t)])
 
@@ -101,8 +100,7 @@ def val_windows(data_dir, l, n=256, sha256=None):
 
 
 def plot_taps(run_dirs, path, data_dir=None):
-    """A panel per run in the paper's order, a line per layer: tap_profile against
-    k = 1..l."""
+    """A panel per run in the paper's order, a line per layer: tap_profile against k."""
     panels = []
     for run_dir in run_dirs:
         model, ckpt = load_model(run_dir, torch.device("cpu"))
