@@ -1472,7 +1472,8 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
         cpu_paths = bench.sublayer_paths(module(m), 16, torch.device("cpu"))
         assert cpu_paths == [fir.default_path("cpu", dim, 16)]
     assert paths["sa"] == ["sdpa"] and len(paths["me"]) == 3 and len(paths["she"]) == 2
-    sublayer_paths, forcing, forced = bench.sublayer_paths, fir.forcing, []
+    sublayer_paths, forcing = bench.sublayer_paths, fir.forcing  # the originals
+    forced = []
 
     def force(path):
         forced.append(path)
@@ -3000,7 +3001,8 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
 def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
     """A run folder as train.py writes it, of made-up costs from batch `start` on
     (validation: cost - 0.5); `more`: start, data (run.json's), config's settings."""
-    start, data = more.pop("start", 1), more.pop("data", None)
+    start = more.pop("start", 1)
+    data = more.pop("data", None)
     cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
     args = dict(seed=seed, data_seed=data_seed)
     run = {"config": cfg | more, "args": args, "params": {"mixers": 7}, "data": data}
@@ -3058,7 +3060,8 @@ def test_plot_imports_without_torch():
 def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     tmp_path, capsys, figures
 ):
-    (sa, she), out = _random(0, 2500, 2100), tmp_path / "my results"
+    sa, she = _random(0, 2500, 2100)
+    out = tmp_path / "my results"
     # named against the paper's order; c: another seed, 1200 batches, for seeds.csv
     runs = [
         _run(tmp_path / "b", "she", she, 1, 500),
@@ -3094,7 +3097,8 @@ def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
     tmp_path, capsys, monkeypatch
 ):
     run = _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30)
-    drawn, save = [], plot.save
+    drawn = []
+    save = plot.save
 
     def keep(fig, path):
         drawn.append(_lines(fig.axes[0]))
@@ -3175,7 +3179,8 @@ def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
 
 
 def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
-    run, out = _run(tmp_path / "run", "me", [5.0] * 10), ["-o", str(tmp_path / "f.png")]
+    run = _run(tmp_path / "run", "me", [5.0] * 10)
+    out = ["-o", str(tmp_path / "f.png")]
     long = _run(tmp_path / "long", "he", [4] * 1020)
     other = _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60)
     shas = [
@@ -3253,7 +3258,8 @@ def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distanc
     model = tiny_model("sa", l=5, d=8, n_head=2, vocab=16).double()
     for layer in model.layers:
         torch.nn.init.normal_(layer.mixer.W_QKV.weight)  # far from uniform attention
-    x, mixer = torch.randn(3, 5, 8, dtype=torch.float64), model.layers[0].mixer
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    mixer = model.layers[0].mixer
     # (3, 2, 5, 5); a wrong scale or head split gives another output
     a = taps.attention_weights(mixer, x)
     v = mixer.W_QKV(x)[..., 16:].view(3, 5, 2, 4).transpose(1, 2)  # (B, n, t, h)

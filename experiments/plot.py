@@ -184,12 +184,12 @@ def plot_runs(runs, path, window, raw=False):
     fig, axes = plt.subplots(1, 2 if ref else 1, figsize=size, squeeze=False)
     ax = axes[0][0]
     for r in runs:
-        log, colour = r["log"], STYLE.get(r["name"])
+        colour = STYLE.get(r["name"])
         if raw:
-            x, y = log["iter"], log["train_loss"]
+            x, y = r["log"]["iter"], r["log"]["train_loss"]
             ax.plot(x, y, lw=0.5, alpha=0.6, color=colour, label=r["name"])
         else:
-            ends, med = window_medians(log["train_loss"], window)
+            ends, med = window_medians(r["log"]["train_loss"], window)
             ax.plot(ends, med, "-o", ms=3, color=colour, label=r["name"])
     if raw:
         finish(ax, "training cost of every batch")
@@ -293,11 +293,11 @@ def run_row(first, log, lasts):
 
 def summary_row(run):
     """summary.csv: run_row, the last val_loss's batch, parameters, median tokens/s."""
-    log, params = run["log"], run["settings"]["params"]
+    log = run["log"]
     row = run_row({"run": run["name"]}, log, (1000, 2000))
     row["val_at"] = int(log["val_iter"][-1]) if len(log["val_loss"]) else ""
-    row["params_mixers"] = params.get("mixers", "")
-    row["params_total"] = params.get("total", "")
+    row["params_mixers"] = run["settings"]["params"].get("mixers", "")
+    row["params_total"] = run["settings"]["params"].get("total", "")
     row["tokens_per_s"] = round(float(np.median(log["tokens_per_s"])))
     return row
 
