@@ -2945,6 +2945,25 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
 
 
 @pytest.mark.slow
+def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
+    import reproduce
+
+    logs = os.path.join(ROOT, "results", "logs", "table1")
+    for name in os.listdir(logs):  # the committed logs, into a results/ of its own
+        os.makedirs(tmp_path / "logs" / "table1" / name)
+        for file in ("log.csv.gz", "run.json"):
+            copy = tmp_path / "logs" / "table1" / name / file
+            copy.write_bytes(open(os.path.join(logs, name, file), "rb").read())
+    assert reproduce.redraw(str(tmp_path))
+    drawn = sorted(os.listdir(tmp_path / "table1"))
+    figures = ["fig8.png", "fig8_w2000.png", "fig9.png"]
+    assert drawn == figures + ["medians.csv", "summary.csv", "val_loss.csv"]
+    for name in drawn:  # windows of 2000 (the CSVs, fig8_w2000) and 500 (fig8)
+        committed = open(os.path.join(ROOT, "results", "table1", name), "rb").read()
+        assert (tmp_path / "table1" / name).read_bytes() == committed, name
+
+
+@pytest.mark.slow
 def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     data, tmp_path, monkeypatch
 ):
