@@ -3010,6 +3010,10 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     rows[35][1] = str(float(rows[35][1]) - 0.6)
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "wt") as f:
         csv.writer(f).writerows(rows)
+    stale = os.path.join(work, "check", "me", "log.csv")  # a check trains anew
+    rows = list(csv.reader(open(stale)))
+    rows[35][1] = str(float(rows[35][1]) + 1)
+    csv.writer(open(stale, "w"), lineterminator="\n").writerows(rows)
     assert reproduce.main(argv + ["--check"]) == 1
     table = check.read_text().splitlines()
     assert table[-2].startswith("me ") and "+0.0600" in table[-2]
