@@ -1119,180 +1119,122 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
 # ======== tools: the benchmark (bench.py): every section in quick mode, the arithmetic
 # of each row ========
 def test_bench_quick_prints_a_row_per_mixer_and_each_rows_arithmetic(tmp_path, capsys):
-    out, dev = (
-        tmp_path / "b.json",
-        str(DEVICE),
-    )  # on CUDA: a row per FIR path (sublayer), per variant (step)
-    bench.main(
-        ["--quick", "--floor", "--mixers", "me,he", "--device", dev, "--json", str(out)]
-    )
-    blocks, res = (
-        capsys.readouterr().out.split("\n\n")[1:4],
-        json.loads(out.read_text())["sections"],
-    )
-    for block, name, (key, spec) in zip(
-        blocks, res, (("vs_sa", ".3f"), ("vs_floor", ".1f"), ("fits", ""))
-    ):
-        rows = [
-            ln.split() for ln in block.splitlines()
-        ]  # title, columns, ----, the rows, "name: ..." notes
-        assert [row[0] for row in rows[3:] if not row[0].endswith(":")] == [
-            r["mixer"] for r in res[name]
-        ]
+    out = tmp_path / "b.json"  # on CUDA: a row per FIR path (sublayer), variant (step)
+    argv = ["--quick", "--floor", "--mixers", "me,he", "--device", str(DEVICE)]
+    bench.main(argv + ["--json", str(out)])
+    blocks = capsys.readouterr().out.split("\n\n")[1:4]
+    res = json.loads(out.read_text())["sections"]
+    formats = (("vs_sa", ".3f"), ("vs_floor", ".1f"), ("fits", ""))
+    for block, name, (key, spec) in zip(blocks, res, formats):
+        # title, columns, ----, the rows, "name: ..." notes
+        rows = [ln.split() for ln in block.splitlines()]
+        mixers = [r["mixer"] for r in res[name]]
+        assert [row[0] for row in rows[3:] if not row[0].endswith(":")] == mixers
         printed = [row[rows[1].index(key)] for row in rows[3 : 3 + len(res[name])]]
         assert printed == [format(r[key], spec) for r in res[name]], name
-        assert list(dict.fromkeys(r["mixer"] for r in res[name])) == [
-            "sa",
-            "me",
-            "he",
-        ], name
+        assert list(dict.fromkeys(mixers)) == ["sa", "me", "he"], name
     close = lambda got, want: math.isclose(got, want, rel_tol=1e-12)
     sa_ms = res["sublayer"][0]["ms"]  # sa's row comes first
     sa_step = {r["variant"]: r["step_ms"] for r in res["step"] if r["mixer"] == "sa"}
     assert all(close(r["vs_sa"], r["ms"] / sa_ms) for r in res["sublayer"])
-    for r in res["step"]:
-        ms, sa = (
-            r["step_ms"],
-            sa_step[r["variant"]],
-        )  # below: --quick's batch of 4 x 32 = 128 tokens
-        pairs = [(r["vs_sa"], sa / ms), (r["vs_floor"], ms / r["floor_ms"]), (r["tokens_per_s"], 128e3 / ms),
-                 (r["paper_hours"], 60 * ms / 3600), (r["flop_ms"], 1e3 * r["flops"] / r["flop_rate"]),
-                 (r["byte_ms"], 1e3 * r["bytes"] / r["byte_rate"])]  # fmt: skip
-        assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]) and all(
-            close(a, b) for a, b in pairs
-        ), r
+    for r in res["step"]:  # --quick's batch of 4 x 32 = 128 tokens
+        ms, sa = r["step_ms"], sa_step[r["variant"]]
+        assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]), r
+        assert close(r["vs_sa"], sa / ms) and close(r["vs_floor"], ms / r["floor_ms"])
+        assert close(r["tokens_per_s"], 128e3 / ms)
+        assert close(r["paper_hours"], 60 * ms / 3600)
+        assert close(r["flop_ms"], 1e3 * r["flops"] / r["flop_rate"])
+        assert close(r["byte_ms"], 1e3 * r["bytes"] / r["byte_rate"])
     params = {r["mixer"]: r["params"] for r in res["step"]}
     for r in res["memory"]:  # float32 parameters and AdamW's two moments, as large each
-        assert (
-            close(r["state_mib"], 12 * params[r["mixer"]] / 2**20)
-            and r["saved_mib"] > 0
-        ), r
-        if "peak_mib" in r:  # Linux
-            per_seq = (r["peak_mib"] - r["peak_half_mib"]) / (
-                4 - 2
-            )  # --quick: batches 4 and 2
+        assert close(r["state_mib"], 12 * params[r["mixer"]] / 2**20), r
+        assert r["saved_mib"] > 0, r
+        if "peak_mib" in r:  # Linux; --quick: batches 4 and 2
+            per_seq = (r["peak_mib"] - r["peak_half_mib"]) / (4 - 2)
             assert close(r["per_seq_mib"], per_seq) and r["fits"] == "yes", r
-            assert r["max_batch"] == 4 + math.floor(
-                (5 * 1024 - r["peak_mib"]) / per_seq
-            ), r  # 6 GiB less 1
-    for argv in (
-        ["--mixers", "nope"],
-        ["--sections", "x"],
-        ["--n_head", "5"],
-        ["--gpu_gib", "1"],
-        ["--x"],
-    ):
-        error_line(
-            capsys, bench.main, argv + ["--quick"]
-        )  # bad flags: one line, exit status 1
+            most = 4 + math.floor((5 * 1024 - r["peak_mib"]) / per_seq)  # 6 GiB less 1
+            assert r["max_batch"] == most, r
+    bad = (["--mixers", "nope"], ["--sections", "x"], ["--n_head", "5"])
+    for argv in bad + (["--gpu_gib", "1"], ["--x"]):  # one line, exit status 1
+        error_line(capsys, bench.main, argv + ["--quick"])
 
 
 def test_bench_counts_a_known_steps_flops_bytes_and_peak():
-    lin, x = (
-        torch.nn.Linear(8, 8, bias=False),
-        torch.randn(6, 8, requires_grad=True),
-    )  # 256 and 192 bytes
+    lin = torch.nn.Linear(8, 8, bias=False)  # 256 bytes
+    x = torch.randn(6, 8, requires_grad=True)  # 192 bytes
     opt = torch.optim.AdamW(lin.parameters())
 
-    def step():  # forward (6, 8) @ (8, 8) and (8, 6) @ (6, 8); backward two products for each
-        h = lin(
-            x
-        )  # saves x (for the weight's gradient) and the weight (a parameter: no activation)
-        (
-            h.t() @ h
-        ).sum().backward()  # saves h and its view h.t(): one storage, 192 bytes
+    # forward (6, 8) @ (8, 8) and (8, 6) @ (6, 8); backward two products for each
+    def step():
+        # saves x (for the weight's gradient), the weight (a parameter: no activation)
+        h = lin(x)
+        # saves h and its view h.t(): one storage, 192 bytes
+        (h.t() @ h).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step()  # AdamW's moments: 2 x 256 bytes
     flops, moved = bench.step_counts(lin, opt, step, logits=1000)
     assert flops == 3 * (2 * 6 * 8 * 8) + 3 * (2 * 8 * 6 * 8)
-    assert moved == 2 * (
-        256 + 256 + 512 + 192 + 192 + 1000
-    )  # parameters, gradients, moments, saved, logits
-    if os.path.exists(
-        "/proc/self/clear_refs"
-    ):  # Linux: the high-water mark is reset, not an earlier one
+    # parameters, gradients, moments, saved, logits
+    assert moved == 2 * (256 + 256 + 512 + 192 + 192 + 1000)
+    if os.path.exists("/proc/self/clear_refs"):  # Linux: this step's high-water mark
         torch.ones(2**26).sum()  # 256 MiB, freed
-        peak = bench.peak_bytes(
-            lambda: torch.ones(2**24).add_(1), torch.device("cpu")
-        )  # 64 MiB
-        assert 2**26 - 2**20 <= peak < 2**26 + 2**24, (
-            peak
-        )  # (freed heap it reused: under 1 MiB)
+        grow = lambda: torch.ones(2**24).add_(1)  # 64 MiB
+        peak = bench.peak_bytes(grow, torch.device("cpu"))
+        # (freed heap it reused: under 1 MiB)
+        assert 2**26 - 2**20 <= peak < 2**26 + 2**24, peak
 
 
 def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, capsys):
-    cuda, module = (
-        torch.device("cuda"),
-        lambda m: bench.sublayer(Config(n_embd=8, n_head=2, mixer=m)),
-    )
+    cuda = torch.device("cuda")
+    module = lambda m: bench.sublayer(Config(n_embd=8, n_head=2, mixer=m))
     paths = {
         m: bench.sublayer_paths(module(m), 16, cuda) for m in ("sa", "me", "we", "she")
     }
-    for m, dim in (
-        ("me", 1),
-        ("we", 2),
-        ("she", 3),
-    ):  # the default first, then every path for these taps
+    for m, dim in (("me", 1), ("we", 2), ("she", 3)):  # the default, then every path
         want = sorted(p for p, dims in fir.PATHS.items() if dim in dims)
-        assert (
-            paths[m][0] == fir.default_path("cuda", dim, 16)
-            and sorted(paths[m]) == want
-        ), m
-        assert bench.sublayer_paths(module(m), 16, torch.device("cpu")) == [
-            fir.default_path("cpu", dim, 16)
-        ]
+        assert paths[m][0] == fir.default_path("cuda", dim, 16), m
+        assert sorted(paths[m]) == want, m
+        cpu_paths = bench.sublayer_paths(module(m), 16, torch.device("cpu"))
+        assert cpu_paths == [fir.default_path("cpu", dim, 16)]
     assert paths["sa"] == ["sdpa"] and len(paths["me"]) == 3 and len(paths["she"]) == 2
-    sublayer_paths, forcing, forced = bench.sublayer_paths, fir.forcing, []
-    monkeypatch.setattr(
-        bench, "sublayer_paths", lambda mod, t, _: sublayer_paths(mod, t, cuda)
-    )  # run here
-    monkeypatch.setattr(
-        fir, "forcing", lambda path: forced.append(path) or forcing(path)
-    )
-    bench.main(
-        [
-            "--quick",
-            "--sections",
-            "sublayer",
-            "--mixers",
-            "me,she",
-            "--device",
-            str(DEVICE),
-        ]
-    )
-    out = capsys.readouterr().out.split("\n\n")[
-        1
-    ]  # the table: title, columns, ----, rows, notes
+    sublayer_paths, forcing = bench.sublayer_paths, fir.forcing  # the originals
+    forced = []
+
+    def force(path):
+        forced.append(path)
+        return forcing(path)
+
+    # the CUDA paths, run here
+    on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)
+    monkeypatch.setattr(bench, "sublayer_paths", on_cuda)
+    monkeypatch.setattr(fir, "forcing", force)
+    argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
+    bench.main(argv + ["--device", str(DEVICE)])
+    # the table: title, columns, ----, rows, notes
+    out = capsys.readouterr().out.split("\n\n")[1]
     rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
     assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
-    assert sorted(forced) == sorted(
-        p for _, p in rows[1:] for _ in range(3 + 2)
-    )  # 3 warm-up rounds, 2 timed
+    # 3 warm-up rounds, 2 timed
+    assert sorted(forced) == sorted(p for _, p in rows[1:] for _ in range(3 + 2))
 
 
 @pytest.mark.slow
 def test_bench_quick_as_users_run_it_every_mixer_and_a_closed_pipe():
     rc, out, err = run_script("experiments/bench.py", "--quick", "--mixers", "all")
-    names = [
-        *MIXERS,
-        *SYNTHESIZERS,
-    ]  # sa first, the paper's mixers, then the Synthesizers
+    names = [*MIXERS, *SYNTHESIZERS]  # sa first, the paper's mixers, the Synthesizers
     for block in out.split("\n\n")[1:4]:
-        assert (
-            rc == 0
-            and [ln.split()[0] for ln in block.splitlines()[3:]][: len(names)] == names
-        ), err
-    r, w, argv = *os.pipe(), [sys.executable, "experiments/bench.py", "--table7"]
-    os.close(
-        r
-    )  # `bench.py --table7 | head -1`: the reader is gone before the first line
+        first = [ln.split()[0] for ln in block.splitlines()[3:]]
+        assert rc == 0 and first[: len(names)] == names, err
+    r, w = os.pipe()
+    # `bench.py --table7 | head -1`: the reader is gone before the first line
+    os.close(r)
+    argv = [sys.executable, "experiments/bench.py", "--table7"]
     p = subprocess.run(argv, cwd=ROOT, stdout=w, stderr=subprocess.PIPE)
     os.close(w)
-    assert p.returncode == -signal.SIGPIPE and b"Traceback" not in p.stderr, p.stderr[
-        -300:
-    ]
+    assert p.returncode == -signal.SIGPIPE, p.stderr[-300:]
+    assert b"Traceback" not in p.stderr, p.stderr[-300:]
 
 
 # ======== the data (prepare_data.py): Gutenberg's wrappers, download, split, BPE,
@@ -2631,8 +2573,109 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
 
 
 # ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
-# check ========
+# check, what it copies into results/ ========
 SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
+
+
+def _fake_run(folder, batches, device):
+    """A run folder as train.py leaves it: log.csv of `batches` rows, run.json."""
+    os.makedirs(folder, exist_ok=True)
+    rows = [f"{i},{5 - i / 100},,0.001,1000,{i}\n" for i in range(1, batches + 1)]
+    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
+    open(f"{folder}/log.csv", "w").write(header + "".join(rows))
+    json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
+
+
+def _tree(folder):
+    """{path: bytes} of every file under folder."""
+    paths = glob.glob(f"{folder}/**/*", recursive=True)
+    return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
+
+
+def test_reproduce_without_cuda_says_so_and_touches_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    import reproduce
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results, work = tmp_path / "results", tmp_path / "work"
+    _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
+    before = _tree(results)
+    for argv in ([], ["--check"], ["me", "--device=cuda:1"]):
+        argv += [f"--results={results}", f"--work={work}"]
+        assert "no CUDA device" in error_line(capsys, reproduce.main, argv)
+    assert _tree(results) == before and not work.exists()
+
+
+def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
+    tmp_path, capsys, monkeypatch
+):
+    import reproduce
+
+    results, work = tmp_path / "results", tmp_path / "work"
+    committed = results / "logs" / "table1" / "me"
+    _fake_run(committed, 40, "cuda:0")
+    log = committed / "log.csv"
+    (committed / "log.csv.gz").write_bytes(gzip.compress(log.read_bytes()))
+    os.remove(log)
+    redrawn = []
+
+    def redraw(results):
+        redrawn.append(results)
+        return True
+
+    monkeypatch.setattr(reproduce, "redraw", redraw)
+
+    def main(batches, device, code, *flags):
+        def train_all(names, flags, work):
+            _fake_run(os.path.join(work, "me"), batches, device)
+            return [code]
+
+        monkeypatch.setattr(reproduce, "train_all", train_all)
+        argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
+        return reproduce.main(argv + list(flags))
+
+    before = _tree(results)
+    for batches, device, code, rc in (
+        (39, "cuda:0", 0, 0),
+        (40, "cpu", 0, 0),
+        (99, "cuda", 1, 1),
+    ):
+        assert main(batches, device, code) == rc
+        assert _tree(results) == before and redrawn == [], (batches, device, code)
+    assert main(40, "cuda", 0) == 0 and redrawn == [str(results)]  # as long: copied
+    assert json.load(open(committed / "run.json")) == {"args": {"device": "cuda"}}
+    assert main(20, "cpu", 0, "--replace") == 0 and len(redrawn) == 2
+    assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
+    assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
+
+    def stopped(names, flags, work):
+        raise KeyboardInterrupt  # Ctrl-C while the runs train
+
+    monkeypatch.setattr(reproduce, "train_all", stopped)
+    capsys.readouterr()
+    assert reproduce.main(["--device=cpu", f"--work={work}"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("stopped: ") and err.endswith("goes on from there\n")
+
+
+@pytest.mark.slow
+def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
+    import reproduce
+
+    logs = os.path.join(ROOT, "results", "logs", "table1")
+    for name in os.listdir(logs):  # the committed logs, into a results/ of its own
+        os.makedirs(tmp_path / "logs" / "table1" / name)
+        for file in ("log.csv.gz", "run.json"):
+            copy = tmp_path / "logs" / "table1" / name / file
+            copy.write_bytes(open(os.path.join(logs, name, file), "rb").read())
+    assert reproduce.redraw(str(tmp_path))
+    drawn = sorted(os.listdir(tmp_path / "table1"))
+    figures = ["fig8.png", "fig8_w2000.png", "fig9.png"]
+    assert drawn == figures + ["medians.csv", "summary.csv", "val_loss.csv"]
+    for name in drawn:  # windows of 2000 (the CSVs, fig8_w2000) and 500 (fig8)
+        committed = open(os.path.join(ROOT, "results", "table1", name), "rb").read()
+        assert (tmp_path / "table1" / name).read_bytes() == committed, name
 
 
 @pytest.mark.slow
@@ -2642,94 +2685,65 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     import reproduce
 
     results, work = tmp_path / "results", str(tmp_path / "work")
-    argv = [
-        "--device=cpu",
-        f"--data_dir={data}",
-        f"--work={work}",
-        f"--results={results}",
-    ]
+    argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
+    argv.append("--device=cpu")
     runs = {"sa-1": [*SIZES, "--mixer=sa", "--n_head=1"], "me": [*SIZES, "--mixer=me"]}
+    monkeypatch.setattr(
+        reproduce, "redraw", lambda results: True
+    )  # (2000-batch windows)
     for n in (20, 40):  # a second call goes on from the first's checkpoints
-        monkeypatch.setattr(
-            reproduce, "RUNS", {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
-        )
+        tiny = {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
+        monkeypatch.setattr(reproduce, "RUNS", tiny)
         assert reproduce.main(argv) == 0
     for name in ("sa-1", "me"):
         with gzip.open(results / "logs" / "table1" / name / "log.csv.gz", "rt") as f:
             assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
-        assert (
-            "training from batch 20 to 40"
-            in open(os.path.join(work, name, "console.txt")).read()
-        )
+        console = open(os.path.join(work, name, "console.txt")).read()
+        assert "training from batch 20 to 40" in console
     for name in (
         "sa-1",
         "me",
-    ):  # the "CPU runs": these models trained here, 100 batches each
-        cpu = results / "logs" / "table1-cpu" / name
+    ):  # the "CPU runs": these models trained here, 100 batches
+        out = tmp_path / name
         flags = [
             *runs[name],
             "--max_iters=100",
             f"--data_dir={data}",
-            f"--out_dir={tmp_path / name}",
+            f"--out_dir={out}",
         ]
         assert train.main(flags + ["--device=cpu"]) == 0
+        cpu = results / "logs" / "table1-cpu" / name
         os.makedirs(cpu)
-        with (
-            open(tmp_path / name / "log.csv", "rb") as f,
-            gzip.open(cpu / "log.csv.gz", "wb") as g,
-        ):
+        with open(out / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
             g.write(f.read())
     assert reproduce.main(argv + ["--check"]) == 0
-    assert (
-        "passed: every 10-batch window within 0.05"
-        in (results / "gpu" / "check.txt").read_text()
-    )
+    check = results / "gpu" / "check.txt"
+    assert "passed: every 10-batch window within 0.05" in check.read_text()
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "rt") as f:
         rows = list(csv.reader(f))
-    rows[35][1] = str(
-        float(rows[35][1]) - 0.6
-    )  # batch 35: its window's mean 0.06 lower on the "CPU"
+    # batch 35: its window's mean 0.06 lower on the "CPU"
+    rows[35][1] = str(float(rows[35][1]) - 0.6)
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "wt") as f:
         csv.writer(f).writerows(rows)
+    stale = os.path.join(work, "check", "me", "log.csv")  # a check trains anew
+    rows = list(csv.reader(open(stale)))
+    rows[35][1] = str(float(rows[35][1]) + 1)
+    csv.writer(open(stale, "w"), lineterminator="\n").writerows(rows)
     assert reproduce.main(argv + ["--check"]) == 1
-    table = (results / "gpu" / "check.txt").read_text().splitlines()
-    assert (
-        table[-2].startswith("me ")
-        and "+0.0600" in table[-2]
-        and table[-1].startswith("FAILED")
-    )
+    table = check.read_text().splitlines()
+    assert table[-2].startswith("me ") and "+0.0600" in table[-2]
+    assert table[-1].startswith("FAILED")
 
 
-# ======== tools: plots and CSVs (plot.py), what the mixers learned (taps.py), results/
-# ========
-def _run(
-    folder,
-    mixer,
-    losses,
-    n_head=1,
-    val_every=5,
-    seed=1,
-    data_seed=1,
-    start=1,
-    data=None,
-    **config,
-):
+# ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========
+def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
     """A run folder as train.py writes it, of made-up costs from batch `start` on
-    (validation: cost - 0.5).
-    """
-    cfg = {
-        "mixer": mixer,
-        "n_head": n_head,
-        "n_layer": 2,
-        "block_size": 32,
-        "vocab_size": 50,
-    } | config
-    run = {
-        "config": cfg,
-        "args": dict(seed=seed, data_seed=data_seed),
-        "params": {"mixers": 7},
-        "data": data,
-    }
+    (validation: cost - 0.5); `more`: start, data (run.json's), config's settings."""
+    start = more.pop("start", 1)
+    data = more.pop("data", None)
+    cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
+    args = dict(seed=seed, data_seed=data_seed)
+    run = {"config": cfg | more, "args": args, "params": {"mixers": 7}, "data": data}
     os.makedirs(folder)
     json.dump(run, open(f"{folder}/run.json", "w"))
     val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
@@ -2738,32 +2752,34 @@ def _run(
         for i, x in enumerate(losses, start)
     ]
     header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
-    open(f"{folder}/log.csv", "w").write(
-        "\n".join([header, *rows, "7"])
-    )  # 7: a row half-written, as it runs
+    # 7: a row half-written, as it runs
+    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
     return str(folder)
 
 
 _csv = lambda path: list(csv.reader(open(path, newline="")))
-_lines = lambda ax: {
-    line.get_label(): line.get_xydata().T.tolist() for line in ax.lines
-}  # label: [x, y]
-_random = lambda seed, *ns: [
-    [random.Random(seed + n).uniform(3, 6) for _ in range(n)] for n in ns
-]
+
+
+def _lines(ax):
+    """{label: [x, y]} of the lines drawn on ax."""
+    return {line.get_label(): line.get_xydata().T.tolist() for line in ax.lines}
+
+
+def _random(seed, *ns):
+    return [[random.Random(seed + n).uniform(3, 6) for _ in range(n)] for n in ns]
 
 
 @pytest.fixture
 def figures(monkeypatch):
     """The figures plot.py and taps.py draw, titled and kept for the test instead of
-    written.
-    """
-    drawn, keep = (
-        [],
-        lambda fig, path, title=None: (
-            drawn.append(fig) or title and fig.suptitle(title)
-        ),
-    )
+    written."""
+    drawn = []
+
+    def keep(fig, path, title=None):
+        drawn.append(fig)
+        if title:
+            fig.suptitle(title)
+
     for module in (plot, taps):
         monkeypatch.setattr(module, "save", keep)
     yield drawn
@@ -2775,78 +2791,42 @@ def test_plot_imports_without_torch():
     code = (
         "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
     )
-    assert (
-        subprocess.run(
-            [sys.executable, "-c", code], cwd=os.path.join(ROOT, "experiments")
-        ).returncode
-        == 0
-    )
+    experiments = os.path.join(ROOT, "experiments")
+    assert subprocess.run([sys.executable, "-c", code], cwd=experiments).returncode == 0
 
 
 def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     tmp_path, capsys, figures
 ):
-    (sa, she), out = _random(0, 2500, 2100), tmp_path / "my results"
+    sa, she = _random(0, 2500, 2100)
+    out = tmp_path / "my results"
+    # named against the paper's order; c: another seed, 1200 batches, for seeds.csv
     runs = [
         _run(tmp_path / "b", "she", she, 1, 500),
         _run(tmp_path / "a", "sa", sa, 32, 500),
-    ]  # named order
-    seed = _run(
-        tmp_path / "c", "she", she[:1200], 1, 500, 2
-    )  # another seed, 1200 batches: seeds.csv
-    argv = runs + [
-        "--window",
-        "400",
-        "--results",
-        str(out),
-        "-o",
-        str(out / "f 1.png"),
-        "--seeds",
-        seed,
     ]
-    written = [
-        str(out / f)
-        for f in ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
+    seed = _run(tmp_path / "c", "she", she[:1200], 1, 500, 2)
+    argv = runs + ["--window", "400", "--results", str(out), "-o", str(out / "f 1.png")]
+    argv += ["--seeds", seed]
+    files = ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
+    assert plot.main(argv) == 0
+    assert shlex.split(capsys.readouterr().out) == ["wrote"] + [
+        str(out / f) for f in files
     ]
-    assert plot.main(argv) == 0 and shlex.split(capsys.readouterr().out) == [
-        "wrote",
-        *written,
-    ]  # all of it
-    med = lambda x, b: (
-        repr(median(x[b - 400 : b])) if b <= len(x) else ""
-    )  # she: 5 windows, sa-32: 6
+    med = lambda x, b: repr(median(x[b - 400 : b])) if b <= len(x) else ""
     rows = [[str(b), med(sa, b), med(she, b)] for b in range(400, 2401, 400)]
     assert _csv(out / "medians.csv") == [["batches", "sa-32", "she"]] + rows
     v = lambda x, b: repr(x[b - 1] - 0.5) if b <= len(x) else ""
-    assert _csv(out / "val_loss.csv")[1:] == [
-        [str(b), v(sa, b), v(she, b)] for b in range(500, 3000, 500)
-    ]
-    last = [
-        repr(median(she[-n:])) for n in (1000, 2000)
-    ]  # tokens/s: 1001, 1002, 1000, 1001, ...
-    assert _csv(out / "summary.csv")[2] == [
-        "she",
-        "2100",
-        *last,
-        v(she, 2000),
-        "2000",
-        "7",
-        "",
-        "1001",
-    ]
-    at = lambda m, s, x: [
-        m,
-        s,
-        "1",
-        "1200",
-        repr(median(x[200:1200])),
-        v(x, 1000),
-    ]  # the shortest run's
-    assert _csv(out / "seeds.csv")[1:] == [
-        at("sa-32", "1", sa),
-        at("she", "1", she),
-        at("she", "2", she),
-    ]
+    vals = [[str(b), v(sa, b), v(she, b)] for b in range(500, 3000, 500)]
+    assert _csv(out / "val_loss.csv")[1:] == vals
+    last = [repr(median(she[-n:])) for n in (1000, 2000)]
+    # tokens/s: 1001, 1002, 1000, 1001, ...: median 1001
+    she_row = ["she", "2100", *last, v(she, 2000), "2000", "7", "", "1001"]
+    assert _csv(out / "summary.csv")[2] == she_row
+    # seeds.csv: each at the shortest run's 1200 batches
+    at = lambda m, s, x: [m, s, "1", "1200", repr(median(x[200:1200])), v(x, 1000)]
+    seeds = [at("sa-32", "1", sa), at("she", "1", she), at("she", "2", she)]
+    assert _csv(out / "seeds.csv")[1:] == seeds
     assert plot.main(argv + ["--batches", "1600"]) == 0  # the runs at one length
     assert _csv(out / "summary.csv")[2][1:3] == ["1600", repr(median(she[600:1600]))]
 
@@ -2854,32 +2834,23 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
 def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
     tmp_path, capsys, monkeypatch
 ):
-    run, drawn, save = (
-        _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30),
-        [],
-        plot.save,
-    )
-    monkeypatch.setattr(
-        plot,
-        "save",
-        lambda fig, path: drawn.append(_lines(fig.axes[0])) or save(fig, path),
-    )
+    run = _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30)
+    drawn = []
+    save = plot.save
+
+    def keep(fig, path):
+        drawn.append(_lines(fig.axes[0]))
+        save(fig, path)
+
+    monkeypatch.setattr(plot, "save", keep)
     monkeypatch.chdir(tmp_path)
-    assert plot.main([run]) == 0 and os.listdir(tmp_path) == [
-        "me"
-    ]  # nothing in the working folder
-    assert (
-        capsys.readouterr().out == f"wrote {run}/loss.png\n"
-        and os.path.getsize(f"{run}/loss.png") > 1000
-    )
-    assert [x for x, _ in drawn[0].values()] == [
-        [*range(1, 91)],
-        [*range(3, 91, 3)],
-        [30, 60, 90],
-    ]
-    assert "name it with -o" in error_line(
-        capsys, plot.main, [run, _run(tmp_path / "he", "he", [5] * 90)]
-    )
+    assert plot.main([run]) == 0 and os.listdir(tmp_path) == ["me"]  # nothing here
+    assert capsys.readouterr().out == f"wrote {run}/loss.png\n"
+    assert os.path.getsize(f"{run}/loss.png") > 1000
+    batches = [[*range(1, 91)], [*range(3, 91, 3)], [30, 60, 90]]
+    assert [x for x, _ in drawn[0].values()] == batches
+    two = [run, _run(tmp_path / "he", "he", [5] * 90)]
+    assert "name it with -o" in error_line(capsys, plot.main, two)
 
 
 def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
@@ -2890,34 +2861,22 @@ def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
     assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
     assert figures[0]._suptitle.get_text() == "m = 2, l = 32, 8, 12 batches, seed 1337"
     med = lambda n: [median(logs[n][i : i + 4]) for i in range(0, len(logs[n]), 4)]
-    gaps = {
-        n: [
-            [4, 8, 12][: len(logs[n]) // 4],
-            [a - b for a, b in zip(med(n), med("sa-32"))],
-        ]
-        for n in logs
-    }
-    assert _lines(figures[0].axes[1]) == gaps | {
-        "sa-32": [[0, 1], [0, 0]]
-    }  # the windows both runs have
-    resumed = _run(
-        tmp_path / "resumed", "me", logs["me"], start=31
-    )  # a log of batches 31-42
+    gaps = {}
+    for n in logs:  # the windows both runs have
+        ends = [4, 8, 12][: len(logs[n]) // 4]
+        gaps[n] = [ends, [a - b for a, b in zip(med(n), med("sa-32"))]]
+    assert _lines(figures[0].axes[1]) == gaps | {"sa-32": [[0, 1], [0, 0]]}
+    resumed = _run(tmp_path / "resumed", "me", logs["me"], start=31)  # batches 31-42
     assert plot.main([resumed, runs[2], "--raw", "-o", str(tmp_path / "f.png")]) == 0
-    raw = {
-        "he": [[*range(1, 9)], logs["he"]],
-        "me": [[*range(31, 43)], logs["me"]],
-    }  # every batch
-    assert _lines(figures[1].axes[0]) == raw
+    raw = {"he": [[*range(1, 9)], logs["he"]], "me": [[*range(31, 43)], logs["me"]]}
+    assert _lines(figures[1].axes[0]) == raw  # every batch at its number
 
 
 def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
     tmp_path, capsys, figures
 ):
-    res, keys = (
-        tmp_path / "res",
-        [(m, l) for m in ("she", "he") for l in (64, 128)],
-    )  # in the paper's order
+    res = tmp_path / "res"
+    keys = [(m, l) for m in ("she", "he") for l in (64, 128)]  # in the paper's order
     logs = dict(zip(keys, _random(3, *[2500] * 4)))
     runs = {
         (m, l): _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l) for m, l in keys
@@ -2930,52 +2889,38 @@ def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
         "-o",
         str(res / "fig10.png"),
     ]
-    assert (
-        plot.main([runs[k] for k in keys[:0:-1]] + argv) == 0
-    )  # she at 128, he at 128 and 64
-    point = lambda k: [
-        k[0],
-        str(k[1]),
-        "2500",
-        repr(median(logs[k][-2000:])),
-        repr(logs[k][-1] - 0.5),
-    ]
-    rows = [
-        ["mixer", "l", "batches", "median_last_2000", "val_loss"],
-        *map(point, keys[1:]),
-    ]
+    # she at 128, he at 128 and 64
+    assert plot.main([runs[k] for k in keys[:0:-1]] + argv) == 0
+    last = lambda k: repr(median(logs[k][-2000:]))
+    point = lambda k: [k[0], str(k[1]), "2500", last(k), repr(logs[k][-1] - 0.5)]
+    header = ["mixer", "l", "batches", "median_last_2000", "val_loss"]
+    rows = [header, *map(point, keys[1:])]
     assert os.listdir(res) == ["fig10.csv"] and _csv(res / "fig10.csv") == rows
-    assert _lines(figures[0].axes[0])["he"] == [
-        [64, 128],
-        [float(p[3]) for p in rows[2:]],
-    ]  # the paper's
-    assert _lines(figures[0].axes[1])["she"] == [
-        [128],
-        [float(rows[1][4])],
-    ]  # the validation loss beside
-    os.rename(
-        res / "fig10.csv", tmp_path / "earlier.csv"
-    )  # she 128, he 128 stay; a new run replaces he 64
+    he = [[64, 128], [float(p[3]) for p in rows[2:]]]  # the paper's axes
+    assert _lines(figures[0].axes[0])["he"] == he
+    she = [[128], [float(rows[1][4])]]  # the validation loss beside
+    assert _lines(figures[0].axes[1])["she"] == she
+    # she 128, he 128 stay; a new run replaces he 64
+    os.rename(res / "fig10.csv", tmp_path / "earlier.csv")
     new = _run(tmp_path / "new", "he", [4.0] * 2500, block_size=64)
     assert plot.main([runs[keys[0]], new, str(tmp_path / "earlier.csv")] + argv) == 0
     he64 = ["he", "64", "2500", "4.0", "3.5"]  # the new run's point
     assert _csv(res / "fig10.csv") == [rows[0], point(keys[0]), rows[1], he64, rows[3]]
     short = [runs[keys[2]], _run(tmp_path / "s", "me", [4] * 2400)]
     assert "have 2400 to 2500 batches" in error_line(capsys, plot.main, short + argv)
-    assert "both he at l = 64;" in error_line(
-        capsys, plot.main, [runs[keys[2]], new] + argv
-    )
-    heads = [
-        _run(tmp_path / f"{m}{n}", m, [4] * 30, n_head=n)
-        for m, n in (("sa", 1), ("sa", 8), ("he", 1))
-    ]
-    assert "one mixer" in error_line(
-        capsys, plot.main, heads + ["--sweep", "n_head"] + argv[-2:]
-    )
+    twice = [runs[keys[2]], new] + argv
+    assert "both he at l = 64; pass one" in error_line(capsys, plot.main, twice)
+    pairs = (("sa", 1), ("sa", 8), ("he", 1))
+    heads = [_run(tmp_path / f"{m}{n}", m, [4] * 30, n_head=n) for m, n in pairs]
+    heads += ["--sweep", "n_head"] + argv[-2:]
+    assert "one mixer" in error_line(capsys, plot.main, heads)
 
 
 def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
-    run, out = _run(tmp_path / "run", "me", [5.0] * 10), ["-o", str(tmp_path / "f.png")]
+    run = _run(tmp_path / "run", "me", [5.0] * 10)
+    out = ["-o", str(tmp_path / "f.png")]
+    long = _run(tmp_path / "long", "he", [4] * 1020)
+    other = _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60)
     shas = [
         _run(tmp_path / c, "me", [5.0] * 10, data={"train_sha256": c * 64})
         for c in "ab"
@@ -2983,21 +2928,18 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     cases = {
         "nope/run.json: No such file or directory": [str(tmp_path / "nope")],
         f"{run} and {run}/ are one run folder; pass each run once": [run, run + "/"],
-        "has 10 batches, fewer than a window of 50; pass --window 10 or drop it": [
+        f"fewer than a window of 50; pass --window 10 or leave {run} out": [
             run,
             "--window",
             "50",
         ],
-        f"{run} has 10 batches, fewer than a window of 34": [
-            run,
-            _run(tmp_path / "long", "he", [4] * 1020),
-        ],
+        f"{run} has 10 batches, fewer than a window of 34": [run, long],
         "no number 'colour' in its run.json; sweep one of block_size, data_seed,": [
             run,
             "--sweep",
             "colour",
         ],
-        "--window and --batches must be at least 1": [run, "--window", "0"],
+        "--window must be at least 1, got 0": [run, "--window", "0"],
         "must be mixer,l,batches,median_last_10,val_loss": [
             run,
             run + "/log.csv",
@@ -3006,98 +2948,78 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         ],
         "cannot write a .xyz image": [run, "-o", str(tmp_path / "f.xyz")],
         f"cannot write {tmp_path}: Is a directory": [run, "-o", str(tmp_path)],
-        "(vocabulary 50; vocabulary 60)": [
-            run,
-            _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60),
-        ],
-        "(vocabulary 50, train.bin aaaaaaaaaaaa; vocabulary 50, train.bin bbbbbbbbbbbb)": shas,
+        "(vocabulary 50; vocabulary 60)": [run, other],
+        "(vocabulary 50, train.bin aaaaaaaaaaaa; vocabulary 50, train.bin bbbb": shas,
     }
     for err, argv in cases.items():
         assert err in error_line(capsys, plot.main, out + argv), argv
     log = gzip.compress(open(f"{run}/log.csv", "rb").read())
     os.remove(f"{run}/log.csv")
+    # cut, not gzip, gzip of bytes, gzip of text
     for garbage in (
         log[:60],
         b"\x00" * 99,
         gzip.compress(b"\xff" * 9),
         gzip.compress(b"a\n"),
     ):
-        open(f"{run}/log.csv.gz", "wb").write(
-            garbage
-        )  # cut, not gzip, gzip of bytes, gzip of text
-        assert error_line(capsys, plot.main, [run] + out).startswith(
-            f"error: {run}/log.csv.gz "
-        )
+        open(f"{run}/log.csv.gz", "wb").write(garbage)
+        err = error_line(capsys, plot.main, [run] + out)
+        assert err.startswith(f"error: {run}/log.csv.gz "), err
     for damaged, why in (
         ('{"config": {"mixer"', "JSONDecodeError"),
         ("{}", "KeyError"),
     ):
         open(f"{run}/run.json", "w").write(damaged)
-        assert f"{run}/run.json is damaged ({why}" in error_line(
-            capsys, plot.main, [run] + out
-        )
+        err = error_line(capsys, plot.main, [run] + out)
+        assert f"{run}/run.json is damaged ({why}" in err
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "long", "other", "run"]
 
 
 def test_taps_tap_profile_is_each_taps_norm_per_layer():
     c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # a tap per distance back k = 1..4; d = 4
-    norms = {
-        "me": (c, 1.0),
-        "we": (c[:, None] * torch.ones(4), 2.0),
-        "he": (c[:, None] * torch.ones(4), 2.0),
-    }
-    norms["she"] = (
-        c[:, None, None] * torch.eye(4),
-        2.0,
-    )  # ||c I||_F = ||c (1, 1, 1, 1)||_2 = 2|c|
+    rows = c[:, None] * torch.ones(4)
+    # ||c I||_F = ||c (1, 1, 1, 1)||_2 = 2|c|
+    norms = {"me": (c, 1.0), "we": (rows, 2.0), "he": (rows, 2.0)}
+    norms["she"] = (c[:, None, None] * torch.eye(4), 2.0)
     for mixer, (w, norm) in norms.items():
         model = tiny_model(mixer, l=4, d=4, n_head=1, vocab=16)
         with torch.no_grad():
-            for i, layer in enumerate(
-                model.layers
-            ):  # layer 2's taps are twice layer 1's
-                (layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext).copy_(
-                    w * (i + 1)
-                )
+            for i, layer in enumerate(model.layers):  # layer 2's taps: twice layer 1's
+                taps_of = layer.mixer.W_ext if mixer == "she" else layer.mixer.w_ext
+                taps_of.copy_(w * (i + 1))
         profile = {k: v.tolist() for k, v in taps.tap_profile(model).items()}
-        assert profile == {
-            n: [norm * n * abs(v) for v in c.tolist()] for n in (1, 2)
-        }, mixer
+        want = {n: [norm * n * abs(v) for v in c.tolist()] for n in (1, 2)}
+        assert profile == want, mixer
 
 
-def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distance_by_hand():
+def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distance():
     model = tiny_model("sa", l=5, d=8, n_head=2, vocab=16).double()
     for layer in model.layers:
         torch.nn.init.normal_(layer.mixer.W_QKV.weight)  # far from uniform attention
-    x, mixer = torch.randn(3, 5, 8, dtype=torch.float64), model.layers[0].mixer
-    a = taps.attention_weights(
-        mixer, x
-    )  # (3, 2, 5, 5); a wrong scale or head split gives another output
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    mixer = model.layers[0].mixer
+    # (3, 2, 5, 5); a wrong scale or head split gives another output
+    a = taps.attention_weights(mixer, x)
     v = mixer.W_QKV(x)[..., 16:].view(3, 5, 2, 4).transpose(1, 2)  # (B, n, t, h)
-    assert torch.allclose(
-        mixer.W_out_att((a @ v).transpose(1, 2).reshape(3, 5, 8)), mixer(x), rtol=1e-12
-    )
+    out = mixer.W_out_att((a @ v).transpose(1, 2).reshape(3, 5, 8))
+    assert torch.allclose(out, mixer(x), rtol=1e-12)
     windows = torch.randint(0, 16, (40, 5))  # two chunks of 32 and 8
     profile = taps.tap_profile(model, windows)
     with torch.no_grad():
-        h = (
-            model.emb_tok(windows) + model.emb_pos(torch.arange(5))
-        ) * 8**0.5  # no dropout in eval
+        # no dropout in eval
+        h = (model.emb_tok(windows) + model.emb_pos(torch.arange(5))) * 8**0.5
         for i, layer in enumerate(model.layers, 1):
             a = taps.attention_weights(layer.mixer, layer.ln1(h))  # (40, 2, 5, 5)
-            mean = lambda k: np.mean(
-                [a[:, :, j + k, j] for j in range(5 - k)]
-            )  # over windows, heads, i
+            # over windows, heads, i
+            mean = lambda k: np.mean([a[:, :, j + k, j] for j in range(5 - k)])
             np.testing.assert_allclose(
                 profile[i], [mean(k) for k in range(5)], rtol=1e-12
             )
             h = layer(h)
-        model.layers[
-            0
-        ].mixer.W_QKV.weight.zero_()  # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
-    uniform = [
-        sum(1 / i for i in range(k, 6)) / (6 - k) for k in range(1, 6)
-    ]  # (1 + ... + 1/5) / 5, ...
+        # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
+        model.layers[0].mixer.W_QKV.weight.zero_()
+    # (1 + ... + 1/5) / 5, ...
+    uniform = [sum(1 / i for i in range(k, 6)) / (6 - k) for k in range(1, 6)]
     np.testing.assert_allclose(taps.tap_profile(model, windows)[1], uniform, rtol=1e-12)
     np.testing.assert_allclose(taps.uniform_by_distance(5), uniform, rtol=1e-15)
 
@@ -3105,127 +3027,86 @@ def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distanc
 def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(
     tmp_path, capsys, figures
 ):
-    np.arange(100, dtype=np.uint16).tofile(
-        tmp_path / "val.bin"
-    )  # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
-    assert taps.val_windows(str(tmp_path), 4, n=3).tolist() == [
-        [*range(s, s + 4)] for s in (0, 48, 95)
-    ]
-    sha, models = hashlib.sha256((tmp_path / "val.bin").read_bytes()).hexdigest(), {}
-    moved = {
-        "iter": 10,
-        "args": {"data_dir": str(tmp_path / "gone")},
-    }  # their data has moved since
+    # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    windows = [[*range(s, s + 4)] for s in (0, 48, 95)]
+    assert taps.val_windows(str(tmp_path), 4, n=3).tolist() == windows
+    sha = hashlib.sha256((tmp_path / "val.bin").read_bytes()).hexdigest()
+    moved = {"iter": 10, "args": {"data_dir": str(tmp_path / "gone")}}  # data moved
+    models = {}
     for mixer in ("me", "sa"):
         models[mixer] = model = tiny_model(mixer, l=4, d=8, n_head=2, vocab=100)
-        ckpt = {
-            "model": model.state_dict(),
-            "config": vars(model.cfg),
-            "data": {"val_sha256": sha},
-        }
+        ckpt = {"model": model.state_dict(), "config": vars(model.cfg)}
         os.makedirs(tmp_path / mixer)
-        torch.save(ckpt | moved, tmp_path / mixer / "ckpt.pt")
+        torch.save(
+            ckpt | moved | {"data": {"val_sha256": sha}}, tmp_path / mixer / "ckpt.pt"
+        )
     argv = [
         str(tmp_path / "me"),
         str(tmp_path / "sa"),
         "-o",
         str(tmp_path / "taps.png"),
     ]
-    assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in error_line(
-        capsys, taps.main, argv
-    )
-    np.arange(1, 101, dtype=np.uint16).tofile(
-        tmp_path / "me" / "val.bin"
-    )  # another val.bin
+    err = error_line(capsys, taps.main, argv)
+    assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in err
+    np.arange(1, 101, dtype=np.uint16).tofile(tmp_path / "me" / "val.bin")  # another
     err = error_line(capsys, taps.main, argv + ["--data_dir", str(tmp_path / "me")])
     assert err.endswith(
         "me/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
     )
     assert taps.main(argv + ["--data_dir", str(tmp_path)]) == 0
     panels = [ax for ax in figures[0].axes if ax.get_visible()]
-    assert [ax.get_title() for ax in panels] == [
-        "sa-2, batch 10",
-        "me, batch 10",
-    ]  # in the paper's order
+    titles = ["sa-2, batch 10", "me, batch 10"]  # in the paper's order
+    assert [ax.get_title() for ax in panels] == titles
     windows = torch.from_numpy(taps.val_windows(str(tmp_path), 4))
-    for ax, p in zip(
-        panels,
-        (taps.tap_profile(models["sa"], windows), taps.tap_profile(models["me"])),
-    ):
-        assert [_lines(ax)[f"layer {n}"] for n in (1, 2)] == [
-            [[1, 2, 3, 4], q.tolist()] for q in p.values()
-        ]
-    assert taps.main([str(tmp_path / "me")]) == 0 and capsys.readouterr().out.endswith(
-        "/me/taps.png\n"
-    )
+    profiles = (taps.tap_profile(models["sa"], windows), taps.tap_profile(models["me"]))
+    for ax, p in zip(panels, profiles):
+        want = [[[1, 2, 3, 4], q.tolist()] for q in p.values()]
+        assert [_lines(ax)[f"layer {n}"] for n in (1, 2)] == want
+    assert taps.main([str(tmp_path / "me")]) == 0
+    assert capsys.readouterr().out.endswith("/me/taps.png\n")
 
 
-# ---- results/: every committed CSV is what plot.py makes of the committed logs (where
-# they are committed)
-def test_results_csvs_are_what_plot_makes_of_the_committed_logs(tmp_path, figures):
-    results = os.path.join(ROOT, "results")
+# ---- results/: results/README.md's "Redrawing" commands, run here on the committed
+# logs, write every committed CSV they name, byte for byte
+def _readme_commands():
+    """The plot.py commands of results/README.md's "Redrawing" block, as argv lists,
+    the shell's {a,b} and * expanded."""
+    readme = open(os.path.join(ROOT, "results", "README.md")).read()
+    block = readme.split("**Redrawing.**")[1].split("```")[1]
+    commands = []
+    for line in block.strip().splitlines():
+        argv = []
+        for arg in shlex.split(line)[2:]:  # after python experiments/plot.py
+            head, brace, rest = arg.partition("{")
+            names, _, tail = rest.partition("}")
+            expanded = [head + n + tail for n in names.split(",")] if brace else [arg]
+            argv += sorted(glob.glob(arg, root_dir=ROOT)) if "*" in arg else expanded
+        commands.append(argv)
+    return commands
 
-    def redraw(out, figure, *argv):  # an argument with a / is a path under results/
-        argv = [os.path.join(results, a) if "/" in a else a for a in argv]
-        assert plot.main(argv + ["--results", str(out), "-o", str(out / figure)]) == 0
-        return out
 
-    logs = lambda group: glob.glob(f"logs/{group}/*", root_dir=results)
-    redraw(
-        tmp_path,
-        "fig7_heads.png",
-        *logs("fig7"),
-        "--sweep",
-        "n_head",
-        "--batches",
-        "10000",
-    )
-    redraw(tmp_path / "table1", "f.png", *logs("table1"), "--window", "2000")
-    seeds = [
-        "--seeds",
-        "30000/seeds.csv",
-        "logs/fig7/sa-32",
-        "--batches",
-        "10000",
-        "--window",
-        "500",
-    ]
-    redraw(tmp_path / "data-order", "f.png", *logs("data-order"), *seeds)
-    for name, key in (
-        ("fig10_l_sweep", "block_size"),
-        ("fig11_m_sweep", "n_layer"),
-    ):  # earlier runs' points
-        redraw(tmp_path, f"{name}.png", f"./{name}.csv", "--sweep", key)
-    csvs = [
-        f"{d}/{f}.csv"
-        for d in ("table1", "data-order")
-        for f in ("medians", "val_loss", "summary")
-    ]
-    for name in [
-        "fig7_heads.csv",
-        "fig10_l_sweep.csv",
-        "fig11_m_sweep.csv",
-        "data-order/seeds.csv",
-        *csvs,
-    ]:
-        assert (tmp_path / name).read_text() == open(
-            os.path.join(results, name)
-        ).read(), name
-    out = redraw(
-        tmp_path / "30000",
-        "f.png",
-        "logs/fig7/sa-1",
-        "logs/fig7/sa-32",
-        "--window",
-        "500",
-    )
-    committed = lambda name: _csv(
-        os.path.join(results, "30000", name)
-    )  # its logs are gone but these two
-    for name in (
-        "medians.csv",
-        "val_loss.csv",
-    ):  # the seed-1337 runs of sa-1 and sa-32, to batch 10000
-        assert [row[:3] for row in committed(name)[:21]] == _csv(out / name)
-    for run, n, m, _, val, *_ in _csv(out / "summary.csv")[1:]:
+def test_results_csvs_are_what_the_readmes_commands_make_of_the_committed_logs(
+    tmp_path, monkeypatch, figures
+):
+    monkeypatch.chdir(ROOT)
+    commands = _readme_commands()
+    assert len(commands) == 8  # Figures 7 (two), 8 (two), 9, data order, 10, 11
+    for argv in commands:
+        for i, flag in enumerate(argv[:-1]):
+            if flag in ("-o", "--results"):  # results/... into tmp_path/...
+                argv[i + 1] = str(tmp_path / os.path.relpath(argv[i + 1], "results"))
+        assert plot.main(argv) == 0, argv
+    written = sorted(glob.glob("**/*.csv", root_dir=tmp_path, recursive=True))
+    assert len(written) == 10, written  # and all of them as committed:
+    for name in written:
+        committed = open(os.path.join(ROOT, "results", name), "rb").read()
+        assert (tmp_path / name).read_bytes() == committed, name
+    # 30000/: its logs are gone, but its sa-1 and sa-32 to batch 10000 are fig7's
+    fig7 = ["results/logs/fig7/sa-1", "results/logs/fig7/sa-32", "--window", "500"]
+    assert plot.main(fig7 + ["--results", str(tmp_path), "-o", "f.png"]) == 0
+    committed = lambda name: _csv(os.path.join(ROOT, "results", "30000", name))
+    for name in ("medians.csv", "val_loss.csv"):
+        assert [row[:3] for row in committed(name)[:21]] == _csv(tmp_path / name)
+    for run, n, m, _, val, *_ in _csv(tmp_path / "summary.csv")[1:]:
         assert [run, "1337", "1337", n, m, val] in committed("seeds.csv")

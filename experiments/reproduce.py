@@ -1,11 +1,14 @@
 """
-Figures 8 and 9 on one GPU: Table 1's six models (self-attention with 1 and 32 heads, SHE, HE, WE, ME)
-trained side by side to 60000 batches within a time limit; run again, it goes on where it stopped. After
-each call the logs are kept in results/logs/table1/ and the figures redrawn into results/table1/.
+Figures 8 and 9 on one GPU: Table 1's six models (self-attention with 1 and 32 heads,
+SHE, HE, WE, ME) trained side by side to 60000 batches within a time limit; run again,
+it goes on where it stopped. The runs train in out/table1/. A run that ended well is
+copied into results/logs/table1/ when it is at least as long as the one there and from
+the same kind of device (or with --replace), and then Figures 8 and 9 are redrawn into
+results/table1/ as results/README.md's "Redrawing" does.
 
-    python experiments/reproduce.py --check                   # first: the same experiment as on the CPU?
-    python experiments/reproduce.py --time_limit 14m          # the six side by side; again: it goes on
-    python experiments/reproduce.py sa-32 she --time_limit 7m # Figure 9's two
+    python experiments/reproduce.py --check           # first: the CPU's experiment?
+    python experiments/reproduce.py --time_limit 14m  # the six; again: it goes on
+    python experiments/reproduce.py sa-32 she         # Figure 9's two
 
 --check trains each model for 100 batches and compares every 10-batch window's mean
 training cost with the committed CPU runs of results/logs/table1-cpu: within 0.05, or it
@@ -16,58 +19,42 @@ import argparse
 import contextlib
 import ctypes
 import gzip
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 
-from plot import read_log
+from plot import atomic_write, fail, read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
-PLOT = [
-    sys.executable,
-    os.path.join(ROOT, "experiments", "plot.py"),
-]  # the command that draws the figures
+PLOT = [sys.executable, os.path.join(ROOT, "experiments", "plot.py")]
 # Table 1's six models: train.py's defaults but the mixer (and attention's heads)
 RUNS = {"sa-1": ["--mixer=sa", "--n_head=1"], "sa-32": ["--mixer=sa"]}
 RUNS |= {mixer: [f"--mixer={mixer}"] for mixer in ("she", "he", "we", "me")}
-WINDOW, TOLERANCE = (
-    10,
-    0.05,
-)  # the check: batches per window, the largest gap to the CPU run
+WINDOW = 10  # the check: batches per window
+TOLERANCE = 0.05  # the check: the largest gap to the CPU run's window mean
 
 
 def die_with_parent():
-    """Linux: the kernel sends the child SIGTERM (it checkpoints) if this script dies,
-    even by kill -9.
-    """
-    with contextlib.suppress(
-        OSError, AttributeError
-    ):  # (no libc.so.6 or no prctl: not Linux)
+    """Linux: the kernel sends the child SIGTERM if this script dies, by kill -9 too."""
+    # (no libc.so.6 or no prctl: not Linux)
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def train_all(names, flags, work):
-    """train.py for each run, side by side, into work/<name> (resumed where it has a
-    checkpoint); returns their exit codes. A stop of this script stops them, each at a
-    checkpoint."""
+    """train.py for each run side by side into work/<name>, resumed where it has a
+    checkpoint; their exit codes. A stop of this script stops each at a checkpoint."""
     procs = []
     try:
         for name in names:
             out = os.path.join(work, name)
-            resume = (
-                ["--resume"] if os.path.exists(os.path.join(out, "ckpt.pt")) else []
-            )
-            cmd = [
-                sys.executable,
-                TRAIN,
-                *RUNS[name],
-                *flags,
-                f"--out_dir={out}",
-                *resume,
-            ]
+            cmd = [sys.executable, TRAIN, *RUNS[name], *flags, f"--out_dir={out}"]
+            if os.path.exists(os.path.join(out, "ckpt.pt")):
+                cmd.append("--resume")
             os.makedirs(out, exist_ok=True)
             console = open(os.path.join(out, "console.txt"), "a")
             proc = subprocess.Popen(
@@ -87,134 +74,136 @@ def train_all(names, flags, work):
 
 
 def window_means(run_dir):
-    """The mean training cost of each 10-batch window of a run's log.csv (or
-    log.csv.gz).
-    """
+    """The mean training cost of each 10-batch window of a run's log.csv (or .gz)."""
     costs = read_log(run_dir)["train_loss"]
-    return [
-        sum(costs[i : i + WINDOW]) / WINDOW
-        for i in range(0, len(costs) - WINDOW + 1, WINDOW)
-    ]
+    starts = range(0, len(costs) - WINDOW + 1, WINDOW)
+    return [sum(costs[i : i + WINDOW]) / WINDOW for i in starts]
 
 
 def check(names, args):
-    """Each model's first 100 batches here against its committed CPU run: the windows'
-    gaps, a table.
-    """
-    flags = [
-        "--max_iters=100",
-        "--log_interval=10",
-        "--overwrite",
-        f"--device={args.device}",
-    ]
-    train_all(
-        names, flags + [f"--data_dir={args.data_dir}"], os.path.join(args.work, "check")
-    )
+    """Each model's first 100 batches here against its committed CPU run: a table."""
+    work = os.path.join(args.work, "check")
+    shutil.rmtree(work, ignore_errors=True)  # the check trains anew
+    flags = ["--max_iters=100", "--log_interval=10"]
+    flags += [f"--device={args.device}", f"--data_dir={args.data_dir}"]
+    codes = train_all(names, flags, work)
+    for name, code in zip(names, codes):
+        if code != 0:
+            console = os.path.join(work, name, "console.txt")
+            fail(f"the check's {name} run failed (exit {code}); see {console}")
     ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
-    lines = [
-        f"mean training cost here minus on the CPU, windows of {WINDOW} batches ending at:"
-    ]
+    lines = [f"mean training cost here minus on the CPU, windows of {WINDOW} batches"]
     lines.append(f"{'run':6s} {ends}   worst")
     worst = 0
     for name in names:
-        here = window_means(os.path.join(args.work, "check", name))
+        here = window_means(os.path.join(work, name))
         cpu = window_means(os.path.join(args.results, "logs", "table1-cpu", name))
-        same_length = len(here) == len(cpu) == 100 // WINDOW
-        gaps = [a - b for a, b in zip(here, cpu)] if same_length else [float("inf")]
+        gaps = [a - b for a, b in zip(here, cpu)]
+        if not len(here) == len(cpu) == 100 // WINDOW:
+            gaps = [float("inf")]
         gap = max(map(abs, gaps))
         worst = max(worst, gap)
-        lines.append(
-            f"{name:6s} " + " ".join(f"{g:+7.4f}" for g in gaps) + f" {gap:7.4f}"
-        )
+        row = " ".join(f"{g:+7.4f}" for g in gaps)
+        lines.append(f"{name:6s} {row} {gap:7.4f}")
     verdict = "passed" if worst <= TOLERANCE else "FAILED"
     lines.append(
-        f"{verdict}: every 10-batch window within {TOLERANCE} of the CPU run's (worst {worst:.4f})"
+        f"{verdict}: every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
+        f" (worst {worst:.4f})"
     )
-    text = "\n".join(lines)
+    text = "\n".join(lines) + "\n"
     os.makedirs(os.path.join(args.results, "gpu"), exist_ok=True)
-    with open(os.path.join(args.results, "gpu", "check.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    atomic_write(os.path.join(args.results, "gpu", "check.txt"), text)
+    print(text, end="")
     return 0 if verdict == "passed" else 1
 
 
-def keep_and_redraw(names, args):
-    """Each run's log (gzipped) and run.json into results/logs/table1/, then Figures 8
-    and 9 redrawn.
-    """
-    logs = os.path.join(args.results, "logs", "table1")
-    for name in names:
-        src, dst = os.path.join(args.work, name), os.path.join(logs, name)
-        if not os.path.exists(os.path.join(src, "log.csv")):
-            continue
-        os.makedirs(dst, exist_ok=True)
-        with (
-            open(os.path.join(src, "log.csv"), "rb") as f,
-            open(os.path.join(dst, "log.csv.gz"), "wb") as g,
-        ):
-            g.write(gzip.compress(f.read(), mtime=0))
-        shutil.copy(os.path.join(src, "run.json"), os.path.join(dst, "run.json"))
-    kept = [
-        os.path.join(logs, n)
-        for n in RUNS
-        if os.path.exists(os.path.join(logs, n, "log.csv.gz"))
+def length_and_device(run_dir):
+    """A run's last batch and the kind of device it trained on (cuda, cpu, mps)."""
+    with open(os.path.join(run_dir, "run.json")) as f:
+        run = json.load(f)
+    device = run.get("computed", {}).get("device") or run["args"]["device"]
+    return int(read_log(run_dir)["iter"][-1]), device.split(":")[0]
+
+
+def keep(name, code, args):
+    """Copy a run that ended well (log gzipped, run.json) into results/logs/table1/ if
+    as long as the one there and from one kind of device, or --replace; True if so."""
+    src = os.path.join(args.work, name)
+    dst = os.path.join(args.results, "logs", "table1", name)
+    if code != 0:
+        print(f"{name}: failed (exit {code}), not copied; see {src}/console.txt")
+        return False
+    batches, device = length_and_device(src)
+    if os.path.exists(dst) and not args.replace:
+        old_batches, old_device = length_and_device(dst)
+        if batches < old_batches or device != old_device:
+            print(
+                f"{name}: not copied, {batches} batches on {device} against"
+                f" {old_batches} on {old_device} in {dst} (--replace copies it)"
+            )
+            return False
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "log.csv"), "rb") as f:
+        atomic_write(os.path.join(dst, "log.csv.gz"), gzip.compress(f.read(), mtime=0))
+    with open(os.path.join(src, "run.json"), "rb") as f:
+        atomic_write(os.path.join(dst, "run.json"), f.read())
+    print(f"{name}: {batches} batches on {device}, copied into {dst}")
+    return True
+
+
+def redraw(results):
+    """Table 1's figures and CSVs as results/README.md redraws them; True if all did."""
+    logs = os.path.join(results, "logs", "table1")
+    figures = os.path.join(results, "table1")
+    runs = [os.path.join(logs, n) for n in RUNS if os.path.isdir(os.path.join(logs, n))]
+    commands = [
+        runs + ["--window", "2000", "--results", figures],
+        runs + ["--window", "500", "-o", os.path.join(figures, "fig8.png")],
     ]
-    figures = os.path.join(args.results, "table1")
-    subprocess.run(
-        PLOT + kept + ["--results", figures, "-o", os.path.join(figures, "fig8.png")]
-    )
-    pair = [r for r in kept if os.path.basename(r) in ("sa-32", "she")]
-    if len(pair) == 2:
-        subprocess.run(PLOT + pair + ["--raw", "-o", os.path.join(figures, "fig9.png")])
+    commands[0] += ["-o", os.path.join(figures, "fig8_w2000.png")]
+    pair = [r for r in runs if os.path.basename(r) in ("sa-32", "she")]
+    if len(pair) == 2:  # Figure 9
+        commands.append(pair + ["--raw", "-o", os.path.join(figures, "fig9.png")])
+    codes = [subprocess.run(PLOT + argv).returncode for argv in commands]
+    return not any(codes)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument(
-        "runs",
-        nargs="*",
-        default=list(RUNS),
-        help=f"which of {', '.join(RUNS)} (default: all)",
-    )
-    p.add_argument(
-        "--time_limit",
-        default="14m",
-        help="each train.py stops at a checkpoint before this",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="only the same-experiment check (100 batches each)",
-    )
+    runs_help = f"which of {', '.join(RUNS)} (default: all)"
+    p.add_argument("runs", nargs="*", default=list(RUNS), help=runs_help)
+    p.add_argument("--time_limit", default="14m", help="each run stops within it")
+    p.add_argument("--check", action="store_true", help="only the check, 100 batches")
     p.add_argument("--device", default="cuda", help="the device of every train.py")
     p.add_argument("--data_dir", default="data", help="prepare_data.py's folder")
     p.add_argument("--work", default="out/table1", help="the run folders")
-    p.add_argument(
-        "--results",
-        default=os.path.join(ROOT, "results"),
-        help="where logs and figures go",
-    )
+    results = os.path.join(ROOT, "results")
+    p.add_argument("--results", default=results, help="where logs and figures go")
+    replace = "copy a run that ended well even if shorter or from another device kind"
+    p.add_argument("--replace", action="store_true", help=replace)
     args = p.parse_args(argv)
-    signal.signal(
-        signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum)
-    )  # (so that `finally` runs)
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
-        sys.exit(f"error: unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
-    if args.check:
-        return check(args.runs, args)
-    flags = [
-        f"--time_limit={args.time_limit}",
-        f"--device={args.device}",
-        f"--data_dir={args.data_dir}",
-    ]
-    codes = train_all(args.runs, flags, args.work)
-    keep_and_redraw(args.runs, args)
-    for name, code in zip(args.runs, codes):
-        print(
-            f"{name}: exit {code}, see {os.path.join(args.work, name, 'console.txt')}"
-        )
-    return max(codes, default=0)
+        fail(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
+    import torch  # (only here: the rest of this script needs none)
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
+    # SIGTERM as Ctrl-C: `finally` stops the children
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if args.check:
+            return check(args.runs, args)
+        flags = [f"--time_limit={args.time_limit}", f"--device={args.device}"]
+        codes = train_all(args.runs, flags + [f"--data_dir={args.data_dir}"], args.work)
+    except KeyboardInterrupt:
+        stopped = f"stopped: each run at its last checkpoint in {args.work}"
+        print(f"{stopped}; the same command goes on from there", file=sys.stderr)
+        return 130
+    kept = [keep(name, code, args) for name, code in zip(args.runs, codes)]
+    if any(kept) and not redraw(args.results):
+        return 1
+    return 1 if any(codes) else 0
 
 
 if __name__ == "__main__":

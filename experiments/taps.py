@@ -1,10 +1,11 @@
 """
-What each layer's token mixer learned, from each run's ckpt.pt: a panel per run, a line per layer, against
-the distance back k = 1..l: |w_k| (ME), ||w_k||_2 (WE, HE), ||W_k||_F (SHE), or for self-attention the
-mean attention weight k - 1 tokens back on the run's val.bin, beside uniform attention's.
+What each layer's token mixer learned, from each run's ckpt.pt: a panel per run, a line
+per layer, against the distance back k = 1..l: |w_k| (ME), ||w_k||_2 (WE, HE), ||W_k||_F
+(SHE), or for self-attention the mean attention weight k - 1 tokens back on the run's
+val.bin, beside uniform attention's.
 
-    python experiments/taps.py out/sa-32 out/she out/he out/we out/me -o taps.png   # a panel per run
-    python experiments/taps.py out/me                                               # out/me/taps.png
+    python experiments/taps.py out/sa-32 out/she out/he out/we out/me -o taps.png
+    python experiments/taps.py out/me                             # out/me/taps.png
 """
 
 import argparse
@@ -13,9 +14,8 @@ import math
 import os
 import sys
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # the project root
+# the project root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -24,37 +24,29 @@ from plot import cli, label, output_path, paper_rank, plt, save  # noqa: E402
 from prepare_data import fail  # noqa: E402
 from sample import load_model  # noqa: E402
 
-YLABEL = {
-    "sa": "mean attention weight",
-    "she": r"$\|W_k\|_F$",
-    "me": r"$|w_k|$",
-}  # else ||w_k||_2
+# the y axis of each mixer's panel; the others': ||w_k||_2
+YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"}
 
 
 def tap_profile(model, windows=None):
-    """{layer (from 1): (l,) array}, what its mixer weighs k - 1 tokens back: ME's |w_k|,
-    WE's and HE's
-    ||w_k||_2, SHE's ||W_k||_F; attention's mean weight over heads, positions and `windows` (N, t)."""
+    """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}: ME's |w_k|,
+    WE's and HE's ||w_k||_2, SHE's ||W_k||_F, attention's mean weight on `windows`."""
     if model.cfg.mixer == "sa":
         return attention_by_distance(model, windows)
+    # (l, d, d), (l, d) or (l,) where there are taps
     taps = [
-        getattr(layer.mixer, "W_ext", getattr(layer.mixer, "w_ext", None))
-        for layer in model.layers
+        getattr(L.mixer, "W_ext", getattr(L.mixer, "w_ext", None)) for L in model.layers
     ]
-    if any(w is None for w in taps):  # (l, d, d), (l, d) or (l,) where there are taps
-        fail(
-            f"the {model.cfg.mixer!r} mixer has neither Extractor taps nor attention weights to draw"
-        )
-    return {
-        i: w.detach().double().reshape(len(w), -1).norm(dim=1).numpy()
-        for i, w in enumerate(taps, 1)
-    }
+    if any(w is None for w in taps):
+        mixer = model.cfg.mixer
+        fail(f"the {mixer!r} mixer has no Extractor taps and no attention weights")
+    norms = [w.detach().double().reshape(len(w), -1).norm(dim=1) for w in taps]
+    return {i: norm.numpy() for i, norm in enumerate(norms, 1)}
 
 
 def attention_weights(mixer, x):
-    """Eq. (13), (14) recomputed from a SelfAttention's input x (B, t, d): A (B, n, t, t),
-    each row a softmax over the positions j <= i (F.scaled_dot_product_attention does
-    not return it)."""
+    """Eq. (13), (14) from a SelfAttention's input x (B, t, d): A (B, n, t, t), each
+    row a softmax over j <= i (F.scaled_dot_product_attention does not return it)."""
     (B, t, d), n = x.shape, mixer.n
     q, k, _ = mixer.W_QKV(x).split(d, dim=2)  # Eq. (10), (11), (B, t, d) each
     q, k = (z.view(B, t, n, d // n).transpose(1, 2) for z in (q, k))  # (B, n, t, h)
@@ -64,19 +56,15 @@ def attention_weights(mixer, x):
 
 
 def attention_by_distance(model, windows, chunk=32):
-    """{layer: (t,) mean of A[i, i - k + 1] over heads, positions i >= k - 1 and the
-    windows (N, t)}, from each mixer's input (the layer-normed residual stream), which a
-    forward hook catches."""
+    """{layer: (t,) mean of A[i, i - k + 1] over heads, i >= k - 1 and the windows
+    (N, t)}, from each mixer's input (the layer-normed residual stream), by a hook."""
     t = windows.shape[1]
     sums = {layer.mixer: torch.zeros(t, dtype=torch.float64) for layer in model.layers}
 
     def add(mixer, args, out):  # args[0]: the mixer's input (B, t, d)
-        a = (
-            attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
-        )  # (t, t), over windows and heads
-        sums[mixer] += torch.stack(
-            [a.diagonal(-back).sum() for back in range(t)]
-        )  # k - 1 = back
+        # (t, t), summed over windows and heads
+        a = attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
+        sums[mixer] += torch.stack([a.diagonal(-back).sum() for back in range(t)])
 
     hooks = [mixer.register_forward_hook(add) for mixer in sums]
     with torch.no_grad():
@@ -84,24 +72,20 @@ def attention_by_distance(model, windows, chunk=32):
             model.eval()(x)
     for h in hooks:
         h.remove()
-    count = (
-        len(windows) * model.cfg.n_head * (t - torch.arange(t))
-    )  # (t,) weights summed at each distance
+    # (t,) weights summed at each distance k - 1 = back
+    count = len(windows) * model.cfg.n_head * (t - torch.arange(t))
     return {i: (s / count).numpy() for i, s in enumerate(sums.values(), 1)}
 
 
 def uniform_by_distance(t):
-    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,) means
-    over i >= k - 1.
-    """
+    """attention_by_distance of uniform attention, A[i, j] = 1 / (i + 1): (t,)."""
     w = 1 / np.arange(1, t + 1)  # row i's weight
     return np.array([w[back:].mean() for back in range(t)])
 
 
 def val_windows(data_dir, l, n=256, sha256=None):
-    """n windows of l tokens spread evenly over data_dir/val.bin (over which attention's
-    weights are averaged): (n, l) int64. With sha256 (the checkpoint's), refused unless
-    val.bin is the run's."""
+    """n windows of l tokens spread evenly over data_dir/val.bin: (n, l) int64; refused
+    unless val.bin's sha256 is `sha256` (the checkpoint's), where given."""
     path = os.path.join(data_dir, "val.bin")
     if not os.path.isfile(path):
         fail(f"{path} not found; pass --data_dir, the folder with the run's val.bin")
@@ -116,51 +100,33 @@ def val_windows(data_dir, l, n=256, sha256=None):
 
 
 def plot_taps(run_dirs, path, data_dir=None):
-    """A panel per run in the paper's order, a line per layer: tap_profile against k =
-    1..l.
-    """
+    """A panel per run in the paper's order, a line per layer: tap_profile against k."""
     panels = []
     for run_dir in run_dirs:
         model, ckpt = load_model(run_dir, torch.device("cpu"))
-        cfg, windows = model.cfg, None
+        cfg = model.cfg
+        windows = None
         if cfg.mixer == "sa":
-            folder, sha256 = (
-                data_dir or ckpt["args"]["data_dir"],
-                ckpt.get("data", {}).get("val_sha256"),
-            )
-            windows = torch.from_numpy(
-                val_windows(folder, cfg.block_size, sha256=sha256)
-            )
-        panels.append(
-            (
-                label(vars(cfg)),
-                ckpt.get("iter", "?"),
-                cfg.mixer,
-                tap_profile(model, windows),
-            )
-        )
-    rows, cols = -(-len(panels) // 3), min(3, len(panels))  # three panels a row
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(4.8 * cols, 3.6 * rows), squeeze=False
-    )
-    for ax, (name, batch, mixer, profile) in zip(
-        axes.flat, sorted(panels, key=lambda p: paper_rank(p[0]))
-    ):
-        colours, k = (
-            plt.cm.viridis(np.linspace(0, 0.9, len(profile))),
-            np.arange(1, len(profile[1]) + 1),
-        )
+            folder = data_dir or ckpt["args"]["data_dir"]
+            sha256 = ckpt.get("data", {}).get("val_sha256")
+            windows = val_windows(folder, cfg.block_size, sha256=sha256)
+            windows = torch.from_numpy(windows)
+        profile = tap_profile(model, windows)
+        panels.append((label(vars(cfg)), ckpt.get("iter", "?"), cfg.mixer, profile))
+    rows = -(-len(panels) // 3)  # three panels a row
+    cols = min(3, len(panels))
+    size = (4.8 * cols, 3.6 * rows)
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    panels.sort(key=lambda p: paper_rank(p[0]))
+    for ax, (name, batch, mixer, profile) in zip(axes.flat, panels):
+        colours = plt.cm.viridis(np.linspace(0, 0.9, len(profile)))
+        k = np.arange(1, len(profile[1]) + 1)
         for colour, (layer, y) in zip(colours, profile.items()):
             ax.plot(k, y, color=colour, lw=1.2, label=f"layer {layer}")
-        if (
-            mixer == "sa"
-        ):  # what attention spread evenly over the seen tokens would give
+        if mixer == "sa":  # what attention spread evenly over the seen tokens gives
             ax.plot(k, uniform_by_distance(len(k)), "--", color="gray", label="uniform")
-        ax.set(
-            yscale="log",
-            title=f"{name}, batch {batch}",
-            ylabel=YLABEL.get(mixer, r"$\|w_k\|_2$"),
-        )
+        ylabel = YLABEL.get(mixer, r"$\|w_k\|_2$")
+        ax.set(yscale="log", title=f"{name}, batch {batch}", ylabel=ylabel)
         ax.set(xlabel="distance back k (k = 1: the current token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=1 + (len(profile) - 1) // 6)
@@ -171,19 +137,14 @@ def plot_taps(run_dirs, path, data_dir=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "runs", nargs="+", help="run folders written by train.py, each with its ckpt.pt"
-    )
-    p.add_argument(
-        "-o", "--output", help="image file to write; one run alone: RUN/taps.png"
-    )
-    p.add_argument(
-        "--data_dir",
-        help="for sa runs: the folder of the run's val.bin (default: the run's)",
-    )
+    form = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=form)
+    runs = "run folders written by train.py, each with its ckpt.pt"
+    p.add_argument("runs", nargs="+", help=runs)
+    output = "image file to write; one run alone: RUN/taps.png"
+    p.add_argument("-o", "--output", help=output)
+    data_dir = "for sa runs: the folder of the run's val.bin (default: the run's)"
+    p.add_argument("--data_dir", help=data_dir)
     p.error = lambda msg: fail(f"{msg} (see --help)")
     args = p.parse_args(argv)
     output = output_path(args.output, args.runs, "taps.png")
