@@ -2831,6 +2831,28 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     assert _csv(out / "summary.csv")[2][1:3] == ["1600", repr(median(she[600:1600]))]
 
 
+def test_plot_gaps_csv_sets_each_runs_gap_to_sa_32_beside_the_papers(
+    tmp_path, capsys, figures
+):
+    runs = [_run(tmp_path / "a", "sa", [4.0] * 2000, 32, 1000)]
+    runs.append(_run(tmp_path / "b", "random", [4.0] * 1000 + [4.25] * 1000, 32, 1000))
+    runs.append(_run(tmp_path / "c", "random", [3.5] * 2000, 1, 1000))
+    (tmp_path / "ppl.csv").write_text("run,model,lm1b_ppl\nsa-32,T,40\nrandom,R,80\n")
+    argv = runs + ["--results", str(tmp_path), "-o", str(tmp_path / "f.png")]
+    assert plot.main(argv + ["--paper_ppl", str(tmp_path / "ppl.csv")]) == 0
+    # medians of the last 2000, the last validation (cost - 0.5) and the gaps
+    assert _csv(tmp_path / "gaps.csv") == [
+        "run batches median_last_2000 val_loss gap_median gap_val paper_gap".split(),
+        ["sa-32", "2000", "4.0", "3.5", "0.0", "0.0", "0.0"],
+        ["random", "2000", "4.125", "3.75", "0.125", "0.25", repr(math.log(2))],
+        ["random-1", "2000", "3.5", "3.0", "-0.5", "-0.5", ""],
+    ]
+    no_sa = argv[1:] + ["--paper_ppl", str(tmp_path / "ppl.csv")]
+    assert "the gaps are to sa-32: give its run" in error_line(capsys, plot.main, no_sa)
+    no_csv = argv + ["--paper_ppl", str(tmp_path / "no.csv")]
+    assert "no.csv not found; give a CSV" in error_line(capsys, plot.main, no_csv)
+
+
 def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
     tmp_path, capsys, monkeypatch
 ):
@@ -3022,6 +3044,21 @@ def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distanc
     uniform = [sum(1 / i for i in range(k, 6)) / (6 - k) for k in range(1, 6)]
     np.testing.assert_allclose(taps.tap_profile(model, windows)[1], uniform, rtol=1e-12)
     np.testing.assert_allclose(taps.uniform_by_distance(5), uniform, rtol=1e-15)
+
+
+def test_taps_random_synthesizers_mean_softmax_r_by_distance_back():
+    model = tiny_model("random", l=4, d=4, n_head=2, vocab=16)
+    R = torch.randn(2, 4, 4)
+    with torch.no_grad():
+        model.layers[0].mixer.R.copy_(R)
+        model.layers[1].mixer.R.zero_()  # uniform over j <= i
+    profile = taps.tap_profile(model)
+    # head h, row i: softmax over R[h, i, :i + 1]; k - 1 = back tokens back
+    weight = lambda h, i, back: R[h, i, : i + 1].softmax(0)[i - back].item()
+    by = lambda back: [weight(h, i, back) for h in (0, 1) for i in range(back, 4)]
+    np.testing.assert_allclose(profile[1], [np.mean(by(b)) for b in range(4)], 1e-6)
+    uniform = [sum(1 / i for i in range(k, 5)) / (5 - k) for k in range(1, 5)]
+    np.testing.assert_allclose(profile[2], uniform, rtol=1e-12)
 
 
 def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(

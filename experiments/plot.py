@@ -23,6 +23,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import os
 import shlex
 import sys
@@ -44,6 +45,7 @@ from prepare_data import atomic_write, fail  # noqa: E402
 STYLE = {"sa-1": "tab:gray", "sa-32": "black", "she": "tab:red", "he": "tab:orange"}
 STYLE |= {"we": "tab:green", "me": "tab:blue", "he-ext": "tab:purple"}
 SYMBOLS = {"n_layer": "m", "block_size": "l"}  # the paper's, in titles and sweep CSVs
+EXTRACTORS = ("she", "we", "he", "me", "he-ext")  # (no heads)
 SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
 UNREADABLE = (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Error)
 
@@ -118,10 +120,13 @@ def read_runs(run_dirs, until=None):
 
 
 def label(settings):
-    """sa-<heads> for self-attention (the paper's 1 and 32 heads), else the mixer."""
-    if settings["mixer"] == "sa":
-        return f"sa-{settings['n_head']}"
-    return settings["mixer"]
+    """sa-<heads> for self-attention (the paper's 1 and 32 heads), else the mixer, and
+    -<heads> for one with heads (a Synthesizer) if not Table 1's 32."""
+    mixer = settings["mixer"]
+    heads = settings["n_head"]
+    if mixer == "sa" or heads != 32 and mixer not in EXTRACTORS:
+        return f"{mixer}-{heads}"
+    return mixer
 
 
 def paper_rank(name):
@@ -353,9 +358,32 @@ def by_batch(columns):
     return rows
 
 
-def write_results(runs, folder, window, seed_table):
+def gap_rows(runs, path):
+    """gaps.csv: each run's median of the last 2000 batches and last validation loss,
+    their gaps to sa-32's, and a paper's gap in nats, ln(ppl / sa-32's ppl), from
+    `path`'s run and lm1b_ppl columns (--paper_ppl)."""
+    if not os.path.isfile(path):
+        fail(f"--paper_ppl {path} not found; give a CSV with run and lm1b_ppl columns")
+    with open(path, newline="") as f:
+        ppl = {r["run"]: float(r["lm1b_ppl"]) for r in csv.DictReader(f)}
+    rows = [run_row({"run": r["name"]}, r["log"], [2000]) for r in runs]
+    names = [r["run"] for r in rows]
+    if "sa-32" not in names or "sa-32" not in ppl:
+        fail(f"--paper_ppl: the gaps are to sa-32: give its run and its row in {path}")
+    base = rows[names.index("sa-32")]
+    for r in rows:
+        r["gap_median"] = r["median_last_2000"] - base["median_last_2000"]
+        r["gap_val"] = r["val_loss"] - base["val_loss"]
+        r["paper_gap"] = (
+            math.log(ppl[r["run"]] / ppl["sa-32"]) if r["run"] in ppl else ""
+        )
+    return rows
+
+
+def write_results(runs, folder, window, seed_table, paper_ppl=None):
     """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
-    run), summary.csv (a row per run), seeds.csv (--seeds); returns their paths."""
+    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl);
+    returns their paths."""
     medians, vals = {}, {}
     for r in runs:
         log = r["log"]
@@ -365,6 +393,8 @@ def write_results(runs, folder, window, seed_table):
     tables["summary.csv"] = [summary_row(r) for r in runs]
     if seed_table:
         tables["seeds.csv"] = seed_table
+    if paper_ppl:
+        tables["gaps.csv"] = gap_rows(runs, paper_ppl)
     return [write_csv(os.path.join(folder, f), rows) for f, rows in tables.items()]
 
 
@@ -391,6 +421,7 @@ def build_parser():
     p.add_argument("--results", metavar="DIR", help="write the CSVs here")
     p.add_argument("--seeds", nargs="+", default=[], help="runs or CSV for seeds.csv")
     p.add_argument("--batches", type=int, help="use the first N batches of each run")
+    p.add_argument("--paper_ppl", metavar="CSV", help="gaps.csv: beside a paper's gaps")
     p.error = lambda msg: fail(f"{msg} (see --help)")
     return p
 
@@ -450,6 +481,8 @@ def plot_logs(args):
             fail(f"{flag} must be at least 1, got {n}")
     if args.seeds and (not args.results or args.sweep):
         fail("--seeds adds rows to seeds.csv, written by --results DIR without --sweep")
+    if args.paper_ppl and (not args.results or args.sweep):
+        fail("--paper_ppl writes gaps.csv, with --results DIR without --sweep")
     one_figure = args.raw or args.sweep
     output = output_path(args.output, args.runs, "loss.png", one_figure)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
@@ -478,7 +511,8 @@ def plot_logs(args):
     for path in [p for p in args.seeds if p.endswith(".csv")]:
         earlier += read_rows(path, SEED_COLUMNS, "--seeds")
     seed_table = seed_rows(runs + seeds, args.batches, earlier) if args.seeds else []
-    return [output] + write_results(runs, args.results, window, seed_table)
+    paper_ppl = args.paper_ppl
+    return [output] + write_results(runs, args.results, window, seed_table, paper_ppl)
 
 
 def cli(work, hint):

@@ -1,8 +1,8 @@
 """
 What each layer's token mixer learned, from each run's ckpt.pt: a panel per run, a line
 per layer, against the distance back k = 1..l: |w_k| (ME), ||w_k||_2 (WE, HE), ||W_k||_F
-(SHE), or for self-attention the mean attention weight k - 1 tokens back on the run's
-val.bin, beside uniform attention's.
+(SHE); the mean weight k - 1 tokens back of self-attention (on the run's val.bin) and
+of a Random Synthesizer (softmax(R)), beside uniform weights'.
 
     python experiments/taps.py out/sa-32 out/she out/he out/we out/me -o taps.png
     python experiments/taps.py out/me                             # out/me/taps.png
@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from plot import cli, label, output_path, paper_rank, plt, save  # noqa: E402
 from prepare_data import fail  # noqa: E402
 from sample import load_model  # noqa: E402
+from synthesizer import _syn_softmax  # noqa: E402
 
 # the y axis of each mixer's panel; the others': ||w_k||_2
 YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"}
@@ -30,9 +31,12 @@ YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"
 
 def tap_profile(model, windows=None):
     """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}: ME's |w_k|,
-    WE's and HE's ||w_k||_2, SHE's ||W_k||_F, attention's mean weight on `windows`."""
+    WE's and HE's ||w_k||_2, SHE's ||W_k||_F, attention's mean weight on `windows`,
+    a Random Synthesizer's mean softmax(R) weight."""
     if model.cfg.mixer == "sa":
         return attention_by_distance(model, windows)
+    if hasattr(model.layers[0].mixer, "logits"):  # R: Random, Fixed, Factorized
+        return {i: random_by_distance(L.mixer) for i, L in enumerate(model.layers, 1)}
     # (l, d, d), (l, d) or (l,) where there are taps
     taps = [
         getattr(L.mixer, "W_ext", getattr(L.mixer, "w_ext", None)) for L in model.layers
@@ -64,7 +68,7 @@ def attention_by_distance(model, windows, chunk=32):
     def add(mixer, args, out):  # args[0]: the mixer's input (B, t, d)
         # (t, t), summed over windows and heads
         a = attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
-        sums[mixer] += torch.stack([a.diagonal(-back).sum() for back in range(t)])
+        sums[mixer] += diagonal_sums(a)
 
     hooks = [mixer.register_forward_hook(add) for mixer in sums]
     with torch.no_grad():
@@ -75,6 +79,20 @@ def attention_by_distance(model, windows, chunk=32):
     # (t,) weights summed at each distance k - 1 = back
     count = len(windows) * model.cfg.n_head * (t - torch.arange(t))
     return {i: (s / count).numpy() for i, s in enumerate(sums.values(), 1)}
+
+
+def random_by_distance(mixer):
+    """(l,) a Random Synthesizer's softmax(R) (Synthesizer Eq. (4), causal rows): its
+    mean weight k - 1 tokens back over heads and positions i >= k - 1."""
+    l = mixer.l
+    with torch.no_grad():
+        a = _syn_softmax(mixer.logits(0, l).double(), 0).sum(dim=0)  # (l, l)
+    return (diagonal_sums(a) / (mixer.n * (l - torch.arange(l)))).numpy()
+
+
+def diagonal_sums(a):
+    """(t,) the sums of a (t, t)'s diagonals a[i, i - back], back = 0..t-1."""
+    return torch.stack([a.diagonal(-back).sum() for back in range(len(a))])
 
 
 def uniform_by_distance(t):
@@ -112,20 +130,22 @@ def plot_taps(run_dirs, path, data_dir=None):
             windows = val_windows(folder, cfg.block_size, sha256=sha256)
             windows = torch.from_numpy(windows)
         profile = tap_profile(model, windows)
-        panels.append((label(vars(cfg)), ckpt.get("iter", "?"), cfg.mixer, profile))
+        ylabel = YLABEL.get(cfg.mixer, r"$\|w_k\|_2$")
+        if hasattr(model.layers[0].mixer, "logits"):
+            ylabel = "mean softmax(R) weight"
+        panels.append((label(vars(cfg)), ckpt.get("iter", "?"), ylabel, profile))
     rows = -(-len(panels) // 3)  # three panels a row
     cols = min(3, len(panels))
     size = (4.8 * cols, 3.6 * rows)
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
     panels.sort(key=lambda p: paper_rank(p[0]))
-    for ax, (name, batch, mixer, profile) in zip(axes.flat, panels):
+    for ax, (name, batch, ylabel, profile) in zip(axes.flat, panels):
         colours = plt.cm.viridis(np.linspace(0, 0.9, len(profile)))
         k = np.arange(1, len(profile[1]) + 1)
         for colour, (layer, y) in zip(colours, profile.items()):
             ax.plot(k, y, color=colour, lw=1.2, label=f"layer {layer}")
-        if mixer == "sa":  # what attention spread evenly over the seen tokens gives
+        if ylabel.startswith("mean"):  # what weights spread evenly over j <= i give
             ax.plot(k, uniform_by_distance(len(k)), "--", color="gray", label="uniform")
-        ylabel = YLABEL.get(mixer, r"$\|w_k\|_2$")
         ax.set(yscale="log", title=f"{name}, batch {batch}", ylabel=ylabel)
         ax.set(xlabel="distance back k (k = 1: the current token)")
         ax.grid(alpha=0.3)
