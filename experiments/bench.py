@@ -327,8 +327,7 @@ def memory_at_batch(s, args, mixer, batch, device):
     return state, saved, None if peak is None else peak + state
 
 
-# ---------- the paper's operation counts, Tables 3-7, in closed form: the tests check
-# them against their sums
+# ---------- Tables 3-7's operation counts in closed form; the tests check their sums
 
 
 def complexity_training(d, l, n=1):
@@ -342,16 +341,13 @@ def complexity_training(d, l, n=1):
     she |= dict(add=(l * l * d * d + 5 * l * d * d) // 2 - 3 * l * d)
     she |= dict(params=l * d * d + 2 * d * d)
     he = dict(none, mult=(l * l * d + 3 * l * d) // 2 + 3 * l * d * d)
-    he |= dict(
-        add=3 * l * d * d + (l * l * d - 7 * l * d) // 2, params=l * d + 3 * d * d
-    )
+    he |= dict(add=3 * l * d * d + (l * l * d - 7 * l * d) // 2)
+    he |= dict(params=l * d + 3 * d * d)
     we = dict(none, mult=(l * l * d + 3 * l * d) // 2 + 2 * l * d * d)
-    we |= dict(
-        add=2 * l * d * d + (l * l * d - 5 * l * d) // 2, params=l * d + 2 * d * d
-    )
-    me = dict(
-        none, mult=(l * l * d + l * d) // 2, add=(l * l * d - l * d) // 2, params=l
-    )
+    we |= dict(add=2 * l * d * d + (l * l * d - 5 * l * d) // 2)
+    we |= dict(params=l * d + 2 * d * d)
+    me = dict(none, mult=(l * l * d + l * d) // 2, add=(l * l * d - l * d) // 2)
+    me |= dict(params=l)
     return dict(sa=sa, she=she, he=he, we=we, me=me)
 
 
@@ -363,9 +359,8 @@ def complexity_inference(d, t, n=1):
     none = dict(div=0, exp=0)
     sa = dict(mult=2 * t * d + 4 * d * d, add=2 * t * d + 4 * d * d - 5 * d - n)
     sa |= dict(div=2 * t * n, exp=t * n)
-    she = dict(
-        mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d, **none
-    )
+    she = dict(mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d)
+    she |= none
     he = dict(mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d, **none)
     we = dict(mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d, **none)
     me = dict(mult=t * d, add=t * d - d, **none)
@@ -414,8 +409,7 @@ def print_table7(d=128, l=128):
 
 
 SECTIONS = dict(sublayer=section_sublayer, step=section_step, memory=section_memory)
-# section: title, columns (a row's keys, each with its format), notes; filled from the
-# settings
+# section: title, columns (a row's key:format), notes; {...} filled from the settings
 TABLES = {
     "sublayer": (
         "Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads);"
@@ -539,10 +533,8 @@ def main(argv=None):
         try:
             atomic_write(args.json, json.dumps(results, indent=1))
         except OSError as e:
-            fail(
-                f"cannot write --json {args.json!r} ({e.strerror}); the tables above"
-                " hold the results"
-            )
+            why = f"cannot write --json {args.json!r} ({e.strerror})"
+            fail(f"{why}; the tables above hold the results")
 
 
 if __name__ == "__main__":

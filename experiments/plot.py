@@ -196,10 +196,8 @@ def plot_runs(runs, path, window, raw=False):
         else:
             ends, med = window_medians(r["log"]["train_loss"], window)
             ax.plot(ends, med, "-o", ms=3, color=colour, label=r["name"])
-    if raw:
-        finish(ax, "training cost of every batch")
-    else:
-        finish(ax, f"median training cost of every {window} batches")
+    medians = f"median training cost of every {window} batches"
+    finish(ax, "training cost of every batch" if raw else medians)
     if ref:
         ax = axes[0][1]
         ax.axhline(0, color=STYLE.get(ref["name"], "black"), lw=1, label=ref["name"])
@@ -444,10 +442,8 @@ def sweep(args, runs, csvs, output, window):
         value = s.get(key)
         if type(value) not in (int, float):
             names = sorted(k for k, v in s.items() if type(v) in (int, float))
-            fail(
-                f"{r['dir']} has no number {key!r} in its run.json; sweep one of"
-                f" {', '.join(names)}"
-            )
+            why = f"{r['dir']} has no number {key!r} in its run.json"
+            fail(f"{why}; sweep one of {', '.join(names)}")
         mixer = s["mixer"] if key == "n_head" else label(s)
         if (mixer, value) in seen:
             first = seen[mixer, value]
@@ -495,10 +491,8 @@ def plot_logs(args):
     for r in runs:
         n = len(r["log"]["train_loss"])
         if n < (1 if args.raw else window):  # --raw draws every batch
-            fail(
-                f"{r['dir']} has {n} batches, fewer than a window of {window}; pass"
-                f" --window {n} or leave {r['dir']} out"
-            )
+            why = f"{r['dir']} has {n} batches, fewer than a window of {window}"
+            fail(f"{why}; pass --window {n} or leave {r['dir']} out")
     if args.sweep:
         return [output] + sweep(args, runs, csvs, output, window)
     if len(runs) == 1 and not args.raw:
@@ -527,10 +521,8 @@ def cli(work, hint):
 
 
 def main(argv=None):
-    def work():
-        return plot_logs(build_parser().parse_args(argv))
-
-    return cli(work, "pick another -o or --results")
+    args = build_parser().parse_args(argv)
+    return cli(lambda: plot_logs(args), "pick another -o or --results")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,7 @@ TOLERANCE = 0.05  # the check: the largest gap to the CPU run's window mean
 
 def die_with_parent():
     """Linux: the kernel sends the child SIGTERM if this script dies, by kill -9 too."""
-    # (no libc.so.6 or no prctl: not Linux)
-    with contextlib.suppress(OSError, AttributeError):
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -57,13 +56,8 @@ def train_all(names, flags, work):
                 cmd.append("--resume")
             os.makedirs(out, exist_ok=True)
             console = open(os.path.join(out, "console.txt"), "a")
-            proc = subprocess.Popen(
-                cmd,
-                stdout=console,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
-            )
-            procs.append(proc)
+            output = dict(stdout=console, stderr=subprocess.STDOUT)
+            procs.append(subprocess.Popen(cmd, **output, preexec_fn=die_with_parent))
             print(f"{name}: {' '.join(cmd[1:])}", flush=True)
         return [p.wait() for p in procs]
     finally:  # Ctrl-C, kill, an error: every child gets SIGTERM, checkpoints and stops
@@ -106,10 +100,8 @@ def check(names, args):
         row = " ".join(f"{g:+7.4f}" for g in gaps)
         lines.append(f"{name:6s} {row} {gap:7.4f}")
     verdict = "passed" if worst <= TOLERANCE else "FAILED"
-    lines.append(
-        f"{verdict}: every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
-        f" (worst {worst:.4f})"
-    )
+    within = f"every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
+    lines.append(f"{verdict}: {within} (worst {worst:.4f})")
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.join(args.results, "gpu"), exist_ok=True)
     atomic_write(os.path.join(args.results, "gpu", "check.txt"), text)
@@ -137,10 +129,8 @@ def keep(name, code, args):
     if os.path.exists(dst) and not args.replace:
         old_batches, old_device = length_and_device(dst)
         if batches < old_batches or device != old_device:
-            print(
-                f"{name}: not copied, {batches} batches on {device} against"
-                f" {old_batches} on {old_device} in {dst} (--replace copies it)"
-            )
+            why = f"{batches} batches on {device} against {old_batches} on {old_device}"
+            print(f"{name}: not copied, {why} in {dst} (--replace copies it)")
             return False
     os.makedirs(dst, exist_ok=True)
     with open(os.path.join(src, "log.csv"), "rb") as f:

@@ -38,9 +38,8 @@ def tap_profile(model, windows=None):
     if hasattr(model.layers[0].mixer, "logits"):  # R: Random, Fixed, Factorized
         return {i: random_by_distance(L.mixer) for i, L in enumerate(model.layers, 1)}
     # (l, d, d), (l, d) or (l,) where there are taps
-    taps = [
-        getattr(L.mixer, "W_ext", getattr(L.mixer, "w_ext", None)) for L in model.layers
-    ]
+    mixers = [L.mixer for L in model.layers]
+    taps = [getattr(m, "W_ext", getattr(m, "w_ext", None)) for m in mixers]
     if any(w is None for w in taps):
         mixer = model.cfg.mixer
         fail(f"the {mixer!r} mixer has no Extractor taps and no attention weights")
@@ -159,12 +158,9 @@ def plot_taps(run_dirs, path, data_dir=None):
 def main(argv=None):
     form = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(description=__doc__, formatter_class=form)
-    runs = "run folders written by train.py, each with its ckpt.pt"
-    p.add_argument("runs", nargs="+", help=runs)
-    output = "image file to write; one run alone: RUN/taps.png"
-    p.add_argument("-o", "--output", help=output)
-    data_dir = "for sa runs: the folder of the run's val.bin (default: the run's)"
-    p.add_argument("--data_dir", help=data_dir)
+    p.add_argument("runs", nargs="+", help="run folders of train.py, with ckpt.pt")
+    p.add_argument("-o", "--output", help="image file; one run alone: RUN/taps.png")
+    p.add_argument("--data_dir", help="sa: the val.bin folder (default: the run's own)")
     p.error = lambda msg: fail(f"{msg} (see --help)")
     args = p.parse_args(argv)
     output = output_path(args.output, args.runs, "taps.png")
