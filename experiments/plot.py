@@ -505,8 +505,8 @@ def plot_logs(args):
     for path in [p for p in args.seeds if p.endswith(".csv")]:
         earlier += read_rows(path, SEED_COLUMNS, "--seeds")
     seed_table = seed_rows(runs + seeds, args.batches, earlier) if args.seeds else []
-    paper_ppl = args.paper_ppl
-    return [output] + write_results(runs, args.results, window, seed_table, paper_ppl)
+    written = write_results(runs, args.results, window, seed_table, args.paper_ppl)
+    return [output] + written
 
 
 def cli(work, hint):
