@@ -337,56 +337,47 @@ def train(args, ckpt, started):
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
     model = torch.compile(raw_model) if args.compile else raw_model
-    ddp = (
-        DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if WORLD > 1
-        else model
-    )
-    step = make_step(ddp, optimizer, scaler, ctx, args, device)
+    if WORLD > 1:
+        model = DDP(model)  # (its module on one device: device_ids may be None)
+    step = make_step(model, optimizer, scaler, ctx, args, device)
     rows = []  # log.csv's lines (process 0), written with each checkpoint
     if MASTER:
-        info = dict(
-            config=dataclasses.asdict(cfg),
-            args=vars(args),
-            params=raw_model.param_counts(),
-        )
-        info.update(data=data, world_size=WORLD, computed=computed(device, args, step))
+        how = computed(device, args, step)
+        params = raw_model.param_counts()
+        info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
+        info.update(data=data, world_size=WORLD, computed=how)
         rows = start_files(args, info, start)
-        describe(args, cfg, info, len(train_data), len(val_data), start)
+        describe(args, cfg, how, start)
     elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
-    b = args.batch_size // WORLD
     n_starts = len(train_data) - args.block_size
     # each batch's loss since the last log point, kept on the device
     losses = torch.zeros(args.log_interval, device=device)
     val = None
     done = []  # when each batch since the last log point ended
-    slowest = 0.0  # the slowest of them, s
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
     t0 = since = time.time()  # (since: the end of the last log point)
     for it in range(start + 1, args.max_iters + 1):  # it: the batches done after it
         starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)
-        mine = starts[RANK * b : (RANK + 1) * b]
+        mine = starts.chunk(WORLD)[RANK]  # this process's part
         x, y = get_batch(train_data, mine, args.block_size, device)  # (b, l), (b, l)
         losses[len(done)] = step(x, y)
         now = time.time()
-        slowest = max(slowest, now - (done[-1] if done else since))
         done.append(now)
-        stop = must_stop(args, it, now - started, slowest, pause)
+        per_batch = (now - since) / len(done)
+        stop = must_stop(args, it, now - started, per_batch, pause)
         evaluate_now = evaluates(args, it)
         ckpt_now = it % args.ckpt_interval == 0 or it == args.max_iters
         log_now = evaluate_now or ckpt_now or it % args.log_interval == 0
-        stop_now = stop and WORLD == 1  # (under DDP, all stop at a log point)
-        if not (log_now or stop_now or it == start + 10):
+        if not (log_now or stop and WORLD == 1):  # (DDP: all stop at a log point)
             continue
-        if evaluate_now:
-            val = evaluate(model, args, val_data, device, ctx)
+        val = evaluate(model, args, val_data, device, ctx) if evaluate_now else None
         # (DDP: any process's)
         stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
         costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
-        tok_s = len(done) * args.batch_size * args.block_size / (done[-1] - since)
+        tok_s = len(done) * args.batch_size * args.block_size / (now - since)
         times = [elapsed0 + t - t0 for t in done]
         eta = (args.max_iters - it) * (now - t0) / (it - start)  # at this pace
-        rows += log(args, it, costs, times, val if evaluate_now else None, tok_s, eta)
+        rows += log(args, it, costs, times, val, tok_s, eta)
         if ckpt_now or stop:
             elapsed = elapsed0 + time.time() - t0
             save_checkpoint(
@@ -396,10 +387,8 @@ def train(args, ckpt, started):
             return stopped(args, device, it)
         pause = max(pause, time.time() - now)
         done = []
-        slowest = 0.0
         since = time.time()
-    final = f"; final val loss {val:.4f}" if val is not None else ""
-    say(f"done: {args.out_dir}{final}")
+    say(f"done: {args.out_dir}")
     say(
         f"plot: python experiments/plot.py {args.out_dir}; "
         f"sample: python sample.py --out_dir {args.out_dir}"
@@ -409,24 +398,19 @@ def train(args, ckpt, started):
 
 @torch.no_grad()
 def evaluate(model, args, val_data, device, ctx):
-    """The mean loss over the same eval_batches x batch_size windows each time, spread
-    evenly over val.bin.
-    """
-    n, b = args.eval_batches * args.batch_size, args.batch_size // WORLD
-    starts = torch.from_numpy(
-        np.linspace(0, len(val_data) - args.block_size - 1, n).round().astype(np.int64)
-    )
+    """The mean loss, dropout off, over the same eval_batches x batch_size windows each
+    time, spread evenly over val.bin."""
+    n = args.eval_batches * args.batch_size
+    last = len(val_data) - args.block_size - 1
+    starts = torch.from_numpy(np.linspace(0, last, n).round().astype(np.int64))
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for k in range(0, n, args.batch_size):
-        mine = starts[k : k + args.batch_size][
-            RANK * b : (RANK + 1) * b
-        ]  # this process's part
+    for batch in starts.split(args.batch_size):
+        mine = batch.chunk(WORLD)[RANK]  # this process's part
+        x, y = get_batch(val_data, mine, args.block_size, device)
         with ctx:
-            total += model(*get_batch(val_data, mine, args.block_size, device))[
-                1
-            ].float()
+            total += model(x, y)[1].float()
     model.train(was_training)
     return mean_over_processes(total).item() / args.eval_batches
 
@@ -447,9 +431,9 @@ def evaluates(args, it):
     )
 
 
-def must_stop(args, it, elapsed, slowest, pause):
+def must_stop(args, it, elapsed, per_batch, pause):
     """Whether batch `it`, done `elapsed` s after train.py started, must be the last: a
-    signal came, or the time limit leaves no room for the next batch (twice the slowest
+    signal came, or the time limit leaves no room for the next batch (twice the mean
     since the last log point), its validation if it has one (eval_batches batches, each
     a forward only) and a log point's work (pause: its longest yet)."""
     if STOP["signal"] is not None:
@@ -457,22 +441,20 @@ def must_stop(args, it, elapsed, slowest, pause):
     if args.time_limit is None:
         return False
     batches = 2 + args.eval_batches * evaluates(args, it + 1)
-    return elapsed + batches * slowest + pause > args.time_limit
+    return elapsed + batches * per_batch + pause > args.time_limit
 
 
 def log(args, it, costs, times, val, tok_s, eta):
     """The batches since the last log point: their log.csv rows (each batch's training
     cost, at `it` the validation loss if there is one) and a console line. nan or inf
     ends the run."""
-    first = it - len(costs) + 1
-    for i, cost in enumerate(costs, first):
+    rows = []
+    for i, cost, t in zip(range(it - len(costs) + 1, it + 1), costs, times):
         if not math.isfinite(cost):
             fail(
                 f"the training cost became {cost} at batch {i}; {kept(args.out_dir)}. "
                 "Start again (--overwrite) with a smaller --lr or with --grad_clip"
             )
-    rows = []
-    for i, cost, t in zip(range(first, it + 1), costs, times):
         val_i = repr(val) if i == it and val is not None else ""
         rows.append(f"{i},{cost!r},{val_i},{args.lr},{tok_s:.1f},{t:.3f}\n")
     line = f"iter {it}/{args.max_iters} | loss {np.mean(costs):.4f}"
@@ -494,57 +476,36 @@ def stopped(args, device, it):
     return report_peak_memory(args, device, 0 if signum is None else 128 + signum)
 
 
-# ---- what the run is and how it computes ---------------------------------------------
-def describe(args, cfg, info, n_train, n_val, start):
-    """What the run is and how it computes, on the console."""
-    how = info["computed"]
+# ---- what the run is, where it runs ------------------------------------------------
+def describe(args, cfg, how, start):
+    """What the run is, how it computes and where it trains, on the console."""
     say(f"{cfg}")
     say(
-        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), "
-        f"{how['step']} step"
-    )
-    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in info["params"].items()))
-    epochs = args.max_iters * args.batch_size / (n_train - args.block_size)
-    targets = epochs * args.block_size  # each window predicts l tokens
-    say(
-        f"data: {n_train:,} train, {n_val:,} val tokens; {epochs:.3f} epochs, "
-        f"each token a target {targets:.1f} times"
+        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), {how['step']} step"
     )
     if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
         say(
-            "note: Table 1's model takes days on a CPU; the README's CPU quick start "
-            "takes minutes"
+            "note: Table 1's model takes days on a CPU; the README's CPU quick start takes minutes"
         )
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
 
 
-# ------------------------------------------------------------------------------ the
-# device and its memory
 def pick_device(name):
-    """--device as a torch.device: auto is cuda, then mps, then cpu; one line if it is
-    not there.
-    """
+    """--device as a torch.device (auto: cuda, then mps, then cpu); one line if torch
+    does not know it or sees no such device here."""
+    mps = torch.backends.mps.is_available()
     if name == "auto":
-        name = (
-            "cuda"
-            if torch.cuda.is_available()
-            else "mps"
-            if torch.backends.mps.is_available()
-            else "cpu"
-        )
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
         fail(f"unknown --device {name!r}; use auto, cpu, cuda, cuda:N or mps")
-    cuda = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    if not {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(
-        device.type
-    ):
+    count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}
+    if (device.index or 0) >= count.get(device.type, 0):
         fail(f"--device {name}: torch sees no such device here; use --device cpu")
     if device.type == "cuda":
-        device = torch.device(
-            "cuda", LOCAL_RANK if device.index is None else device.index
-        )
+        if device.index is None:  # under torchrun: this process's GPU
+            device = torch.device("cuda", LOCAL_RANK)
         torch.cuda.set_device(device)
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
         # glibc keeps freed memory rather than give large tensors' pages back and fault
@@ -673,28 +634,27 @@ def judge(args, parser, argv):
     if not args.resume:
         return None
     ckpt = load_checkpoint(path)
-    unset = object()
-    nothing_given = argparse.Namespace(**dict.fromkeys(vars(args), unset))
-    given = vars(parser.parse_args(argv, nothing_given))
-    saved = {
-        k: v for k, v in ckpt["args"].items() if k in given and k not in THIS_COMMAND
-    }
+    saved = {k: v for k, v in ckpt["args"].items() if k not in THIS_COMMAND}
+    # the flags given parsed over the saved settings
+    resumed = vars(parser.parse_args(argv, argparse.Namespace(**saved)))
     differ = [
         f"--{k} {v}"
         for k, v in saved.items()
-        if k not in MAY_CHANGE and given[k] not in (unset, v)
+        if k not in MAY_CHANGE and resumed[k] != v
     ]
     if differ:
         fail(
             f"{path} was trained with {', '.join(differ)}: --resume keeps its "
             "settings; drop those flags"
         )
-    if given["data_dir"] is unset and not os.path.isdir(saved["data_dir"]):
+    if resumed["data_dir"] == saved["data_dir"] and not os.path.isdir(
+        saved["data_dir"]
+    ):
         fail(
             f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
             "pass --data_dir with the folder where that data is now"
         )
-    vars(args).update({k: v for k, v in saved.items() if given[k] is unset})
+    vars(args).update({k: resumed[k] for k in saved})
     return ckpt
 
 
@@ -724,20 +684,17 @@ def start_files(args, info, start):
 
 
 def read_log(out_dir, start):
-    """log.csv's rows up to the checkpoint's batch: all of them, as they are written
-    with it. A log that is gone or ends sooner goes on from there, with a line saying
-    so."""
+    """log.csv's rows, one a batch up to the checkpoint's (they are written with it). A
+    log that is gone or shorter goes on from there, with a line saying so."""
     path = os.path.join(out_dir, "log.csv")
-    lines = []
+    rows = []
     if os.path.exists(path):
         with open(path) as f:
-            lines = f.readlines()[1:]
-    rows = [r for r in lines if int(r.split(",")[0]) <= start]
-    last = int(rows[-1].split(",")[0]) if rows else 0
-    if last < start:
+            rows = f.readlines()[1 : start + 1]
+    if len(rows) < start:
         say(
-            f"note: {path} has no rows after batch {last}: those of batches "
-            f"{last + 1} to {start} are gone; it goes on from batch {start + 1}"
+            f"note: {path} has no rows after batch {len(rows)}: those of batches "
+            f"{len(rows) + 1} to {start} are gone; it goes on from batch {start + 1}"
         )
     return rows
 
@@ -757,9 +714,13 @@ def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed
         model=model.state_dict(),
         optimizer=optimizer.state_dict(),
         scaler=scaler.state_dict(),
+        config=dataclasses.asdict(cfg),
+        args=vars(args),
+        iter=it,
+        elapsed_s=elapsed,
+        data=data,
+        rng=rngs,
     )
-    ckpt.update(config=dataclasses.asdict(cfg), args=vars(args), iter=it)
-    ckpt.update(elapsed_s=elapsed, data=data, rng=rngs)
     buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
     torch.save(ckpt, buffer)
     atomic_write(os.path.join(args.out_dir, "ckpt.pt"), buffer.getvalue())
@@ -781,10 +742,10 @@ def restore(ckpt, model, optimizer, scaler, device):
         why = " ".join(line.strip() for line in lines)
         fail(f"ckpt.pt does not fit the model --mixer {model.cfg.mixer} makes: {why}")
     saved = ckpt["optimizer"]
-    mine = optimizer.param_groups  # AdamW's kind (fused, ...) stays this device's
-    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])
-    groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
-    optimizer.load_state_dict(dict(saved, param_groups=groups))
+    for group, mine in zip(saved["param_groups"], optimizer.param_groups):
+        # AdamW's kind stays this device's
+        group.update(fused=mine["fused"], capturable=mine["capturable"])
+    optimizer.load_state_dict(saved)
     if ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     torch.set_rng_state(ckpt["rng"][RANK]["torch"])
@@ -826,7 +787,6 @@ def main(argv=None):
         args = parser.parse_args(argv)
     except SystemExit as e:  # a bad flag (its line is printed), or --help
         return e.code
-    args.data_dir = os.path.abspath(args.data_dir)
     args.out_dir = args.out_dir or default_out_dir(args)
     signals = [signal.SIGINT, signal.SIGTERM]
     if hasattr(signal, "SIGHUP"):  # (not on Windows)
@@ -835,6 +795,7 @@ def main(argv=None):
     try:
         with locked(args.out_dir) if MASTER else nullcontext():
             ckpt = judge(args, parser, argv)
+            args.data_dir = os.path.abspath(args.data_dir)
             check_model(args)  # (the checkpoint's settings too)
             start = ckpt["iter"] if ckpt else 0
             if start >= args.max_iters:
