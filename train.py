@@ -1,21 +1,18 @@
 """
 Train a language model whose first sublayer is a token mixer of extractor.py (the
-paper's Section 6): Table 1's run (m=18, l=d=128, 60000 batches of 64), a longer run of
-out/me, a run that stops at a checkpoint before 40 minutes, one run over 4 GPUs (DDP).
+paper's Section 6): Table 1's run, a longer run of out/me, a run that stops at a
+checkpoint before 40 minutes, one run over 4 GPUs (DDP).
 
     python prepare_data.py && python train.py --mixer=me
     python train.py --mixer=me --max_iters=80000 --resume
     python train.py --mixer=she --time_limit=40m
     torchrun --standalone --nproc_per_node=4 train.py --mixer=she
 
-Every run sees the same batches in the same order: batch i is slice i of a permutation
-of the start positions in train.bin, seeded by --data_seed alone. The run folder
-(out/<mixer>, plus -<symbol><value> for each setting that is not Table 1's) holds
-run.json (settings, parameter counts, the data's sha256, how the run computed, peak
-memory), ckpt.pt (all that --resume needs to continue bit for bit) and log.csv (every
-batch's training cost, the validation losses, tokens/s), written with each checkpoint.
-A folder holds a run once a checkpoint was written in it. Ctrl-C, kill, a closed
-terminal and --time_limit end the batch, checkpoint and stop.
+Every run sees the same batches in the same order, seeded by --data_seed alone. The run
+folder (out/<mixer>-<the settings not Table 1's>) holds run.json (settings, the data,
+how the run computed, peak memory), ckpt.pt (all --resume needs to go on bit for bit)
+and log.csv (each batch's cost, the validation losses), written with each checkpoint.
+Ctrl-C, kill, a closed terminal and --time_limit end the batch, checkpoint and stop.
 """
 
 import argparse
@@ -69,7 +66,7 @@ def bounded(kind, low, high=math.inf):
 
 
 def seconds(text):
-    """An argparse type: --time_limit in seconds (90, 90s, 40m, 2h)."""
+    """An argparse type: --time_limit in seconds."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a time: write 90s, 40m, 2h")
@@ -177,25 +174,21 @@ def model_settings(args, **more):
 # ---- data and batches ----------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
-    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in
-    every run."""
+    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone."""
     state = np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)
     generator = torch.Generator().manual_seed(int(state[0]))
     return torch.randperm(n_starts, generator=generator)  # (n_starts,)
 
 
 def batch_starts(i, n_starts, batch_size, data_seed):
-    """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size
-    left over skipped)."""
+    """Batch i's starts: slice i of its epoch's permutation (the rest skipped)."""
     epoch, j = divmod(i, n_starts // batch_size)
     starts = epoch_permutation(n_starts, data_seed, epoch)
     return starts[j * batch_size : (j + 1) * batch_size]
 
 
 def get_batch(data, starts, block_size, device):
-    """Windows of l+1 tokens at the starts: x is each window's first l tokens, y the
-    same shifted by one.
-    """
+    """Windows of l+1 tokens at the starts: x their first l tokens, y shifted by one."""
     windows = [data[s : s + block_size + 1] for s in starts.tolist()]
     w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (b, l), (b, l)
@@ -205,17 +198,16 @@ def get_batch(data, starts, block_size, device):
     return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
 
 
-# ------------------------------------------------------------------------------- the
-# model and the step
+# ---- the model and the step ----------------------------------------------------------
 def build_model(cfg, args, device):
     """The Transformer, the same in every process (then a dropout stream each), and
-    AdamW (CUDA: fused, and capturable, which the captured step needs).
-    """
+    AdamW."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
     betas = (args.beta1, args.beta2)
-    kind = dict(fused=device.type == "cuda", capturable=device.type == "cuda")
+    cuda = device.type == "cuda"  # fused, and capturable: the captured step needs it
+    kind = dict(fused=cuda, capturable=cuda)
     adamw = torch.optim.AdamW(
         model.parameters(), args.lr, betas, 1e-8, args.weight_decay, **kind
     )
@@ -223,14 +215,11 @@ def build_model(cfg, args, device):
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: forward, the loss of Eq. (3), backward, clipping if on, AdamW.
-    Returns the loss.
-    """
+    """One batch: forward, the loss, backward, clipping if on, AdamW; the loss."""
     with ctx:
         _, loss = model(x, y)  # the mean cross-entropy of the batch, Eq. (3)
-    scaler.scale(
-        loss
-    ).backward()  # (only float16 scales its loss; else scale and unscale_ do nothing)
+    # (only float16 scales its loss; else scale and unscale_ do nothing)
+    scaler.scale(loss).backward()
     if grad_clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -241,9 +230,8 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 
 def make_step(model, optimizer, scaler, ctx, args, device):
-    """The training step: on CUDA captured in a CUDA graph, unless --no-cuda_graph, DDP,
-    torch.compile or float16's loss scaling (their steps run eagerly).
-    """
+    """The step: on CUDA captured in a CUDA graph, but eager with --no-cuda_graph, DDP,
+    torch.compile or float16's loss scaling."""
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
     )
@@ -254,12 +242,9 @@ def make_step(model, optimizer, scaler, ctx, args, device):
 
 
 class CapturedStep:
-    """step(x, y) replayed from a CUDA graph: one launch instead of the step's ~1000
-    kernels. The first 3 calls run eagerly on a side stream (cuBLAS, AdamW and the
-    allocator set up), the 4th records the step on static inputs, then each call copies
-    its batch in and replays. Parameters, gradients and AdamW's state keep their
-    addresses: a replay is the eager step bit for bit, dropout's generator included.
-    With run.json's path, a step that cannot be recorded runs eagerly from then on."""
+    """step(x, y) replayed from a CUDA graph, one launch, bit for bit the eager step. 3
+    eager calls on a side stream set cuBLAS, AdamW and the allocator up, the 4th records
+    on static inputs. With run.json's path, a failed recording goes on eagerly."""
 
     def __init__(self, step, optimizer=None, run_json=None, warmup=3):
         self.step = step
@@ -293,16 +278,14 @@ class CapturedStep:
         return self.loss.clone()
 
     def fall_back(self, error, x, y):
-        """The eager step from now on, said on the console and in run.json; the failed
-        recording's gradients, never computed, dropped.
-        """
+        """The eager step from now on, said on the console and in run.json."""
         why = f"{type(error).__name__}: {error}".splitlines()[0]
         say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
         with open(self.run_json) as f:
             info = json.load(f)
         info["computed"]["step"] = f"eager, the capture failed ({why})"
         atomic_write(self.run_json, json.dumps(info, indent=1) + "\n")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # (the recording's, not computed)
         self.graph = None
         self.warmup = math.inf  # eager, on the side stream, from now on
         return self(x, y)
@@ -416,8 +399,7 @@ def evaluate(model, args, val_data, device, ctx):
 
 
 def mean_over_processes(t):
-    """Under DDP the mean of t over the processes, each of which calls this at the same
-    point."""
+    """Under DDP the mean of t over the processes (each calls this at one point)."""
     if WORLD > 1:
         t = t / WORLD
         dist.all_reduce(t)
@@ -426,16 +408,14 @@ def mean_over_processes(t):
 
 def evaluates(args, it):
     """Whether batch `it` ends with a validation: every eval_interval, and the last."""
-    return args.eval_batches > 0 and (
-        it % args.eval_interval == 0 or it == args.max_iters
-    )
+    at = it % args.eval_interval == 0 or it == args.max_iters
+    return args.eval_batches > 0 and at
 
 
 def must_stop(args, it, elapsed, per_batch, pause):
-    """Whether batch `it`, done `elapsed` s after train.py started, must be the last: a
-    signal came, or the time limit leaves no room for the next batch (twice the mean
-    since the last log point), its validation if it has one (eval_batches batches, each
-    a forward only) and a log point's work (pause: its longest yet)."""
+    """Whether batch `it` must be the last: a signal came, or from train.py's start the
+    time limit leaves no room for two more batches, the next validation's and the
+    longest log point's work (pause)."""
     if STOP["signal"] is not None:
         return True
     if args.time_limit is None:
@@ -445,9 +425,8 @@ def must_stop(args, it, elapsed, per_batch, pause):
 
 
 def log(args, it, costs, times, val, tok_s, eta):
-    """The batches since the last log point: their log.csv rows (each batch's training
-    cost, at `it` the validation loss if there is one) and a console line. nan or inf
-    ends the run."""
+    """The log.csv rows of the batches since the last log point, a console line; nan or
+    inf ends the run."""
     rows = []
     for i, cost, t in zip(range(it - len(costs) + 1, it + 1), costs, times):
         if not math.isfinite(cost):
@@ -466,7 +445,7 @@ def log(args, it, costs, times, val, tok_s, eta):
 
 
 def stopped(args, device, it):
-    """A run stopped at a checkpoint by a signal or --time_limit: a line, its status."""
+    """A run stopped at a checkpoint by a signal or --time_limit: a line, the status."""
     signum = STOP["signal"]
     why = "--time_limit" if signum is None else signal.Signals(signum).name
     say(
@@ -481,11 +460,13 @@ def describe(args, cfg, how, start):
     """What the run is, how it computes and where it trains, on the console."""
     say(f"{cfg}")
     say(
-        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), {how['step']} step"
+        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), "
+        f"{how['step']} step"
     )
     if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
         say(
-            "note: Table 1's model takes days on a CPU; the README's CPU quick start takes minutes"
+            "note: Table 1's model takes days on a CPU; the README's CPU quick start "
+            "takes minutes"
         )
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
 
@@ -517,9 +498,7 @@ def pick_device(name):
 
 
 def precision(device, dtype, tf32=True):
-    """Autocast to --dtype, the loss scaler (on for float16's small range), and CUDA's
-    TF32 matmuls.
-    """
+    """Autocast to --dtype, the loss scaler (float16's), and CUDA's TF32 matmuls."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     cache = device.type != "cuda"  # (CUDA graphs want no autocast cache)
@@ -530,9 +509,7 @@ def precision(device, dtype, tf32=True):
 
 
 def computed(device, args, step):
-    """How the run computes, for run.json: device, torch, matmul precision, autocast,
-    the step.
-    """
+    """How the run computes, for run.json."""
     tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
     how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype)
     how.update(float32_matmul=tf32, fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee")
@@ -543,8 +520,7 @@ def computed(device, args, step):
 
 
 def peak_memory(device):
-    """(bytes, what): on CUDA the most the tensors ever held, elsewhere the process's
-    peak resident memory."""
+    """(bytes, what): the most CUDA's tensors held, else the process's peak resident."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
     import resource  # (Unix; ru_maxrss is in kB on Linux, in bytes on macOS)
@@ -556,8 +532,7 @@ def peak_memory(device):
 
 
 def report_peak_memory(args, device, exit_code):
-    """The peak memory (this session's, when resumed) into run.json and on the console;
-    the exit code."""
+    """This session's peak memory into run.json and on the console; the exit code."""
     if MASTER:
         peak, what = peak_memory(device)
         path = os.path.join(args.out_dir, "run.json")
@@ -571,8 +546,7 @@ def report_peak_memory(args, device, exit_code):
 
 # ---- the run folder and ckpt.pt ------------------------------------------------------
 def default_out_dir(args):
-    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact):
-    out/me-m2-l64-b32."""
+    """out/<mixer> (sa-<n>), -<symbol><value> per setting not Table 1's: out/me-l64."""
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
     for flag, (symbol, value, _, _) in TABLE_1.items():
         v = getattr(args, flag)
@@ -585,8 +559,8 @@ def default_out_dir(args):
 
 @contextmanager
 def locked(out_dir):
-    """The run folder, made if need be and locked against a second train.py (Unix;
-    freed even by kill -9); the .*.tmp of a write killed midway removed."""
+    """The run folder, made if need be, locked against a second train.py (Unix; freed
+    even by kill -9), the .*.tmp of a killed write removed."""
     if os.path.isfile(out_dir):
         fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
     made = not os.path.isdir(out_dir)
@@ -614,9 +588,8 @@ def locked(out_dir):
 
 
 def judge(args, parser, argv):
-    """The checkpoint to resume, args then set from it (flags may change MAY_CHANGE's
-    only), or None to start. A folder holds a run once a checkpoint was written in it:
-    its ckpt.pt, or the log.csv written with it (that stays when ckpt.pt is deleted)."""
+    """The checkpoint to resume, args set from it (flags change MAY_CHANGE's only), or
+    None. A folder holds a run once a checkpoint (and log.csv) was written in it."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     has_ckpt = os.path.exists(path)
     has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
@@ -659,8 +632,7 @@ def judge(args, parser, argv):
 
 
 def load_checkpoint(path):
-    """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one
-    line if damaged."""
+    """A ckpt.pt of train.py: plain dicts and tensors; one line if damaged."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
@@ -672,21 +644,15 @@ def load_checkpoint(path):
 
 
 def start_files(args, info, start):
-    """The folder becomes this run's: --overwrite removes the old run's files, run.json
-    is written; a resumed run's log.csv rows are read back."""
+    """--overwrite removes the old run's files; run.json; log.csv's rows, one a batch to
+    the checkpoint's: a log gone or shorter goes on from there, with a line."""
     if args.overwrite:
         for name in RUN_FILES:
             if os.path.exists(os.path.join(args.out_dir, name)):
                 os.remove(os.path.join(args.out_dir, name))
-    path = os.path.join(args.out_dir, "run.json")
-    atomic_write(path, json.dumps(info, indent=1) + "\n")
-    return read_log(args.out_dir, start)
-
-
-def read_log(out_dir, start):
-    """log.csv's rows, one a batch up to the checkpoint's (they are written with it). A
-    log that is gone or shorter goes on from there, with a line saying so."""
-    path = os.path.join(out_dir, "log.csv")
+    run_json = os.path.join(args.out_dir, "run.json")
+    atomic_write(run_json, json.dumps(info, indent=1) + "\n")
+    path = os.path.join(args.out_dir, "log.csv")
     rows = []
     if os.path.exists(path):
         with open(path) as f:
@@ -700,8 +666,7 @@ def read_log(out_dir, start):
 
 
 def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed):
-    """ckpt.pt, with every process's RNG states (--resume goes on bit for bit), then
-    log.csv up to its batch: each written whole or not at all."""
+    """ckpt.pt with every process's RNG states, then log.csv: each whole or none."""
     state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -728,8 +693,7 @@ def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed
 
 
 def restore(ckpt, model, optimizer, scaler, device):
-    """A resumed run's state: the model, AdamW (as this device runs it), the loss
-    scaler, the RNGs."""
+    """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
     if len(ckpt["rng"]) != WORLD:
         fail(
             f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as "
@@ -755,8 +719,7 @@ def restore(ckpt, model, optimizer, scaler, device):
 
 # ---- the console, stopping -----------------------------------------------------------
 def say(*args):
-    """A console line at once (nohup too), from process 0; a closed stdout (| head)
-    acts as a signal."""
+    """A console line at once, from process 0; a closed stdout (| head) is a signal."""
     if MASTER:
         try:
             print(*args, flush=True)
