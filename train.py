@@ -331,14 +331,14 @@ def train(args, ckpt, started):
         info.update(data=data, world_size=WORLD, computed=how)
         rows = start_files(args, info, start)
         describe(args, cfg, how, start)
-    elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
     n_starts = len(train_data) - args.block_size
     # each batch's loss since the last log point, kept on the device
     losses = torch.zeros(args.log_interval, device=device)
     val = None
     done = []  # when each batch since the last log point ended
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
-    t0 = since = time.time()  # (since: the end of the last log point)
+    since = time.time()  # the end of the last log point
+    t0 = since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (a resumed run's time counts)
     for it in range(start + 1, args.max_iters + 1):  # it: the batches done after it
         starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)
         mine = starts.chunk(WORLD)[RANK]  # this process's part
@@ -358,23 +358,27 @@ def train(args, ckpt, started):
         stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
         costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
         tok_s = len(done) * args.batch_size * args.block_size / (now - since)
-        times = [elapsed0 + t - t0 for t in done]
-        eta = (args.max_iters - it) * (now - t0) / (it - start)  # at this pace
+        times = [t - t0 for t in done]
+        eta = (args.max_iters - it) * (now - started) / (it - start)  # at this pace
         rows += log(args, it, costs, times, val, tok_s, eta)
         if ckpt_now or stop:
-            elapsed = elapsed0 + time.time() - t0
+            elapsed = time.time() - t0
             save_checkpoint(
                 args, rows, raw_model, optimizer, scaler, cfg, data, it, elapsed
             )
         if stop:
-            return stopped(args, device, it)
+            signum = STOP["signal"]
+            why = "--time_limit" if signum is None else signal.Signals(signum).name
+            say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
+            return report_peak_memory(
+                args, device, 0 if signum is None else 128 + signum
+            )
         pause = max(pause, time.time() - now)
         done = []
         since = time.time()
-    say(f"done: {args.out_dir}")
     say(
-        f"plot: python experiments/plot.py {args.out_dir}; "
-        f"sample: python sample.py --out_dir {args.out_dir}"
+        f"done: python experiments/plot.py {args.out_dir} draws it, "
+        f"python sample.py --out_dir {args.out_dir} samples it"
     )
     return report_peak_memory(args, device, 0)
 
@@ -442,17 +446,6 @@ def log(args, it, costs, times, val, tok_s, eta):
     speed = f"{tok_s / 1e3:.1f}k tok/s"
     say(f"{line} | {speed} | elapsed {fmt_time(times[-1])} | ETA {fmt_time(eta)}")
     return rows
-
-
-def stopped(args, device, it):
-    """A run stopped at a checkpoint by a signal or --time_limit: a line, the status."""
-    signum = STOP["signal"]
-    why = "--time_limit" if signum is None else signal.Signals(signum).name
-    say(
-        f"{why}: stopped at batch {it} with a checkpoint; go on with the same command "
-        "and --resume"
-    )
-    return report_peak_memory(args, device, 0 if signum is None else 128 + signum)
 
 
 # ---- what the run is, where it runs ------------------------------------------------
@@ -773,21 +766,15 @@ def main(argv=None):
         say(f"\naborted; {kept(args.out_dir)}")
         return 130
     except OSError as e:  # a full disk, a lost folder
-        print(
-            f"error: cannot write {e.filename} ({e.strerror}); {kept(args.out_dir)}",
-            file=sys.stderr,
-        )
-        return 1
+        fail(f"cannot write {e.filename} ({e.strerror}); {kept(args.out_dir)}")
     except (RuntimeError, MemoryError) as e:
         cpu = "can't allocate memory" in str(e)  # (torch's CPU allocator)
         if not (cpu or isinstance(e, (torch.OutOfMemoryError, MemoryError))):
             raise
-        print(
-            "error: out of memory: use a smaller --batch_size (or --block_size); "
-            f"{kept(args.out_dir)}",
-            file=sys.stderr,
+        fail(
+            "out of memory: use a smaller --batch_size (or --block_size); "
+            f"{kept(args.out_dir)}"
         )
-        return 1
     finally:
         STOP["signal"] = None
         for s, handler in handlers.items():
