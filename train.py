@@ -78,8 +78,7 @@ NATURAL = bounded(int, 0)
 NON_NEGATIVE = bounded(float, 0)
 FRACTION = bounded(float, 0, 1)
 SEED = bounded(int, 0, 2**63)
-# the settings that name a run: flag -> (the paper's symbol, Table 1's value, what it
-# is, its type: argparse checks the bounds, Config the model's sizes)
+# the settings that name a run: flag -> (its symbol, Table 1's value, what, its type)
 TABLE_1 = {
     "n_layer": ("m", 18, "number of layers", int),
     "block_size": ("l", 128, "context length", int),
@@ -98,6 +97,7 @@ TABLE_1 = {
 }
 # the other flags with a value: flag -> (its type, default, what it is)
 FLAGS = {
+    "mixer": (str, "sa", "sa, she, we, he, me, he-ext, a Synthesizer or module.Class"),
     "max_iters": (NATURAL, 60000, "batches to train on (%(default)s)"),
     "time_limit": (seconds, None, "stop at a checkpoint before this: 90s, 40m, 2h"),
     "eval_interval": (COUNT, 1000, "validation every this many batches (%(default)s)"),
@@ -116,29 +116,16 @@ THIS_COMMAND = {"out_dir", "resume", "overwrite", "time_limit", "cuda_graph"}
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        description="Train a Transformer language model with a token mixer."
-    )
+    p = argparse.ArgumentParser(description="Train a language model with a token mixer")
     p.error = lambda msg: fail(f"{msg} (see python train.py --help)")
-    mixers = "sa, she, we, he, me, he-ext, a Synthesizer (dense, random, ...)"
-    p.add_argument(
-        "--mixer",
-        default="sa",
-        help=f"the first sublayer: {mixers} or your module.Class (default: sa)",
-    )
     for name, (symbol, value, text, kind) in TABLE_1.items():
-        p.add_argument(
-            f"--{name}", type=kind, default=value, help=f"{symbol}: {text} ({value})"
-        )
+        about = f"{symbol}: {text} ({value})"
+        p.add_argument(f"--{name}", type=kind, default=value, help=about)
     for name, (kind, value, text) in FLAGS.items():
         p.add_argument(f"--{name}", type=kind, default=value, help=text)
     one_of = p.add_mutually_exclusive_group()
-    one_of.add_argument(
-        "--resume", action="store_true", help="continue out_dir's run, its settings"
-    )
-    one_of.add_argument(
-        "--overwrite", action="store_true", help="remove out_dir's run, start again"
-    )
+    one_of.add_argument("--resume", action="store_true", help="go on with its run")
+    one_of.add_argument("--overwrite", action="store_true", help="start out_dir again")
     dtypes = ["float32", "bfloat16", "float16"]
     p.add_argument("--dtype", default="float32", choices=dtypes, help="autocast")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -149,11 +136,13 @@ def build_parser():
 
 
 def check_model(args):
-    """The model's settings as Config checks them, --mixer a mixer: one line each."""
+    """The model's Config (vocab_size 1 until the data's), --mixer a mixer: one line
+    each if not."""
     if args.batch_size % WORLD:
         fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
+    fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
     try:
-        cfg = Config(**model_settings(args, vocab_size=1))
+        cfg = Config(vocab_size=1, **{k: getattr(args, k) for k in fields})
     except ValueError as e:
         fail(str(e))
     x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
@@ -164,11 +153,7 @@ def check_model(args):
             f"--mixer {cfg.mixer} is not a mixer ({type(e).__name__}: {e}): a mixer is "
             "an nn.Module of the config whose forward(x, cache) keeps x's shape"
         )
-
-
-def model_settings(args, **more):
-    fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
-    return {k: getattr(args, k) for k in fields} | more
+    return cfg
 
 
 # ---- data and batches ----------------------------------------------------------------
@@ -200,8 +185,7 @@ def get_batch(data, starts, block_size, device):
 
 # ---- the model and the step ----------------------------------------------------------
 def build_model(cfg, args, device):
-    """The Transformer, the same in every process (then a dropout stream each), and
-    AdamW."""
+    """The Transformer, the same in every process, then a dropout stream each; AdamW."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
@@ -295,6 +279,7 @@ class CapturedStep:
 def train(args, ckpt, started):
     """The data, the model and its step, the run's files, then the loop: batch, step,
     and at a log point evaluate, log, checkpoint, stop."""
+    cfg = check_model(args)  # (the checkpoint's settings too)
     start = ckpt["iter"] if ckpt else 0
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
@@ -315,7 +300,7 @@ def train(args, ckpt, started):
     if WORLD > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ctx, scaler = precision(device, args.dtype, args.tf32)
-    cfg = Config(**model_settings(args, vocab_size=data["vocab_size"]))
+    cfg = dataclasses.replace(cfg, vocab_size=data["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
@@ -330,7 +315,11 @@ def train(args, ckpt, started):
         info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
         info.update(data=data, world_size=WORLD, computed=how)
         rows = start_files(args, info, start)
-        describe(args, cfg, how, start)
+        say(f"{cfg}")
+        say(", ".join(f"{k}: {v}" for k, v in how.items()))
+        if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
+            say("note: Table 1's model takes days on a CPU: see the CPU quick start")
+        say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
     n_starts = len(train_data) - args.block_size
     # each batch's loss since the last log point, kept on the device
     losses = torch.zeros(args.log_interval, device=device)
@@ -370,9 +359,8 @@ def train(args, ckpt, started):
             signum = STOP["signal"]
             why = "--time_limit" if signum is None else signal.Signals(signum).name
             say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
-            return report_peak_memory(
-                args, device, 0 if signum is None else 128 + signum
-            )
+            code = 0 if signum is None else 128 + signum
+            return report_peak_memory(args, device, code)
         pause = max(pause, time.time() - now)
         done = []
         since = time.time()
@@ -446,22 +434,6 @@ def log(args, it, costs, times, val, tok_s, eta):
     speed = f"{tok_s / 1e3:.1f}k tok/s"
     say(f"{line} | {speed} | elapsed {fmt_time(times[-1])} | ETA {fmt_time(eta)}")
     return rows
-
-
-# ---- what the run is, where it runs ------------------------------------------------
-def describe(args, cfg, how, start):
-    """What the run is, how it computes and where it trains, on the console."""
-    say(f"{cfg}")
-    say(
-        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), "
-        f"{how['step']} step"
-    )
-    if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
-        say(
-            "note: Table 1's model takes days on a CPU; the README's CPU quick start "
-            "takes minutes"
-        )
-    say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
 
 
 def pick_device(name):
@@ -587,9 +559,7 @@ def judge(args, parser, argv):
     has_ckpt = os.path.exists(path)
     has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
     if args.resume and not has_ckpt:
-        how = (
-            "--overwrite starts the run again" if has_log else "drop --resume to start"
-        )
+        how = "--overwrite starts it again" if has_log else "drop --resume to start"
         fail(f"no checkpoint {path} to resume; {how}")
     if not (args.resume or args.overwrite) and (has_ckpt or has_log):
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
@@ -613,9 +583,8 @@ def judge(args, parser, argv):
             f"{path} was trained with {', '.join(differ)}: --resume keeps its "
             "settings; drop those flags"
         )
-    if resumed["data_dir"] == saved["data_dir"] and not os.path.isdir(
-        saved["data_dir"]
-    ):
+    moved = not os.path.isdir(saved["data_dir"])
+    if moved and resumed["data_dir"] == saved["data_dir"]:
         fail(
             f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
             "pass --data_dir with the folder where that data is now"
@@ -689,8 +658,7 @@ def restore(ckpt, model, optimizer, scaler, device):
     """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
     if len(ckpt["rng"]) != WORLD:
         fail(
-            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as "
-            "many (torchrun)"
+            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume with as many"
         )
     try:
         model.load_state_dict(ckpt["model"])
@@ -723,8 +691,7 @@ def say(*args):
 
 def ask_to_stop(signum, frame):
     STOP["signal"] = signum
-    # a second Ctrl-C aborts at once
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: abort
 
 
 def kept(out_dir):
@@ -752,7 +719,6 @@ def main(argv=None):
         with locked(args.out_dir) if MASTER else nullcontext():
             ckpt = judge(args, parser, argv)
             args.data_dir = os.path.abspath(args.data_dir)
-            check_model(args)  # (the checkpoint's settings too)
             start = ckpt["iter"] if ckpt else 0
             if start >= args.max_iters:
                 say(f"{args.out_dir} is at batch {start}: nothing to train")
@@ -771,10 +737,7 @@ def main(argv=None):
         cpu = "can't allocate memory" in str(e)  # (torch's CPU allocator)
         if not (cpu or isinstance(e, (torch.OutOfMemoryError, MemoryError))):
             raise
-        fail(
-            "out of memory: use a smaller --batch_size (or --block_size); "
-            f"{kept(args.out_dir)}"
-        )
+        fail(f"out of memory: use a smaller --batch_size; {kept(args.out_dir)}")
     finally:
         STOP["signal"] = None
         for s, handler in handlers.items():
