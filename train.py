@@ -213,27 +213,29 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
     return loss.detach()
 
 
-def make_step(model, optimizer, scaler, ctx, args, device):
-    """The step: on CUDA captured in a CUDA graph, but eager with --no-cuda_graph, DDP,
-    torch.compile or float16's loss scaling."""
+def make_step(model, optimizer, scaler, ctx, args, device, how):
+    """The step, named in how: on CUDA captured in a CUDA graph, but eager with
+    --no-cuda_graph, DDP, torch.compile or float16's loss scaling."""
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
     )
+    how["step"] = "eager"
     eager = WORLD > 1 or args.compile or args.dtype == "float16"
     if device.type == "cuda" and args.cuda_graph and not eager:
-        step = CapturedStep(step, optimizer, os.path.join(args.out_dir, "run.json"))
+        step = CapturedStep(step, optimizer, how)
+        how["step"] = "CapturedStep"
     return step
 
 
 class CapturedStep:
     """step(x, y) replayed from a CUDA graph, one launch, bit for bit the eager step. 3
     eager calls on a side stream set cuBLAS, AdamW and the allocator up, the 4th records
-    on static inputs. With run.json's path, a failed recording goes on eagerly."""
+    on static inputs. Given run.json's `computed`, a failed recording runs eagerly."""
 
-    def __init__(self, step, optimizer=None, run_json=None, warmup=3):
+    def __init__(self, step, optimizer=None, how=None, warmup=3):
         self.step = step
         self.optimizer = optimizer
-        self.run_json = run_json
+        self.how = how
         self.warmup = warmup
         self.graph = None
         self.stream = torch.cuda.Stream()
@@ -253,7 +255,7 @@ class CapturedStep:
                 with torch.cuda.graph(self.graph, stream=self.stream):
                     self.loss = self.step(self.x, self.y)
             except Exception as error:
-                if self.run_json is None:
+                if self.how is None:
                     raise
                 return self.fall_back(error, x, y)
         self.x.copy_(x)
@@ -265,10 +267,7 @@ class CapturedStep:
         """The eager step from now on, said on the console and in run.json."""
         why = f"{type(error).__name__}: {error}".splitlines()[0]
         say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
-        with open(self.run_json) as f:
-            info = json.load(f)
-        info["computed"]["step"] = f"eager, the capture failed ({why})"
-        atomic_write(self.run_json, json.dumps(info, indent=1) + "\n")
+        self.how["step"] = f"eager, the capture failed ({why})"
         self.optimizer.zero_grad(set_to_none=True)  # (the recording's, not computed)
         self.graph = None
         self.warmup = math.inf  # eager, on the side stream, from now on
@@ -307,14 +306,15 @@ def train(args, ckpt, started):
     model = torch.compile(raw_model) if args.compile else raw_model
     if WORLD > 1:
         model = DDP(model)  # (its module on one device: device_ids may be None)
-    step = make_step(model, optimizer, scaler, ctx, args, device)
+    how = computed(device, args)
+    step = make_step(model, optimizer, scaler, ctx, args, device, how)
+    params = raw_model.param_counts()
+    # run.json, written with each checkpoint
+    info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
+    info.update(data=data, world_size=WORLD, computed=how)
     rows = []  # log.csv's lines (process 0), written with each checkpoint
     if MASTER:
-        how = computed(device, args, step)
-        params = raw_model.param_counts()
-        info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
-        info.update(data=data, world_size=WORLD, computed=how)
-        rows = start_files(args, info, start)
+        rows = start_files(args, start)
         say(f"{cfg}")
         say(", ".join(f"{k}: {v}" for k, v in how.items()))
         if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
@@ -351,24 +351,25 @@ def train(args, ckpt, started):
         eta = (args.max_iters - it) * (now - started) / (it - start)  # at this pace
         rows += log(args, it, costs, times, val, tok_s, eta)
         if ckpt_now or stop:
+            peak, what = peak_memory(device)  # (this session's)
+            info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
             elapsed = time.time() - t0
-            save_checkpoint(
-                args, rows, raw_model, optimizer, scaler, cfg, data, it, elapsed
-            )
+            save_checkpoint(args, info, rows, raw_model, optimizer, scaler, it, elapsed)
         if stop:
             signum = STOP["signal"]
             why = "--time_limit" if signum is None else signal.Signals(signum).name
             say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
-            code = 0 if signum is None else 128 + signum
-            return report_peak_memory(args, device, code)
+            say(f"{what}: {peak / 2**30:.2f} GB")
+            return 0 if signum is None else 128 + signum
         pause = max(pause, time.time() - now)
         done = []
         since = time.time()
+    say(f"{what}: {peak / 2**30:.2f} GB")
     say(
         f"done: python experiments/plot.py {args.out_dir} draws it, "
         f"python sample.py --out_dir {args.out_dir} samples it"
     )
-    return report_peak_memory(args, device, 0)
+    return 0
 
 
 @torch.no_grad()
@@ -473,12 +474,11 @@ def precision(device, dtype, tf32=True):
     return cast, torch.amp.GradScaler(device.type, enabled=dtype == "float16")
 
 
-def computed(device, args, step):
+def computed(device, args):
     """How the run computes, for run.json."""
     tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
     how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype)
     how.update(float32_matmul=tf32, fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee")
-    how["step"] = type(step).__name__.replace("partial", "eager")
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
@@ -494,19 +494,6 @@ def peak_memory(device):
     if sys.platform == "darwin":
         kb /= 1024
     return int(kb * 1024), "peak resident memory"
-
-
-def report_peak_memory(args, device, exit_code):
-    """This session's peak memory into run.json and on the console; the exit code."""
-    if MASTER:
-        peak, what = peak_memory(device)
-        path = os.path.join(args.out_dir, "run.json")
-        with open(path) as f:
-            info = json.load(f)
-        info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-        atomic_write(path, json.dumps(info, indent=1) + "\n")
-        say(f"{what}: {peak / 2**30:.2f} GB")
-    return exit_code
 
 
 # ---- the run folder and ckpt.pt ------------------------------------------------------
@@ -605,15 +592,13 @@ def load_checkpoint(path):
     return ckpt
 
 
-def start_files(args, info, start):
-    """--overwrite removes the old run's files; run.json; log.csv's rows, one a batch to
-    the checkpoint's: a log gone or shorter goes on from there, with a line."""
+def start_files(args, start):
+    """--overwrite removes the old run's files; log.csv's rows, one a batch to the
+    checkpoint's: a log gone or shorter goes on from there, with a line."""
     if args.overwrite:
         for name in RUN_FILES:
             if os.path.exists(os.path.join(args.out_dir, name)):
                 os.remove(os.path.join(args.out_dir, name))
-    run_json = os.path.join(args.out_dir, "run.json")
-    atomic_write(run_json, json.dumps(info, indent=1) + "\n")
     path = os.path.join(args.out_dir, "log.csv")
     rows = []
     if os.path.exists(path):
@@ -627,8 +612,9 @@ def start_files(args, info, start):
     return rows
 
 
-def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed):
-    """ckpt.pt with every process's RNG states, then log.csv: each whole or none."""
+def save_checkpoint(args, info, rows, model, optimizer, scaler, it, elapsed):
+    """ckpt.pt with every process's RNG states, then log.csv and run.json: each whole
+    or not at all."""
     state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -637,21 +623,15 @@ def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed
         dist.all_gather_object(rngs, state)
     if not MASTER:
         return
-    ckpt = dict(
-        model=model.state_dict(),
-        optimizer=optimizer.state_dict(),
-        scaler=scaler.state_dict(),
-        config=dataclasses.asdict(cfg),
-        args=vars(args),
-        iter=it,
-        elapsed_s=elapsed,
-        data=data,
-        rng=rngs,
-    )
+    ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), iter=it)
+    ckpt.update(scaler=scaler.state_dict(), config=info["config"], args=vars(args))
+    ckpt.update(elapsed_s=elapsed, data=info["data"], rng=rngs)
     buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
     torch.save(ckpt, buffer)
     atomic_write(os.path.join(args.out_dir, "ckpt.pt"), buffer.getvalue())
     atomic_write(os.path.join(args.out_dir, "log.csv"), LOG_HEADER + "".join(rows))
+    run_json = json.dumps(info, indent=1) + "\n"
+    atomic_write(os.path.join(args.out_dir, "run.json"), run_json)
 
 
 def restore(ckpt, model, optimizer, scaler, device):
