@@ -1,5 +1,4 @@
-"""
-Train a language model whose first sublayer is a token mixer of extractor.py (the
+"""Train a language model whose first sublayer is a token mixer of extractor.py (the
 paper's Section 6): Table 1's run, a longer run of out/me, a run that stops at a
 checkpoint before 40 minutes, one run over 4 GPUs (DDP).
 
@@ -8,11 +7,9 @@ checkpoint before 40 minutes, one run over 4 GPUs (DDP).
     python train.py --mixer=she --time_limit=40m
     torchrun --standalone --nproc_per_node=4 train.py --mixer=she
 
-Every run sees the same batches in the same order, seeded by --data_seed alone. The run
-folder (out/<mixer>-<the settings not Table 1's>) holds run.json (settings, the data,
-how the run computed, peak memory), ckpt.pt (all --resume needs to go on bit for bit)
-and log.csv (each batch's cost, the validation losses), written with each checkpoint.
-Ctrl-C, kill, a closed terminal and --time_limit end the batch, checkpoint and stop.
+Every run sees the same batches, seeded by --data_seed alone. The run folder holds
+run.json, ckpt.pt (all --resume needs to go on bit for bit) and log.csv, written with
+each checkpoint. Ctrl-C, kill, a closed terminal and --time_limit stop at a checkpoint.
 """
 
 import argparse
@@ -46,8 +43,7 @@ RANK = int(os.environ.get("RANK", "0"))
 WORLD = max(int(os.environ.get("WORLD_SIZE", "1")), 1)
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 MASTER = RANK == 0
-# set by Ctrl-C, kill, a closed terminal or stdout: stop after this batch
-STOP = {"signal": None}
+STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
@@ -136,8 +132,7 @@ def build_parser():
 
 
 def check_model(args):
-    """The model's Config (vocab_size 1 until the data's), --mixer a mixer: one line
-    each if not."""
+    """The model's Config (vocab_size 1 for now), --mixer a mixer; one line if not."""
     if args.batch_size % WORLD:
         fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
     fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
@@ -156,7 +151,7 @@ def check_model(args):
     return cfg
 
 
-# ---- data and batches ----------------------------------------------------------------
+# ---- the batches, the model and the step ---------------------------------------------
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
     """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone."""
@@ -183,7 +178,6 @@ def get_batch(data, starts, block_size, device):
     return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
 
 
-# ---- the model and the step ----------------------------------------------------------
 def build_model(cfg, args, device):
     """The Transformer, the same in every process, then a dropout stream each; AdamW."""
     torch.manual_seed(args.seed)
@@ -214,8 +208,7 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 
 def make_step(model, optimizer, scaler, ctx, args, device, how):
-    """The step, named in how: on CUDA captured in a CUDA graph, but eager with
-    --no-cuda_graph, DDP, torch.compile or float16's loss scaling."""
+    """The step, named in how: on CUDA captured in a graph (DDP, --compile: eager)."""
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
     )
@@ -228,9 +221,8 @@ def make_step(model, optimizer, scaler, ctx, args, device, how):
 
 
 class CapturedStep:
-    """step(x, y) replayed from a CUDA graph, one launch, bit for bit the eager step. 3
-    eager calls on a side stream set cuBLAS, AdamW and the allocator up, the 4th records
-    on static inputs. Given run.json's `computed`, a failed recording runs eagerly."""
+    """step(x, y) replayed from a CUDA graph, bit for bit the eager step: 3 eager calls
+    on a side stream, then the recording (failed, with `how` given: eager from then)."""
 
     def __init__(self, step, optimizer=None, how=None, warmup=3):
         self.step = step
@@ -276,8 +268,7 @@ class CapturedStep:
 
 # ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, started):
-    """The data, the model and its step, the run's files, then the loop: batch, step,
-    and at a log point evaluate, log, checkpoint, stop."""
+    """The data, the model, then batch, step, and at a log point evaluate, log, stop."""
     cfg = check_model(args)  # (the checkpoint's settings too)
     start = ckpt["iter"] if ckpt else 0
     train_data, val_data, data = load_data(
@@ -309,21 +300,18 @@ def train(args, ckpt, started):
     how = computed(device, args)
     step = make_step(model, optimizer, scaler, ctx, args, device, how)
     params = raw_model.param_counts()
-    # run.json, written with each checkpoint
     info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
-    info.update(data=data, world_size=WORLD, computed=how)
+    info.update(data=data, world_size=WORLD, computed=how)  # run.json
     rows = []  # log.csv's lines (process 0), written with each checkpoint
     if MASTER:
         rows = start_files(args, start)
         say(f"{cfg}")
+        say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
         say(", ".join(f"{k}: {v}" for k, v in how.items()))
         if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
             say("note: Table 1's model takes days on a CPU: see the CPU quick start")
-        say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
     n_starts = len(train_data) - args.block_size
-    # each batch's loss since the last log point, kept on the device
-    losses = torch.zeros(args.log_interval, device=device)
-    val = None
+    losses = torch.zeros(args.log_interval, device=device)  # since the last log point
     done = []  # when each batch since the last log point ended
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
     since = time.time()  # the end of the last log point
@@ -340,7 +328,8 @@ def train(args, ckpt, started):
         evaluate_now = evaluates(args, it)
         ckpt_now = it % args.ckpt_interval == 0 or it == args.max_iters
         log_now = evaluate_now or ckpt_now or it % args.log_interval == 0
-        if not (log_now or stop and WORLD == 1):  # (DDP: all stop at a log point)
+        stop_now = stop and WORLD == 1  # (under DDP, all stop at a log point)
+        if not (log_now or stop_now):
             continue
         val = evaluate(model, args, val_data, device, ctx) if evaluate_now else None
         # (DDP: any process's)
@@ -365,17 +354,13 @@ def train(args, ckpt, started):
         done = []
         since = time.time()
     say(f"{what}: {peak / 2**30:.2f} GB")
-    say(
-        f"done: python experiments/plot.py {args.out_dir} draws it, "
-        f"python sample.py --out_dir {args.out_dir} samples it"
-    )
+    say(f"done: python experiments/plot.py {args.out_dir} draws its losses")
     return 0
 
 
 @torch.no_grad()
 def evaluate(model, args, val_data, device, ctx):
-    """The mean loss, dropout off, over the same eval_batches x batch_size windows each
-    time, spread evenly over val.bin."""
+    """The mean loss, dropout off, over the same windows each time, spread evenly."""
     n = args.eval_batches * args.batch_size
     last = len(val_data) - args.block_size - 1
     starts = torch.from_numpy(np.linspace(0, last, n).round().astype(np.int64))
@@ -407,8 +392,7 @@ def evaluates(args, it):
 
 def must_stop(args, it, elapsed, per_batch, pause):
     """Whether batch `it` must be the last: a signal came, or from train.py's start the
-    time limit leaves no room for two more batches, the next validation's and the
-    longest log point's work (pause)."""
+    time limit leaves no room for 2 batches, the next validation and a log point."""
     if STOP["signal"] is not None:
         return True
     if args.time_limit is None:
@@ -418,8 +402,7 @@ def must_stop(args, it, elapsed, per_batch, pause):
 
 
 def log(args, it, costs, times, val, tok_s, eta):
-    """The log.csv rows of the batches since the last log point, a console line; nan or
-    inf ends the run."""
+    """log.csv's rows since the last log point, a console line; nan or inf: stop."""
     rows = []
     for i, cost, t in zip(range(it - len(costs) + 1, it + 1), costs, times):
         if not math.isfinite(cost):
@@ -438,8 +421,7 @@ def log(args, it, costs, times, val, tok_s, eta):
 
 
 def pick_device(name):
-    """--device as a torch.device (auto: cuda, then mps, then cpu); one line if torch
-    does not know it or sees no such device here."""
+    """--device as a torch.device (auto: cuda, mps, cpu); one line if there is none."""
     mps = torch.backends.mps.is_available()
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
@@ -455,9 +437,8 @@ def pick_device(name):
             device = torch.device("cuda", LOCAL_RANK)
         torch.cuda.set_device(device)
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
-        # glibc keeps freed memory rather than give large tensors' pages back and fault
-        # them in at every step: 1.4x tokens/s at m = 2 (the options: M_MMAP_MAX,
-        # M_TRIM_THRESHOLD, M_TOP_PAD)
+        # glibc keeps freed memory, not giving large tensors' pages back to fault in at
+        # each step: 1.4x tokens/s at m = 2 (M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD)
         for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):
             ctypes.CDLL("libc.so.6").mallopt(option, value)
     return device
@@ -496,7 +477,7 @@ def peak_memory(device):
     return int(kb * 1024), "peak resident memory"
 
 
-# ---- the run folder and ckpt.pt ------------------------------------------------------
+# ---- the run folder, ckpt.pt, the console -------------------------------------------
 def default_out_dir(args):
     """out/<mixer> (sa-<n>), -<symbol><value> per setting not Table 1's: out/me-l64."""
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
@@ -511,8 +492,7 @@ def default_out_dir(args):
 
 @contextmanager
 def locked(out_dir):
-    """The run folder, made if need be, locked against a second train.py (Unix; freed
-    even by kill -9), the .*.tmp of a killed write removed."""
+    """The run folder, made, locked against a second train.py, without killed .*.tmp."""
     if os.path.isfile(out_dir):
         fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
     made = not os.path.isdir(out_dir)
@@ -540,8 +520,8 @@ def locked(out_dir):
 
 
 def judge(args, parser, argv):
-    """The checkpoint to resume, args set from it (flags change MAY_CHANGE's only), or
-    None. A folder holds a run once a checkpoint (and log.csv) was written in it."""
+    """The checkpoint to resume (args then set from it), or None to start: one rule each
+    way, a folder holds a run once a checkpoint (and log.csv) was written in it."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     has_ckpt = os.path.exists(path)
     has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
@@ -560,16 +540,10 @@ def judge(args, parser, argv):
     saved = {k: v for k, v in ckpt["args"].items() if k not in THIS_COMMAND}
     # the flags given parsed over the saved settings
     resumed = vars(parser.parse_args(argv, argparse.Namespace(**saved)))
-    differ = [
-        f"--{k} {v}"
-        for k, v in saved.items()
-        if k not in MAY_CHANGE and resumed[k] != v
-    ]
+    differ = [k for k in saved if k not in MAY_CHANGE and resumed[k] != saved[k]]
     if differ:
-        fail(
-            f"{path} was trained with {', '.join(differ)}: --resume keeps its "
-            "settings; drop those flags"
-        )
+        flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
+        fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
     moved = not os.path.isdir(saved["data_dir"])
     if moved and resumed["data_dir"] == saved["data_dir"]:
         fail(
@@ -593,8 +567,7 @@ def load_checkpoint(path):
 
 
 def start_files(args, start):
-    """--overwrite removes the old run's files; log.csv's rows, one a batch to the
-    checkpoint's: a log gone or shorter goes on from there, with a line."""
+    """--overwrite removes the old run's files; log.csv's rows, one a batch."""
     if args.overwrite:
         for name in RUN_FILES:
             if os.path.exists(os.path.join(args.out_dir, name)):
@@ -613,8 +586,7 @@ def start_files(args, start):
 
 
 def save_checkpoint(args, info, rows, model, optimizer, scaler, it, elapsed):
-    """ckpt.pt with every process's RNG states, then log.csv and run.json: each whole
-    or not at all."""
+    """ckpt.pt with all processes' RNG states, log.csv, run.json, each whole or none."""
     state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -658,7 +630,6 @@ def restore(ckpt, model, optimizer, scaler, device):
         torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
 
 
-# ---- the console, stopping -----------------------------------------------------------
 def say(*args):
     """A console line at once, from process 0; a closed stdout (| head) is a signal."""
     if MASTER:
@@ -686,16 +657,13 @@ def main(argv=None):
     started = time.time()  # --time_limit counts from here
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # a bad flag (its line is printed), or --help
-        return e.code
-    args.out_dir = args.out_dir or default_out_dir(args)
     signals = [signal.SIGINT, signal.SIGTERM]
     if hasattr(signal, "SIGHUP"):  # (not on Windows)
         signals.append(signal.SIGHUP)
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
+        args = parser.parse_args(argv)
+        args.out_dir = args.out_dir or default_out_dir(args)
         with locked(args.out_dir) if MASTER else nullcontext():
             ckpt = judge(args, parser, argv)
             args.data_dir = os.path.abspath(args.data_dir)
@@ -706,7 +674,7 @@ def main(argv=None):
             for s in signals:
                 signal.signal(s, ask_to_stop)
             return train(args, ckpt, started)
-    except SystemExit as e:  # fail(): the line is printed
+    except SystemExit as e:  # fail() or a bad flag (the line is printed), or --help
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C
         say(f"\naborted; {kept(args.out_dir)}")
