@@ -267,10 +267,9 @@ class CapturedStep:
 
 
 # ---- the run -------------------------------------------------------------------------
-def train(args, ckpt, started):
+def train(args, ckpt, start, started):
     """The data, the model, then batch, step, and at a log point evaluate, log, stop."""
     cfg = check_model(args)  # (the checkpoint's settings too)
-    start = ckpt["iter"] if ckpt else 0
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
     )
@@ -526,7 +525,7 @@ def judge(args, parser, argv):
     has_ckpt = os.path.exists(path)
     has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
     if args.resume and not has_ckpt:
-        how = "--overwrite starts it again" if has_log else "drop --resume to start"
+        how = "--overwrite starts the run again" if has_log else "drop --resume"
         fail(f"no checkpoint {path} to resume; {how}")
     if not (args.resume or args.overwrite) and (has_ckpt or has_log):
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
@@ -655,7 +654,6 @@ def kept(out_dir):
 
 def main(argv=None):
     started = time.time()  # --time_limit counts from here
-    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     signals = [signal.SIGINT, signal.SIGTERM]
     if hasattr(signal, "SIGHUP"):  # (not on Windows)
@@ -673,7 +671,7 @@ def main(argv=None):
                 return 0
             for s in signals:
                 signal.signal(s, ask_to_stop)
-            return train(args, ckpt, started)
+            return train(args, ckpt, start, started)
     except SystemExit as e:  # fail() or a bad flag (the line is printed), or --help
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C
