@@ -2359,13 +2359,21 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     kinds = [(a.defaults["fused"], a.defaults["capturable"]) for a in adamw]
     assert kinds == [(True, True), (False, False)]
     monkeypatch.setattr(torch.cuda, "Stream", object)
-    make = lambda d, *f: train.make_step(None, "AdamW", None, None, parse(*f), d)
+    hows = []  # run.json's computed, each step named in it
+
+    def make(device, *flags):
+        hows.append({})
+        return train.make_step(
+            None, "AdamW", None, None, parse(*flags), device, hows[-1]
+        )
+
     eager = ("--no-cuda_graph", "--compile", "--dtype=float16")
     steps = [make(cuda), make(cpu)] + [make(cuda, flag) for flag in eager]
     monkeypatch.setattr(train, "WORLD", 2)  # DDP
     steps.append(make(cuda))
     assert [type(s).__name__ for s in steps] == ["CapturedStep"] + ["partial"] * 5
-    assert (steps[0].optimizer, steps[0].run_json) == ("AdamW", "r/run.json")
+    assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 5
+    assert (steps[0].optimizer, steps[0].how) == ("AdamW", hows[0])
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     monkeypatch.setattr(matmul, "allow_tf32", False)
     monkeypatch.setattr(cudnn, "allow_tf32", False)
@@ -2375,7 +2383,7 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
         seen.append((matmul.allow_tf32, cudnn.allow_tf32, ctx._cache_enabled))
     assert seen == [(False, False, True), (True, True, False), (False, False, False)]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
-    how = lambda d, *flags: train.computed(d, parse(*flags), None)["float32_matmul"]
+    how = lambda d, *flags: train.computed(d, parse(*flags))["float32_matmul"]
     assert [how(cuda), how(cuda, "--no-tf32"), how(cpu)] == ["tf32", "ieee", "ieee"]
     pinned, moved = [], []  # (last: every tensor's `to` stubbed)
     to = lambda t, d, non_blocking: moved.append((d.type, non_blocking)) or t
@@ -2386,16 +2394,16 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     assert len(pinned) == 2 and moved == [("cuda", True)] * 2 + [("cpu", False)] * 2
 
 
-def test_a_step_that_cannot_be_captured_goes_on_eagerly(tmp_path, monkeypatch, capsys):
+def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, capsys):
     """CUDA's streams and graph stubbed; the recording (the 4th call) fails after the
     backward, as AdamW's step does with capturable off: the run goes on with the eager
-    step (the same losses and parameters), says so in one line and in run.json."""
+    step (the same losses and parameters), says so in one line and in run.json's
+    `computed`."""
     from unittest import mock
 
     for name in ("Stream", "current_stream", "stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
-    run_json = tmp_path / "run.json"
-    run_json.write_text('{"computed": {"step": "CapturedStep"}}')
+    how = {"step": "CapturedStep"}  # run.json's computed
     torch.manual_seed(0)
     batches = torch.randint(0, 50, (6, 2, 17))
     ends = []
@@ -2412,14 +2420,13 @@ def test_a_step_that_cannot_be_captured_goes_on_eagerly(tmp_path, monkeypatch, c
                 raise RuntimeError("capturable is False\n(more)")
             return eager(x, y)
 
-        run = train.CapturedStep(step, adamw, str(run_json)) if captured else eager
+        run = train.CapturedStep(step, adamw, how) if captured else eager
         ends.append([torch.stack([run(b[:, :-1], b[:, 1:]) for b in batches])])
         ends[-1] += model.parameters()
     assert all(torch.equal(a, b) for a, b in zip(*ends))
     why = "RuntimeError: capturable is False"
     line = f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly\n"
     assert capsys.readouterr().out == line
-    how = json.loads(run_json.read_text())["computed"]
     assert how == {"step": f"eager, the capture failed ({why})"}
 
 

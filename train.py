@@ -1,21 +1,15 @@
-"""
-Train a language model whose first sublayer is a token mixer of extractor.py (the
-paper's Section 6): Table 1's run (m=18, l=d=128, 60000 batches of 64), a longer run of
-out/me, a run that stops at a checkpoint before 40 minutes, one run over 4 GPUs (DDP).
+"""Train a language model whose first sublayer is a token mixer of extractor.py (the
+paper's Section 6): Table 1's run, a longer run of out/me, a run that stops at a
+checkpoint before 40 minutes, one run over 4 GPUs (DDP).
 
     python prepare_data.py && python train.py --mixer=me
     python train.py --mixer=me --max_iters=80000 --resume
     python train.py --mixer=she --time_limit=40m
     torchrun --standalone --nproc_per_node=4 train.py --mixer=she
 
-Every run sees the same batches in the same order: batch i is slice i of a permutation
-of the start positions in train.bin, seeded by --data_seed alone. The run folder
-(out/<mixer>, plus -<symbol><value> for each setting that is not Table 1's) holds
-run.json (settings, parameter counts, the data's sha256, how the run computed, peak
-memory), ckpt.pt (all that --resume needs to continue bit for bit) and log.csv (every
-batch's training cost, the validation losses, tokens/s), written with each checkpoint.
-A folder holds a run once a checkpoint was written in it. Ctrl-C, kill, a closed
-terminal and --time_limit end the batch, checkpoint and stop.
+Every run sees the same batches, seeded by --data_seed alone. The run folder holds
+run.json, ckpt.pt (all --resume needs to go on bit for bit) and log.csv, written with
+each checkpoint. Ctrl-C, kill, a closed terminal and --time_limit stop at a checkpoint.
 """
 
 import argparse
@@ -49,8 +43,7 @@ RANK = int(os.environ.get("RANK", "0"))
 WORLD = max(int(os.environ.get("WORLD_SIZE", "1")), 1)
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 MASTER = RANK == 0
-# set by Ctrl-C, kill, a closed terminal or stdout: stop after this batch
-STOP = {"signal": None}
+STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
@@ -69,7 +62,7 @@ def bounded(kind, low, high=math.inf):
 
 
 def seconds(text):
-    """An argparse type: --time_limit in seconds (90, 90s, 40m, 2h)."""
+    """An argparse type: --time_limit in seconds."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a time: write 90s, 40m, 2h")
@@ -81,8 +74,7 @@ NATURAL = bounded(int, 0)
 NON_NEGATIVE = bounded(float, 0)
 FRACTION = bounded(float, 0, 1)
 SEED = bounded(int, 0, 2**63)
-# the settings that name a run: flag -> (the paper's symbol, Table 1's value, what it
-# is, its type: argparse checks the bounds, Config the model's sizes)
+# the settings that name a run: flag -> (its symbol, Table 1's value, what, its type)
 TABLE_1 = {
     "n_layer": ("m", 18, "number of layers", int),
     "block_size": ("l", 128, "context length", int),
@@ -101,6 +93,7 @@ TABLE_1 = {
 }
 # the other flags with a value: flag -> (its type, default, what it is)
 FLAGS = {
+    "mixer": (str, "sa", "sa, she, we, he, me, he-ext, a Synthesizer or module.Class"),
     "max_iters": (NATURAL, 60000, "batches to train on (%(default)s)"),
     "time_limit": (seconds, None, "stop at a checkpoint before this: 90s, 40m, 2h"),
     "eval_interval": (COUNT, 1000, "validation every this many batches (%(default)s)"),
@@ -119,29 +112,16 @@ THIS_COMMAND = {"out_dir", "resume", "overwrite", "time_limit", "cuda_graph"}
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        description="Train a Transformer language model with a token mixer."
-    )
+    p = argparse.ArgumentParser(description="Train a language model with a token mixer")
     p.error = lambda msg: fail(f"{msg} (see python train.py --help)")
-    mixers = "sa, she, we, he, me, he-ext, a Synthesizer (dense, random, ...)"
-    p.add_argument(
-        "--mixer",
-        default="sa",
-        help=f"the first sublayer: {mixers} or your module.Class (default: sa)",
-    )
     for name, (symbol, value, text, kind) in TABLE_1.items():
-        p.add_argument(
-            f"--{name}", type=kind, default=value, help=f"{symbol}: {text} ({value})"
-        )
+        about = f"{symbol}: {text} ({value})"
+        p.add_argument(f"--{name}", type=kind, default=value, help=about)
     for name, (kind, value, text) in FLAGS.items():
         p.add_argument(f"--{name}", type=kind, default=value, help=text)
     one_of = p.add_mutually_exclusive_group()
-    one_of.add_argument(
-        "--resume", action="store_true", help="continue out_dir's run, its settings"
-    )
-    one_of.add_argument(
-        "--overwrite", action="store_true", help="remove out_dir's run, start again"
-    )
+    one_of.add_argument("--resume", action="store_true", help="go on with its run")
+    one_of.add_argument("--overwrite", action="store_true", help="start out_dir again")
     dtypes = ["float32", "bfloat16", "float16"]
     p.add_argument("--dtype", default="float32", choices=dtypes, help="autocast")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -152,11 +132,12 @@ def build_parser():
 
 
 def check_model(args):
-    """The model's settings as Config checks them, --mixer a mixer: one line each."""
+    """The model's Config (vocab_size 1 for now), --mixer a mixer; one line if not."""
     if args.batch_size % WORLD:
         fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
+    fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
     try:
-        cfg = Config(**model_settings(args, vocab_size=1))
+        cfg = Config(vocab_size=1, **{k: getattr(args, k) for k in fields})
     except ValueError as e:
         fail(str(e))
     x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
@@ -167,35 +148,27 @@ def check_model(args):
             f"--mixer {cfg.mixer} is not a mixer ({type(e).__name__}: {e}): a mixer is "
             "an nn.Module of the config whose forward(x, cache) keeps x's shape"
         )
+    return cfg
 
 
-def model_settings(args, **more):
-    fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
-    return {k: getattr(args, k) for k in fields} | more
-
-
-# ---- data and batches ----------------------------------------------------------------
+# ---- the batches, the model and the step ---------------------------------------------
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
-    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone: the same in
-    every run."""
+    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone."""
     state = np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)
     generator = torch.Generator().manual_seed(int(state[0]))
     return torch.randperm(n_starts, generator=generator)  # (n_starts,)
 
 
 def batch_starts(i, n_starts, batch_size, data_seed):
-    """Batch i's starts: slice i of its epoch's permutation (the n_starts % batch_size
-    left over skipped)."""
+    """Batch i's starts: slice i of its epoch's permutation (the rest skipped)."""
     epoch, j = divmod(i, n_starts // batch_size)
     starts = epoch_permutation(n_starts, data_seed, epoch)
     return starts[j * batch_size : (j + 1) * batch_size]
 
 
 def get_batch(data, starts, block_size, device):
-    """Windows of l+1 tokens at the starts: x is each window's first l tokens, y the
-    same shifted by one.
-    """
+    """Windows of l+1 tokens at the starts: x their first l tokens, y shifted by one."""
     windows = [data[s : s + block_size + 1] for s in starts.tolist()]
     w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (b, l), (b, l)
@@ -205,17 +178,14 @@ def get_batch(data, starts, block_size, device):
     return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
 
 
-# ------------------------------------------------------------------------------- the
-# model and the step
 def build_model(cfg, args, device):
-    """The Transformer, the same in every process (then a dropout stream each), and
-    AdamW (CUDA: fused, and capturable, which the captured step needs).
-    """
+    """The Transformer, the same in every process, then a dropout stream each; AdamW."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
     betas = (args.beta1, args.beta2)
-    kind = dict(fused=device.type == "cuda", capturable=device.type == "cuda")
+    cuda = device.type == "cuda"  # fused, and capturable: the captured step needs it
+    kind = dict(fused=cuda, capturable=cuda)
     adamw = torch.optim.AdamW(
         model.parameters(), args.lr, betas, 1e-8, args.weight_decay, **kind
     )
@@ -223,14 +193,11 @@ def build_model(cfg, args, device):
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: forward, the loss of Eq. (3), backward, clipping if on, AdamW.
-    Returns the loss.
-    """
+    """One batch: forward, the loss, backward, clipping if on, AdamW; the loss."""
     with ctx:
         _, loss = model(x, y)  # the mean cross-entropy of the batch, Eq. (3)
-    scaler.scale(
-        loss
-    ).backward()  # (only float16 scales its loss; else scale and unscale_ do nothing)
+    # (only float16 scales its loss; else scale and unscale_ do nothing)
+    scaler.scale(loss).backward()
     if grad_clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -240,31 +207,27 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
     return loss.detach()
 
 
-def make_step(model, optimizer, scaler, ctx, args, device):
-    """The training step: on CUDA captured in a CUDA graph, unless --no-cuda_graph, DDP,
-    torch.compile or float16's loss scaling (their steps run eagerly).
-    """
+def make_step(model, optimizer, scaler, ctx, args, device, how):
+    """The step, named in how: on CUDA captured in a graph (DDP, --compile: eager)."""
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
     )
+    how["step"] = "eager"
     eager = WORLD > 1 or args.compile or args.dtype == "float16"
     if device.type == "cuda" and args.cuda_graph and not eager:
-        step = CapturedStep(step, optimizer, os.path.join(args.out_dir, "run.json"))
+        step = CapturedStep(step, optimizer, how)
+        how["step"] = "CapturedStep"
     return step
 
 
 class CapturedStep:
-    """step(x, y) replayed from a CUDA graph: one launch instead of the step's ~1000
-    kernels. The first 3 calls run eagerly on a side stream (cuBLAS, AdamW and the
-    allocator set up), the 4th records the step on static inputs, then each call copies
-    its batch in and replays. Parameters, gradients and AdamW's state keep their
-    addresses: a replay is the eager step bit for bit, dropout's generator included.
-    With run.json's path, a step that cannot be recorded runs eagerly from then on."""
+    """step(x, y) replayed from a CUDA graph, bit for bit the eager step: 3 eager calls
+    on a side stream, then the recording (failed, with `how` given: eager from then)."""
 
-    def __init__(self, step, optimizer=None, run_json=None, warmup=3):
+    def __init__(self, step, optimizer=None, how=None, warmup=3):
         self.step = step
         self.optimizer = optimizer
-        self.run_json = run_json
+        self.how = how
         self.warmup = warmup
         self.graph = None
         self.stream = torch.cuda.Stream()
@@ -284,7 +247,7 @@ class CapturedStep:
                 with torch.cuda.graph(self.graph, stream=self.stream):
                     self.loss = self.step(self.x, self.y)
             except Exception as error:
-                if self.run_json is None:
+                if self.how is None:
                     raise
                 return self.fall_back(error, x, y)
         self.x.copy_(x)
@@ -293,26 +256,20 @@ class CapturedStep:
         return self.loss.clone()
 
     def fall_back(self, error, x, y):
-        """The eager step from now on, said on the console and in run.json; the failed
-        recording's gradients, never computed, dropped.
-        """
+        """The eager step from now on, said on the console and in run.json."""
         why = f"{type(error).__name__}: {error}".splitlines()[0]
         say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
-        with open(self.run_json) as f:
-            info = json.load(f)
-        info["computed"]["step"] = f"eager, the capture failed ({why})"
-        atomic_write(self.run_json, json.dumps(info, indent=1) + "\n")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.how["step"] = f"eager, the capture failed ({why})"
+        self.optimizer.zero_grad(set_to_none=True)  # (the recording's, not computed)
         self.graph = None
         self.warmup = math.inf  # eager, on the side stream, from now on
         return self(x, y)
 
 
 # ---- the run -------------------------------------------------------------------------
-def train(args, ckpt, started):
-    """The data, the model and its step, the run's files, then the loop: batch, step,
-    and at a log point evaluate, log, checkpoint, stop."""
-    start = ckpt["iter"] if ckpt else 0
+def train(args, ckpt, start, started):
+    """The data, the model, then batch, step, and at a log point evaluate, log, stop."""
+    cfg = check_model(args)  # (the checkpoint's settings too)
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
     )
@@ -332,108 +289,94 @@ def train(args, ckpt, started):
     if WORLD > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ctx, scaler = precision(device, args.dtype, args.tf32)
-    cfg = Config(**model_settings(args, vocab_size=data["vocab_size"]))
+    cfg = dataclasses.replace(cfg, vocab_size=data["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
     model = torch.compile(raw_model) if args.compile else raw_model
-    ddp = (
-        DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if WORLD > 1
-        else model
-    )
-    step = make_step(ddp, optimizer, scaler, ctx, args, device)
+    if WORLD > 1:
+        model = DDP(model)  # (its module on one device: device_ids may be None)
+    how = computed(device, args)
+    step = make_step(model, optimizer, scaler, ctx, args, device, how)
+    params = raw_model.param_counts()
+    info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
+    info.update(data=data, world_size=WORLD, computed=how)  # run.json
     rows = []  # log.csv's lines (process 0), written with each checkpoint
     if MASTER:
-        info = dict(
-            config=dataclasses.asdict(cfg),
-            args=vars(args),
-            params=raw_model.param_counts(),
-        )
-        info.update(data=data, world_size=WORLD, computed=computed(device, args, step))
-        rows = start_files(args, info, start)
-        describe(args, cfg, info, len(train_data), len(val_data), start)
-    elapsed0 = ckpt["elapsed_s"] if ckpt else 0.0
-    b = args.batch_size // WORLD
+        rows = start_files(args, start)
+        say(f"{cfg}")
+        say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
+        say(", ".join(f"{k}: {v}" for k, v in how.items()))
+        if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
+            say("note: Table 1's model takes days on a CPU: see the CPU quick start")
     n_starts = len(train_data) - args.block_size
-    # each batch's loss since the last log point, kept on the device
-    losses = torch.zeros(args.log_interval, device=device)
-    val = None
+    losses = torch.zeros(args.log_interval, device=device)  # since the last log point
     done = []  # when each batch since the last log point ended
-    slowest = 0.0  # the slowest of them, s
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
-    t0 = since = time.time()  # (since: the end of the last log point)
+    since = time.time()  # the end of the last log point
+    t0 = since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (a resumed run's time counts)
     for it in range(start + 1, args.max_iters + 1):  # it: the batches done after it
         starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)
-        mine = starts[RANK * b : (RANK + 1) * b]
+        mine = starts.chunk(WORLD)[RANK]  # this process's part
         x, y = get_batch(train_data, mine, args.block_size, device)  # (b, l), (b, l)
         losses[len(done)] = step(x, y)
         now = time.time()
-        slowest = max(slowest, now - (done[-1] if done else since))
         done.append(now)
-        stop = must_stop(args, it, now - started, slowest, pause)
+        per_batch = (now - since) / len(done)
+        stop = must_stop(args, it, now - started, per_batch, pause)
         evaluate_now = evaluates(args, it)
         ckpt_now = it % args.ckpt_interval == 0 or it == args.max_iters
         log_now = evaluate_now or ckpt_now or it % args.log_interval == 0
         stop_now = stop and WORLD == 1  # (under DDP, all stop at a log point)
-        if not (log_now or stop_now or it == start + 10):
+        if not (log_now or stop_now):
             continue
-        if evaluate_now:
-            val = evaluate(model, args, val_data, device, ctx)
+        val = evaluate(model, args, val_data, device, ctx) if evaluate_now else None
         # (DDP: any process's)
         stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
         costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
-        tok_s = len(done) * args.batch_size * args.block_size / (done[-1] - since)
-        times = [elapsed0 + t - t0 for t in done]
-        eta = (args.max_iters - it) * (now - t0) / (it - start)  # at this pace
-        rows += log(args, it, costs, times, val if evaluate_now else None, tok_s, eta)
+        tok_s = len(done) * args.batch_size * args.block_size / (now - since)
+        times = [t - t0 for t in done]
+        eta = (args.max_iters - it) * (now - started) / (it - start)  # at this pace
+        rows += log(args, it, costs, times, val, tok_s, eta)
         if ckpt_now or stop:
-            elapsed = elapsed0 + time.time() - t0
-            save_checkpoint(
-                args, rows, raw_model, optimizer, scaler, cfg, data, it, elapsed
-            )
+            peak, what = peak_memory(device)  # (this session's)
+            info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
+            elapsed = time.time() - t0
+            save_checkpoint(args, info, rows, raw_model, optimizer, scaler, it, elapsed)
         if stop:
-            return stopped(args, device, it)
+            signum = STOP["signal"]
+            why = "--time_limit" if signum is None else signal.Signals(signum).name
+            say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
+            say(f"{what}: {peak / 2**30:.2f} GB")
+            return 0 if signum is None else 128 + signum
         pause = max(pause, time.time() - now)
         done = []
-        slowest = 0.0
         since = time.time()
-    final = f"; final val loss {val:.4f}" if val is not None else ""
-    say(f"done: {args.out_dir}{final}")
-    say(
-        f"plot: python experiments/plot.py {args.out_dir}; "
-        f"sample: python sample.py --out_dir {args.out_dir}"
-    )
-    return report_peak_memory(args, device, 0)
+    say(f"{what}: {peak / 2**30:.2f} GB")
+    say(f"done: python experiments/plot.py {args.out_dir} draws its losses")
+    return 0
 
 
 @torch.no_grad()
 def evaluate(model, args, val_data, device, ctx):
-    """The mean loss over the same eval_batches x batch_size windows each time, spread
-    evenly over val.bin.
-    """
-    n, b = args.eval_batches * args.batch_size, args.batch_size // WORLD
-    starts = torch.from_numpy(
-        np.linspace(0, len(val_data) - args.block_size - 1, n).round().astype(np.int64)
-    )
+    """The mean loss, dropout off, over the same windows each time, spread evenly."""
+    n = args.eval_batches * args.batch_size
+    last = len(val_data) - args.block_size - 1
+    starts = torch.from_numpy(np.linspace(0, last, n).round().astype(np.int64))
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for k in range(0, n, args.batch_size):
-        mine = starts[k : k + args.batch_size][
-            RANK * b : (RANK + 1) * b
-        ]  # this process's part
+    for batch in starts.split(args.batch_size):
+        mine = batch.chunk(WORLD)[RANK]  # this process's part
+        x, y = get_batch(val_data, mine, args.block_size, device)
         with ctx:
-            total += model(*get_batch(val_data, mine, args.block_size, device))[
-                1
-            ].float()
+            total += model(x, y)[1].float()
     model.train(was_training)
     return mean_over_processes(total).item() / args.eval_batches
 
 
 def mean_over_processes(t):
-    """Under DDP the mean of t over the processes, each of which calls this at the same
-    point."""
+    """Under DDP the mean of t over the processes (each calls this at one point)."""
     if WORLD > 1:
         t = t / WORLD
         dist.all_reduce(t)
@@ -442,37 +385,30 @@ def mean_over_processes(t):
 
 def evaluates(args, it):
     """Whether batch `it` ends with a validation: every eval_interval, and the last."""
-    return args.eval_batches > 0 and (
-        it % args.eval_interval == 0 or it == args.max_iters
-    )
+    at = it % args.eval_interval == 0 or it == args.max_iters
+    return args.eval_batches > 0 and at
 
 
-def must_stop(args, it, elapsed, slowest, pause):
-    """Whether batch `it`, done `elapsed` s after train.py started, must be the last: a
-    signal came, or the time limit leaves no room for the next batch (twice the slowest
-    since the last log point), its validation if it has one (eval_batches batches, each
-    a forward only) and a log point's work (pause: its longest yet)."""
+def must_stop(args, it, elapsed, per_batch, pause):
+    """Whether batch `it` must be the last: a signal came, or from train.py's start the
+    time limit leaves no room for 2 batches, the next validation and a log point."""
     if STOP["signal"] is not None:
         return True
     if args.time_limit is None:
         return False
     batches = 2 + args.eval_batches * evaluates(args, it + 1)
-    return elapsed + batches * slowest + pause > args.time_limit
+    return elapsed + batches * per_batch + pause > args.time_limit
 
 
 def log(args, it, costs, times, val, tok_s, eta):
-    """The batches since the last log point: their log.csv rows (each batch's training
-    cost, at `it` the validation loss if there is one) and a console line. nan or inf
-    ends the run."""
-    first = it - len(costs) + 1
-    for i, cost in enumerate(costs, first):
+    """log.csv's rows since the last log point, a console line; nan or inf: stop."""
+    rows = []
+    for i, cost, t in zip(range(it - len(costs) + 1, it + 1), costs, times):
         if not math.isfinite(cost):
             fail(
                 f"the training cost became {cost} at batch {i}; {kept(args.out_dir)}. "
                 "Start again (--overwrite) with a smaller --lr or with --grad_clip"
             )
-    rows = []
-    for i, cost, t in zip(range(first, it + 1), costs, times):
         val_i = repr(val) if i == it and val is not None else ""
         rows.append(f"{i},{cost!r},{val_i},{args.lr},{tok_s:.1f},{t:.3f}\n")
     line = f"iter {it}/{args.max_iters} | loss {np.mean(costs):.4f}"
@@ -483,82 +419,32 @@ def log(args, it, costs, times, val, tok_s, eta):
     return rows
 
 
-def stopped(args, device, it):
-    """A run stopped at a checkpoint by a signal or --time_limit: a line, its status."""
-    signum = STOP["signal"]
-    why = "--time_limit" if signum is None else signal.Signals(signum).name
-    say(
-        f"{why}: stopped at batch {it} with a checkpoint; go on with the same command "
-        "and --resume"
-    )
-    return report_peak_memory(args, device, 0 if signum is None else 128 + signum)
-
-
-# ---- what the run is and how it computes ---------------------------------------------
-def describe(args, cfg, info, n_train, n_val, start):
-    """What the run is and how it computes, on the console."""
-    how = info["computed"]
-    say(f"{cfg}")
-    say(
-        f"on {how['device']}, {args.dtype} ({how['float32_matmul']} matmuls), "
-        f"{how['step']} step"
-    )
-    say("parameters: " + ", ".join(f"{k} {v:,}" for k, v in info["params"].items()))
-    epochs = args.max_iters * args.batch_size / (n_train - args.block_size)
-    targets = epochs * args.block_size  # each window predicts l tokens
-    say(
-        f"data: {n_train:,} train, {n_val:,} val tokens; {epochs:.3f} epochs, "
-        f"each token a target {targets:.1f} times"
-    )
-    if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
-        say(
-            "note: Table 1's model takes days on a CPU; the README's CPU quick start "
-            "takes minutes"
-        )
-    say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
-
-
-# ------------------------------------------------------------------------------ the
-# device and its memory
 def pick_device(name):
-    """--device as a torch.device: auto is cuda, then mps, then cpu; one line if it is
-    not there.
-    """
+    """--device as a torch.device (auto: cuda, mps, cpu); one line if there is none."""
+    mps = torch.backends.mps.is_available()
     if name == "auto":
-        name = (
-            "cuda"
-            if torch.cuda.is_available()
-            else "mps"
-            if torch.backends.mps.is_available()
-            else "cpu"
-        )
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
         fail(f"unknown --device {name!r}; use auto, cpu, cuda, cuda:N or mps")
-    cuda = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
-    if not {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(
-        device.type
-    ):
+    count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}
+    if (device.index or 0) >= count.get(device.type, 0):
         fail(f"--device {name}: torch sees no such device here; use --device cpu")
     if device.type == "cuda":
-        device = torch.device(
-            "cuda", LOCAL_RANK if device.index is None else device.index
-        )
+        if device.index is None:  # under torchrun: this process's GPU
+            device = torch.device("cuda", LOCAL_RANK)
         torch.cuda.set_device(device)
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
-        # glibc keeps freed memory rather than give large tensors' pages back and fault
-        # them in at every step: 1.4x tokens/s at m = 2 (the options: M_MMAP_MAX,
-        # M_TRIM_THRESHOLD, M_TOP_PAD)
+        # glibc keeps freed memory, not giving large tensors' pages back to fault in at
+        # each step: 1.4x tokens/s at m = 2 (M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD)
         for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):
             ctypes.CDLL("libc.so.6").mallopt(option, value)
     return device
 
 
 def precision(device, dtype, tf32=True):
-    """Autocast to --dtype, the loss scaler (on for float16's small range), and CUDA's
-    TF32 matmuls.
-    """
+    """Autocast to --dtype, the loss scaler (float16's), and CUDA's TF32 matmuls."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     cache = device.type != "cuda"  # (CUDA graphs want no autocast cache)
@@ -568,22 +454,18 @@ def precision(device, dtype, tf32=True):
     return cast, torch.amp.GradScaler(device.type, enabled=dtype == "float16")
 
 
-def computed(device, args, step):
-    """How the run computes, for run.json: device, torch, matmul precision, autocast,
-    the step.
-    """
+def computed(device, args):
+    """How the run computes, for run.json."""
     tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
     how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype)
     how.update(float32_matmul=tf32, fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee")
-    how["step"] = type(step).__name__.replace("partial", "eager")
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
 
 
 def peak_memory(device):
-    """(bytes, what): on CUDA the most the tensors ever held, elsewhere the process's
-    peak resident memory."""
+    """(bytes, what): the most CUDA's tensors held, else the process's peak resident."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
     import resource  # (Unix; ru_maxrss is in kB on Linux, in bytes on macOS)
@@ -594,24 +476,9 @@ def peak_memory(device):
     return int(kb * 1024), "peak resident memory"
 
 
-def report_peak_memory(args, device, exit_code):
-    """The peak memory (this session's, when resumed) into run.json and on the console;
-    the exit code."""
-    if MASTER:
-        peak, what = peak_memory(device)
-        path = os.path.join(args.out_dir, "run.json")
-        with open(path) as f:
-            info = json.load(f)
-        info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-        atomic_write(path, json.dumps(info, indent=1) + "\n")
-        say(f"{what}: {peak / 2**30:.2f} GB")
-    return exit_code
-
-
-# ---- the run folder and ckpt.pt ------------------------------------------------------
+# ---- the run folder, ckpt.pt, the console -------------------------------------------
 def default_out_dir(args):
-    """out/<mixer> (sa-<n>) plus -<symbol><value> per setting not Table 1's (exact):
-    out/me-m2-l64-b32."""
+    """out/<mixer> (sa-<n>), -<symbol><value> per setting not Table 1's: out/me-l64."""
     name = f"sa-{args.n_head}" if args.mixer == "sa" else args.mixer
     for flag, (symbol, value, _, _) in TABLE_1.items():
         v = getattr(args, flag)
@@ -624,8 +491,7 @@ def default_out_dir(args):
 
 @contextmanager
 def locked(out_dir):
-    """The run folder, made if need be and locked against a second train.py (Unix;
-    freed even by kill -9); the .*.tmp of a write killed midway removed."""
+    """The run folder, made, locked against a second train.py, without killed .*.tmp."""
     if os.path.isfile(out_dir):
         fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
     made = not os.path.isdir(out_dir)
@@ -653,16 +519,13 @@ def locked(out_dir):
 
 
 def judge(args, parser, argv):
-    """The checkpoint to resume, args then set from it (flags may change MAY_CHANGE's
-    only), or None to start. A folder holds a run once a checkpoint was written in it:
-    its ckpt.pt, or the log.csv written with it (that stays when ckpt.pt is deleted)."""
+    """The checkpoint to resume (args then set from it), or None to start: one rule each
+    way, a folder holds a run once a checkpoint (and log.csv) was written in it."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     has_ckpt = os.path.exists(path)
     has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
     if args.resume and not has_ckpt:
-        how = (
-            "--overwrite starts the run again" if has_log else "drop --resume to start"
-        )
+        how = "--overwrite starts the run again" if has_log else "drop --resume"
         fail(f"no checkpoint {path} to resume; {how}")
     if not (args.resume or args.overwrite) and (has_ckpt or has_log):
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
@@ -673,34 +536,25 @@ def judge(args, parser, argv):
     if not args.resume:
         return None
     ckpt = load_checkpoint(path)
-    unset = object()
-    nothing_given = argparse.Namespace(**dict.fromkeys(vars(args), unset))
-    given = vars(parser.parse_args(argv, nothing_given))
-    saved = {
-        k: v for k, v in ckpt["args"].items() if k in given and k not in THIS_COMMAND
-    }
-    differ = [
-        f"--{k} {v}"
-        for k, v in saved.items()
-        if k not in MAY_CHANGE and given[k] not in (unset, v)
-    ]
+    saved = {k: v for k, v in ckpt["args"].items() if k not in THIS_COMMAND}
+    # the flags given parsed over the saved settings
+    resumed = vars(parser.parse_args(argv, argparse.Namespace(**saved)))
+    differ = [k for k in saved if k not in MAY_CHANGE and resumed[k] != saved[k]]
     if differ:
-        fail(
-            f"{path} was trained with {', '.join(differ)}: --resume keeps its "
-            "settings; drop those flags"
-        )
-    if given["data_dir"] is unset and not os.path.isdir(saved["data_dir"]):
+        flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
+        fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
+    moved = not os.path.isdir(saved["data_dir"])
+    if moved and resumed["data_dir"] == saved["data_dir"]:
         fail(
             f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
             "pass --data_dir with the folder where that data is now"
         )
-    vars(args).update({k: v for k, v in saved.items() if given[k] is unset})
+    vars(args).update({k: resumed[k] for k in saved})
     return ckpt
 
 
 def load_checkpoint(path):
-    """A ckpt.pt of train.py: plain dicts and tensors, read with weights_only=True; one
-    line if damaged."""
+    """A ckpt.pt of train.py: plain dicts and tensors; one line if damaged."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         missing = {"model", "config", "args", "iter", "data"} - set(ckpt)
@@ -711,40 +565,27 @@ def load_checkpoint(path):
     return ckpt
 
 
-def start_files(args, info, start):
-    """The folder becomes this run's: --overwrite removes the old run's files, run.json
-    is written; a resumed run's log.csv rows are read back."""
+def start_files(args, start):
+    """--overwrite removes the old run's files; log.csv's rows, one a batch."""
     if args.overwrite:
         for name in RUN_FILES:
             if os.path.exists(os.path.join(args.out_dir, name)):
                 os.remove(os.path.join(args.out_dir, name))
-    path = os.path.join(args.out_dir, "run.json")
-    atomic_write(path, json.dumps(info, indent=1) + "\n")
-    return read_log(args.out_dir, start)
-
-
-def read_log(out_dir, start):
-    """log.csv's rows up to the checkpoint's batch: all of them, as they are written
-    with it. A log that is gone or ends sooner goes on from there, with a line saying
-    so."""
-    path = os.path.join(out_dir, "log.csv")
-    lines = []
+    path = os.path.join(args.out_dir, "log.csv")
+    rows = []
     if os.path.exists(path):
         with open(path) as f:
-            lines = f.readlines()[1:]
-    rows = [r for r in lines if int(r.split(",")[0]) <= start]
-    last = int(rows[-1].split(",")[0]) if rows else 0
-    if last < start:
+            rows = f.readlines()[1 : start + 1]
+    if len(rows) < start:
         say(
-            f"note: {path} has no rows after batch {last}: those of batches "
-            f"{last + 1} to {start} are gone; it goes on from batch {start + 1}"
+            f"note: {path} has no rows after batch {len(rows)}: those of batches "
+            f"{len(rows) + 1} to {start} are gone; it goes on from batch {start + 1}"
         )
     return rows
 
 
-def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed):
-    """ckpt.pt, with every process's RNG states (--resume goes on bit for bit), then
-    log.csv up to its batch: each written whole or not at all."""
+def save_checkpoint(args, info, rows, model, optimizer, scaler, it, elapsed):
+    """ckpt.pt with all processes' RNG states, log.csv, run.json, each whole or none."""
     state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -753,26 +594,22 @@ def save_checkpoint(args, rows, model, optimizer, scaler, cfg, data, it, elapsed
         dist.all_gather_object(rngs, state)
     if not MASTER:
         return
-    ckpt = dict(
-        model=model.state_dict(),
-        optimizer=optimizer.state_dict(),
-        scaler=scaler.state_dict(),
-    )
-    ckpt.update(config=dataclasses.asdict(cfg), args=vars(args), iter=it)
-    ckpt.update(elapsed_s=elapsed, data=data, rng=rngs)
+    ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), iter=it)
+    ckpt.update(scaler=scaler.state_dict(), config=info["config"], args=vars(args))
+    ckpt.update(elapsed_s=elapsed, data=info["data"], rng=rngs)
     buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
     torch.save(ckpt, buffer)
     atomic_write(os.path.join(args.out_dir, "ckpt.pt"), buffer.getvalue())
     atomic_write(os.path.join(args.out_dir, "log.csv"), LOG_HEADER + "".join(rows))
+    run_json = json.dumps(info, indent=1) + "\n"
+    atomic_write(os.path.join(args.out_dir, "run.json"), run_json)
 
 
 def restore(ckpt, model, optimizer, scaler, device):
-    """A resumed run's state: the model, AdamW (as this device runs it), the loss
-    scaler, the RNGs."""
+    """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
     if len(ckpt["rng"]) != WORLD:
         fail(
-            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume it with as "
-            "many (torchrun)"
+            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume with as many"
         )
     try:
         model.load_state_dict(ckpt["model"])
@@ -781,10 +618,10 @@ def restore(ckpt, model, optimizer, scaler, device):
         why = " ".join(line.strip() for line in lines)
         fail(f"ckpt.pt does not fit the model --mixer {model.cfg.mixer} makes: {why}")
     saved = ckpt["optimizer"]
-    mine = optimizer.param_groups  # AdamW's kind (fused, ...) stays this device's
-    kind = lambda m: dict(fused=m["fused"], capturable=m["capturable"])
-    groups = [dict(g, **kind(m)) for g, m in zip(saved["param_groups"], mine)]
-    optimizer.load_state_dict(dict(saved, param_groups=groups))
+    for group, mine in zip(saved["param_groups"], optimizer.param_groups):
+        # AdamW's kind stays this device's
+        group.update(fused=mine["fused"], capturable=mine["capturable"])
+    optimizer.load_state_dict(saved)
     if ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     torch.set_rng_state(ckpt["rng"][RANK]["torch"])
@@ -792,10 +629,8 @@ def restore(ckpt, model, optimizer, scaler, device):
         torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
 
 
-# ---- the console, stopping -----------------------------------------------------------
 def say(*args):
-    """A console line at once (nohup too), from process 0; a closed stdout (| head)
-    acts as a signal."""
+    """A console line at once, from process 0; a closed stdout (| head) is a signal."""
     if MASTER:
         try:
             print(*args, flush=True)
@@ -806,8 +641,7 @@ def say(*args):
 
 def ask_to_stop(signum, frame):
     STOP["signal"] = signum
-    # a second Ctrl-C aborts at once
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: abort
 
 
 def kept(out_dir):
@@ -820,50 +654,36 @@ def kept(out_dir):
 
 def main(argv=None):
     started = time.time()  # --time_limit counts from here
-    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # a bad flag (its line is printed), or --help
-        return e.code
-    args.data_dir = os.path.abspath(args.data_dir)
-    args.out_dir = args.out_dir or default_out_dir(args)
     signals = [signal.SIGINT, signal.SIGTERM]
     if hasattr(signal, "SIGHUP"):  # (not on Windows)
         signals.append(signal.SIGHUP)
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
+        args = parser.parse_args(argv)
+        args.out_dir = args.out_dir or default_out_dir(args)
         with locked(args.out_dir) if MASTER else nullcontext():
             ckpt = judge(args, parser, argv)
-            check_model(args)  # (the checkpoint's settings too)
+            args.data_dir = os.path.abspath(args.data_dir)
             start = ckpt["iter"] if ckpt else 0
             if start >= args.max_iters:
                 say(f"{args.out_dir} is at batch {start}: nothing to train")
                 return 0
             for s in signals:
                 signal.signal(s, ask_to_stop)
-            return train(args, ckpt, started)
-    except SystemExit as e:  # fail(): the line is printed
+            return train(args, ckpt, start, started)
+    except SystemExit as e:  # fail() or a bad flag (the line is printed), or --help
         return e.code
     except KeyboardInterrupt:  # a second Ctrl-C
         say(f"\naborted; {kept(args.out_dir)}")
         return 130
     except OSError as e:  # a full disk, a lost folder
-        print(
-            f"error: cannot write {e.filename} ({e.strerror}); {kept(args.out_dir)}",
-            file=sys.stderr,
-        )
-        return 1
+        fail(f"cannot write {e.filename} ({e.strerror}); {kept(args.out_dir)}")
     except (RuntimeError, MemoryError) as e:
         cpu = "can't allocate memory" in str(e)  # (torch's CPU allocator)
         if not (cpu or isinstance(e, (torch.OutOfMemoryError, MemoryError))):
             raise
-        print(
-            "error: out of memory: use a smaller --batch_size (or --block_size); "
-            f"{kept(args.out_dir)}",
-            file=sys.stderr,
-        )
-        return 1
+        fail(f"out of memory: use a smaller --batch_size; {kept(args.out_dir)}")
     finally:
         STOP["signal"] = None
         for s, handler in handlers.items():
