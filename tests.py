@@ -2385,6 +2385,20 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
     how = lambda d, *flags: train.computed(d, parse(*flags))["float32_matmul"]
     assert [how(cuda), how(cuda, "--no-tf32"), how(cpu)] == ["tf32", "ieee", "ieee"]
+    monkeypatch.setattr(fir, "ALLOW_TF32", True)  # the FIR's products follow TF32
+    whole = train.computed(cuda, parse("--dtype=bfloat16"))
+    assert whole == dict(
+        device="cuda",
+        torch=torch.__version__,
+        dtype="bfloat16",
+        float32_matmul="tf32",
+        fir_matmul="tf32",
+        device_name="a GPU",
+    )
+    ctx, scaler = train.precision(cpu, "float16")
+    assert (ctx.fast_dtype, scaler._device) == (torch.float16, "cpu")
+    train.precision(cuda, "float32")  # TF32 on unless --no-tf32
+    assert matmul.allow_tf32 and cudnn.allow_tf32
     pinned, moved = [], []  # (last: every tensor's `to` stubbed)
     to = lambda t, d, non_blocking: moved.append((d.type, non_blocking)) or t
     monkeypatch.setattr(torch.Tensor, "to", to)
