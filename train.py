@@ -16,7 +16,6 @@ import argparse
 import ctypes
 import dataclasses
 import functools
-import glob
 import io
 import json
 import math
@@ -28,6 +27,7 @@ import sys
 import textwrap
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from prepare_data import atomic_write, fail, fmt_time, load_data
 
 # DDP: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them this is one process
 RANK = int(os.environ.get("RANK", "0"))
-WORLD = max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 MASTER = RANK == 0
 STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
@@ -106,7 +106,7 @@ FLAGS = {
 }
 # --resume takes every setting from ckpt.pt but these; the data must be the same
 MAY_CHANGE = {"max_iters", "eval_interval", "ckpt_interval", "log_interval"}
-MAY_CHANGE |= {"data_dir", "device", "compile"}
+MAY_CHANGE |= {"data_dir", "device"}
 # and these come from the command alone, never from ckpt.pt
 THIS_COMMAND = {"out_dir", "resume", "overwrite", "time_limit", "cuda_graph"}
 
@@ -124,7 +124,6 @@ def build_parser():
     one_of.add_argument("--overwrite", action="store_true", help="start out_dir again")
     dtypes = ["float32", "bfloat16", "float16"]
     p.add_argument("--dtype", default="float32", choices=dtypes, help="autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     on_off = argparse.BooleanOptionalAction
     p.add_argument("--tf32", action=on_off, default=True, help="CUDA: TF32 matmuls")
     p.add_argument("--cuda_graph", action=on_off, default=True, help="CUDA: graph step")
@@ -208,12 +207,12 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 
 def make_step(model, optimizer, scaler, ctx, args, device, how):
-    """The step, named in how: on CUDA captured in a graph (DDP, --compile: eager)."""
+    """The step, named in how: on CUDA captured in a graph (DDP, float16: eager)."""
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
     )
     how["step"] = "eager"
-    eager = WORLD > 1 or args.compile or args.dtype == "float16"
+    eager = WORLD > 1 or args.dtype == "float16"
     if device.type == "cuda" and args.cuda_graph and not eager:
         step = CapturedStep(step, optimizer, how)
         how["step"] = "CapturedStep"
@@ -273,18 +272,8 @@ def train(args, ckpt, start, started):
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
     )
-    windows = len(val_data) - args.block_size
-    if args.eval_batches * args.batch_size > windows:
-        fail(
-            f"val.bin holds {windows} windows, fewer than --eval_batches "
-            f"{args.eval_batches} x --batch_size {args.batch_size}: use fewer batches"
-        )
-    if ckpt and ckpt["data"] != data:
-        differ = ", ".join(k for k in data if ckpt["data"].get(k) != data[k])
-        fail(
-            f"{args.out_dir}/ckpt.pt was trained on other data ({differ} differ); "
-            "pass its --data_dir"
-        )
+    if ckpt and ckpt["data"] != data:  # (meta.json's sha256s and vocab_size)
+        fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
     device = pick_device(args.device)
     if WORLD > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -293,9 +282,9 @@ def train(args, ckpt, start, started):
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
-    model = torch.compile(raw_model) if args.compile else raw_model
+    model = raw_model
     if WORLD > 1:
-        model = DDP(model)  # (its module on one device: device_ids may be None)
+        model = DDP(raw_model)  # (its module on one device: device_ids may be None)
     how = computed(device, args)
     step = make_step(model, optimizer, scaler, ctx, args, device, how)
     params = raw_model.param_counts()
@@ -307,8 +296,6 @@ def train(args, ckpt, start, started):
         say(f"{cfg}")
         say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
         say(", ".join(f"{k}: {v}" for k, v in how.items()))
-        if how["device"] == "cpu" and args.n_layer * args.block_size >= 18 * 128:
-            say("note: Table 1's model takes days on a CPU: see the CPU quick start")
     n_starts = len(train_data) - args.block_size
     losses = torch.zeros(args.log_interval, device=device)  # since the last log point
     done = []  # when each batch since the last log point ended
@@ -421,19 +408,17 @@ def log(args, it, costs, times, val, tok_s, eta):
 
 def pick_device(name):
     """--device as a torch.device (auto: cuda, mps, cpu); one line if there is none."""
-    mps = torch.backends.mps.is_available()
     if name == "auto":
+        mps = torch.backends.mps.is_available()
         name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    if name == "cuda":  # under torchrun: this process's GPU
+        name = f"cuda:{LOCAL_RANK}"
     try:
         device = torch.device(name)
-    except RuntimeError:
-        fail(f"unknown --device {name!r}; use auto, cpu, cuda, cuda:N or mps")
-    count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}
-    if (device.index or 0) >= count.get(device.type, 0):
+        torch.empty(0, device=device)  # (raises if torch has no such device)
+    except Exception:
         fail(f"--device {name}: torch sees no such device here; use --device cpu")
     if device.type == "cuda":
-        if device.index is None:  # under torchrun: this process's GPU
-            device = torch.device("cuda", LOCAL_RANK)
         torch.cuda.set_device(device)
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
         # glibc keeps freed memory, not giving large tensors' pages back to fault in at
@@ -492,11 +477,12 @@ def default_out_dir(args):
 @contextmanager
 def locked(out_dir):
     """The run folder, made, locked against a second train.py, without killed .*.tmp."""
-    if os.path.isfile(out_dir):
+    out = Path(out_dir)
+    if out.is_file():
         fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
-    made = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    fd = os.open(out_dir, os.O_RDONLY) if os.name == "posix" else None
+    made = not out.is_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY) if os.name == "posix" else None
     try:
         if fd is not None:
             import fcntl
@@ -508,22 +494,22 @@ def locked(out_dir):
                     f"{out_dir} is in use: a run of another train.py is in progress "
                     "there; wait for it, or pick another --out_dir"
                 )
-        for tmp in glob.glob(os.path.join(glob.escape(out_dir), ".*.tmp")):
-            os.remove(tmp)
+        for tmp in out.glob(".*.tmp"):
+            tmp.unlink()
         yield
     finally:
         if fd is not None:
             os.close(fd)
-        if made and not os.listdir(out_dir):
-            os.rmdir(out_dir)
+        if made and not any(out.iterdir()):
+            out.rmdir()
 
 
 def judge(args, parser, argv):
     """The checkpoint to resume (args then set from it), or None to start: one rule each
     way, a folder holds a run once a checkpoint (and log.csv) was written in it."""
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    has_ckpt = os.path.exists(path)
-    has_log = os.path.exists(os.path.join(args.out_dir, "log.csv"))
+    path = Path(args.out_dir, "ckpt.pt")
+    has_ckpt = path.exists()
+    has_log = path.with_name("log.csv").exists()
     if args.resume and not has_ckpt:
         how = "--overwrite starts the run again" if has_log else "drop --resume"
         fail(f"no checkpoint {path} to resume; {how}")
@@ -543,8 +529,7 @@ def judge(args, parser, argv):
     if differ:
         flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
         fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
-    moved = not os.path.isdir(saved["data_dir"])
-    if moved and resumed["data_dir"] == saved["data_dir"]:
+    if not os.path.isdir(resumed["data_dir"]):  # (ckpt.pt keeps an absolute path)
         fail(
             f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
             "pass --data_dir with the folder where that data is now"
@@ -567,15 +552,14 @@ def load_checkpoint(path):
 
 def start_files(args, start):
     """--overwrite removes the old run's files; log.csv's rows, one a batch."""
+    out = Path(args.out_dir)
     if args.overwrite:
         for name in RUN_FILES:
-            if os.path.exists(os.path.join(args.out_dir, name)):
-                os.remove(os.path.join(args.out_dir, name))
-    path = os.path.join(args.out_dir, "log.csv")
+            (out / name).unlink(missing_ok=True)
+    path = out / "log.csv"
     rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = f.readlines()[1 : start + 1]
+    if path.exists():
+        rows = path.read_text().splitlines(keepends=True)[1 : start + 1]
     if len(rows) < start:
         say(
             f"note: {path} has no rows after batch {len(rows)}: those of batches "
@@ -594,15 +578,23 @@ def save_checkpoint(args, info, rows, model, optimizer, scaler, it, elapsed):
         dist.all_gather_object(rngs, state)
     if not MASTER:
         return
-    ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), iter=it)
-    ckpt.update(scaler=scaler.state_dict(), config=info["config"], args=vars(args))
-    ckpt.update(elapsed_s=elapsed, data=info["data"], rng=rngs)
+    ckpt = dict(
+        model=model.state_dict(),
+        optimizer=optimizer.state_dict(),
+        iter=it,
+        scaler=scaler.state_dict(),
+        config=info["config"],
+        args=vars(args),
+        elapsed_s=elapsed,
+        data=info["data"],
+        rng=rngs,
+    )
     buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
     torch.save(ckpt, buffer)
-    atomic_write(os.path.join(args.out_dir, "ckpt.pt"), buffer.getvalue())
-    atomic_write(os.path.join(args.out_dir, "log.csv"), LOG_HEADER + "".join(rows))
-    run_json = json.dumps(info, indent=1) + "\n"
-    atomic_write(os.path.join(args.out_dir, "run.json"), run_json)
+    out = Path(args.out_dir)
+    atomic_write(out / "ckpt.pt", buffer.getvalue())
+    atomic_write(out / "log.csv", LOG_HEADER + "".join(rows))
+    atomic_write(out / "run.json", json.dumps(info, indent=1) + "\n")
 
 
 def restore(ckpt, model, optimizer, scaler, device):
@@ -646,8 +638,8 @@ def ask_to_stop(signum, frame):
 
 def kept(out_dir):
     """What a run that fails leaves, said as the folder is."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if os.path.exists(path):
+    path = Path(out_dir, "ckpt.pt")
+    if path.exists():
         return f"the last checkpoint, {path}, stays"
     return "no checkpoint was written"
 
