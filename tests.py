@@ -677,6 +677,7 @@ def test_temperature_top_k_and_top_p_draw_from_exactly_these_probabilities(monke
     two_rows = [[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]]
     want = [[e(1), e(0.5), 0, 0], [0, e(1.5), 0, e(1)]]  # the 2 largest
     near(two_rows, want, temperature=2, top_k=2)
+    near(two_rows, [[1, 0, 0, 0], [0, 1, 0, 0]], top_k=1)  # the largest alone
     near(logits, [[e(2), e(1), 1, e(-1)]], top_k=9)  # k beyond u: every token
     probs = [[0.5, 0.2, 0.15, 0.1, 0.05]]
     logp = torch.tensor(probs).log().tolist()
@@ -1365,6 +1366,10 @@ def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same
     for start in (MARKERS["THIS"][0].format(T="X"), SMALL_PRINT):
         text = f"{start}\nText.\n{end}\n"
         assert prepare_data.strip_gutenberg(text) == ("Text.\n", None)
+    # END is looked for after START, footers and the small print's end before END
+    licence = f"End of the Project Gutenberg licence\n{SMALL_PRINT}\n"
+    text = f"{end}\n" + gutenberg_file("THIS", "none", "Gutenberg's") + licence
+    assert prepare_data.strip_gutenberg(text) == (BODY, None)
 
 
 # ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache,
