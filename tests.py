@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 # the tests' own medians, not numpy's, which plot.py takes
 from statistics import median
@@ -1920,11 +1921,13 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
     scaler = train.precision(torch.device("cpu"), dtype)[1]
     assert scaler.is_enabled() == (clip > 0)
     ctx = contextlib.nullcontext()
+    step = functools.partial(train.train_step, model, adamw, scaler, ctx)  # no clip
+    if clip:  # --grad_clip reaches the step through make_step
+        step = train.make_step(model, adamw, scaler, ctx, args, torch.device("cpu"), {})
     for t in range(1, 4):
         generator = torch.Generator().manual_seed(t)
         x, y = torch.randint(0, 30, (2, 2, 8), generator=generator)
-        kw = {"grad_clip": clip} if clip else {}
-        loss = train.train_step(model, adamw, scaler, ctx, x, y, **kw)
+        loss = step(x, y)
         ref_loss = reference(x, y)[1]
         grads = torch.autograd.grad(ref_loss, params)
         # the loss before the step, Eq. (3)
@@ -2380,7 +2383,8 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     steps.append(make(cuda))
     assert [type(s).__name__ for s in steps] == ["CapturedStep"] + ["partial"] * 4
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
-    assert (steps[0].optimizer, steps[0].how) == ("AdamW", hows[0])
+    captured = (steps[0].step.func, steps[0].optimizer, steps[0].how)
+    assert captured == (train.train_step, "AdamW", hows[0])
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     monkeypatch.setattr(matmul, "allow_tf32", False)
     monkeypatch.setattr(cudnn, "allow_tf32", False)
@@ -2389,9 +2393,10 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
         ctx = train.precision(device, "bfloat16", tf32)[0]
         seen.append((matmul.allow_tf32, cudnn.allow_tf32, ctx._cache_enabled))
     assert seen == [(False, False, True), (True, True, False), (False, False, False)]
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"the GPU {d}")
     how = lambda d, *flags: train.computed(d, parse(*flags))["float32_matmul"]
     assert [how(cuda), how(cuda, "--no-tf32"), how(cpu)] == ["tf32", "ieee", "ieee"]
+    assert train.computed(cuda, parse())["fir_matmul"] == "ieee"  # (TF32 elsewhere)
     monkeypatch.setattr(fir, "ALLOW_TF32", True)  # the FIR's products follow TF32
     whole = train.computed(cuda, parse("--dtype=bfloat16"))
     assert whole == dict(
@@ -2400,11 +2405,13 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
         dtype="bfloat16",
         float32_matmul="tf32",
         fir_matmul="tf32",
-        device_name="a GPU",
+        device_name="the GPU cuda",
     )
     ctx, scaler = train.precision(cpu, "float16")
     assert (ctx.fast_dtype, scaler._device) == (torch.float16, "cpu")
-    train.precision(cuda, "float32")  # TF32 on unless --no-tf32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # float32: no autocast (torch warns of one)
+        train.precision(cuda, "float32")  # TF32 on unless --no-tf32
     assert matmul.allow_tf32 and cudnn.allow_tf32
     pinned, moved = [], []  # (last: every tensor's `to` stubbed)
     to = lambda t, d, non_blocking: moved.append((d.type, non_blocking)) or t
