@@ -2494,13 +2494,31 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
     # a token each byte, the last character cut
     ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]]
     model, ckpt = sample.load_model(prepared[1], torch.device("cpu"))
-    tokens = lambda *a, **kw: (torch.tensor([[i]]) for i in ids)
+
+    class Screen(io.StringIO):  # a terminal: it shows what was written at each flush
+        shown = ""
+
+        def flush(self):
+            self.shown = self.getvalue()
+
+        def reconfigure(self, errors):
+            pass
+
+    screen, seen = Screen(), []  # seen: what it showed as each token was asked for
+
+    def tokens(*a, **kw):
+        for i in ids:
+            seen.append(screen.shown)
+            yield torch.tensor([[i]])
+
     monkeypatch.setattr(model, "generate_stream", tokens)
     monkeypatch.setattr(sample, "load_model", lambda *a: (model, ckpt))
+    monkeypatch.setattr(sys, "stdout", screen)
     argv = ["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"]
     assert sample.main(argv) == 0
     # (what a cut character becomes at the end)
-    assert capsys.readouterr().out == "é€ ok\ufffd\n"
+    assert screen.getvalue() == "é€ ok\ufffd\n"
+    assert seen[-1] == "é€ ok"  # each piece shown as it came, not at the end
 
 
 def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
