@@ -1904,10 +1904,9 @@ def literal_adamw(
 
 @pytest.mark.parametrize("clip, decay", [(0.0, 0.01), (0.05, 0.1)])
 def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
-    """Three of train.py's steps against AdamW written out, in float64: the same
-    parameters to float64 precision. Clipping first scales the gradients to a norm of at
-    most clip (with fp16's loss scaling, by 2**16, exact in float64: the clip must see
-    the gradients unscaled)."""
+    """Three of train.py's steps against AdamW written out, in float64, to float64
+    precision. Clipping scales the gradients to a norm of at most clip, as they are
+    before fp16's loss scaling (2**16, exact in float64)."""
     flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"]
     if decay != 0.01:  # (Table 1's decay as the default, then another)
         flags.append(f"--weight_decay={decay}")
@@ -2127,8 +2126,7 @@ def test_time_limit_counts_from_the_start_and_foresees_the_validation(
 ):
     """A clock of 1 s a batch (validation's too) and 10 s to load the data: 21 s at
     batch 9, + twice the slowest batch + batch 10's validation (2) + 5 s (a guess at a
-    checkpoint's time) > 29 s. From the loop's start, or without the validation: later.
-    """
+    checkpoint's) > 29 s. From the loop's start, or without the validation: later."""
     clock, get_batch, load_data = [1000.0], train.get_batch, train.load_data
 
     def batch(*a):
@@ -2423,10 +2421,9 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
 
 
 def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, capsys):
-    """CUDA's streams and graph stubbed; the recording (the 4th call) fails after the
-    backward, as AdamW's step does with capturable off: the run goes on with the eager
-    step (the same losses and parameters), says so in one line and in run.json's
-    `computed`."""
+    """CUDA stubbed; the recording (call 4) fails after the backward, as AdamW's does
+    with capturable off: the run goes on eagerly (the same losses and parameters), says
+    so in one line and in run.json's `computed`."""
     from unittest import mock
 
     for name in ("Stream", "current_stream", "stream", "CUDAGraph", "graph"):
@@ -2497,14 +2494,13 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
 
     class Screen(io.StringIO):  # a terminal: it shows what was written at each flush
         shown = ""
+        reconfigure = lambda self, errors: None  # (sample.py's: '?' for the unshowable)
 
         def flush(self):
             self.shown = self.getvalue()
 
-        def reconfigure(self, errors):
-            pass
-
-    screen, seen = Screen(), []  # seen: what it showed as each token was asked for
+    screen = Screen()
+    seen = []  # what it showed as each token was asked for
 
     def tokens(*a, **kw):
         for i in ids:
