@@ -529,7 +529,8 @@ def judge(args, parser, argv):
     if differ:
         flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
         fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
-    if not os.path.isdir(resumed["data_dir"]):  # (ckpt.pt keeps an absolute path)
+    moved = not os.path.isdir(saved["data_dir"])  # (ckpt.pt keeps an absolute path)
+    if moved and resumed["data_dir"] == saved["data_dir"]:
         fail(
             f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
             "pass --data_dir with the folder where that data is now"
