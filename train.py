@@ -15,6 +15,7 @@ each checkpoint. Ctrl-C, kill, a closed terminal and --time_limit stop at a chec
 import argparse
 import ctypes
 import dataclasses
+import fcntl  # (Linux and macOS, as resource: train.py runs on Unix; Windows: WSL)
 import functools
 import io
 import json
@@ -22,6 +23,7 @@ import math
 import os
 import platform
 import re
+import resource
 import signal
 import sys
 import textwrap
@@ -102,7 +104,7 @@ FLAGS = {
     "log_interval": (COUNT, 100, "a console line every this many batches"),
     "data_dir": (str, "data", "prepare_data.py's train.bin, val.bin, meta.json"),
     "out_dir": (str, "", "the run folder (default: out/<mixer>-<changed settings>)"),
-    "device": (str, "auto", "auto (cuda, mps, then cpu), cpu, cuda, cuda:1, mps"),
+    "device": (str, "auto", "auto (cuda, else cpu), cpu, cuda, cuda:1, mps"),
 }
 # --resume takes every setting from ckpt.pt but these; the data must be the same
 MAY_CHANGE = {"max_iters", "eval_interval", "ckpt_interval", "log_interval"}
@@ -130,13 +132,13 @@ def build_parser():
     return p
 
 
-def check_model(args):
-    """The model's Config (vocab_size 1 for now), --mixer a mixer; one line if not."""
+def check_model(args, vocab_size):
+    """The model's Config, --mixer a mixer; one line if not."""
     if args.batch_size % WORLD:
         fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
     fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
     try:
-        cfg = Config(vocab_size=1, **{k: getattr(args, k) for k in fields})
+        cfg = Config(vocab_size=vocab_size, **{k: getattr(args, k) for k in fields})
     except ValueError as e:
         fail(str(e))
     x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
@@ -268,34 +270,32 @@ class CapturedStep:
 # ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, start, started):
     """The data, the model, then batch, step, and at a log point evaluate, log, stop."""
-    cfg = check_model(args)  # (the checkpoint's settings too)
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
     )
+    cfg = check_model(args, data["vocab_size"])  # (the checkpoint's settings too)
     if ckpt and ckpt["data"] != data:  # (meta.json's sha256s and vocab_size)
         fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
     device = pick_device(args.device)
     if WORLD > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ctx, scaler = precision(device, args.dtype, args.tf32)
-    cfg = dataclasses.replace(cfg, vocab_size=data["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
-    model = raw_model
-    if WORLD > 1:
-        model = DDP(raw_model)  # (its module on one device: device_ids may be None)
+    # DDP's module on one device: device_ids may be None
+    model = DDP(raw_model) if WORLD > 1 else raw_model
     how = computed(device, args)
     step = make_step(model, optimizer, scaler, ctx, args, device, how)
-    params = raw_model.param_counts()
-    info = dict(config=dataclasses.asdict(cfg), args=vars(args), params=params)
-    info.update(data=data, world_size=WORLD, computed=how)  # run.json
-    rows = []  # log.csv's lines (process 0), written with each checkpoint
-    if MASTER:
-        rows = start_files(args, start)
-        say(f"{cfg}")
-        say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
-        say(", ".join(f"{k}: {v}" for k, v in how.items()))
+    info = dict(config=dataclasses.asdict(cfg), args=vars(args), data=data)  # run.json
+    info.update(params=raw_model.param_counts(), world_size=WORLD, computed=how)
+    rows = ckpt["log"] if ckpt else []  # log.csv's lines, in ckpt.pt too
+    if MASTER and args.overwrite:
+        for name in RUN_FILES:  # the old run's
+            Path(args.out_dir, name).unlink(missing_ok=True)
+    say(f"{cfg}")
+    say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
+    say(", ".join(f"{k}: {v}" for k, v in how.items()))
     n_starts = len(train_data) - args.block_size
     losses = torch.zeros(args.log_interval, device=device)  # since the last log point
     done = []  # when each batch since the last log point ended
@@ -328,20 +328,21 @@ def train(args, ckpt, start, started):
         if ckpt_now or stop:
             peak, what = peak_memory(device)  # (this session's)
             info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-            elapsed = time.time() - t0
-            save_checkpoint(args, info, rows, raw_model, optimizer, scaler, it, elapsed)
+            info.update(iter=it, elapsed_s=time.time() - t0)
+            save_checkpoint(args, info, rows, raw_model, optimizer, scaler)
         if stop:
-            signum = STOP["signal"]
-            why = "--time_limit" if signum is None else signal.Signals(signum).name
-            say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
-            say(f"{what}: {peak / 2**30:.2f} GB")
-            return 0 if signum is None else 128 + signum
+            break
         pause = max(pause, time.time() - now)
         done = []
         since = time.time()
     say(f"{what}: {peak / 2**30:.2f} GB")
-    say(f"done: python experiments/plot.py {args.out_dir} draws its losses")
-    return 0
+    if not stop:
+        say(f"done: python experiments/plot.py {args.out_dir} draws its losses")
+        return 0
+    signum = STOP["signal"]
+    why = "--time_limit" if signum is None else signal.Signals(signum).name
+    say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
+    return 0 if signum is None else 128 + signum
 
 
 @torch.no_grad()
@@ -407,10 +408,9 @@ def log(args, it, costs, times, val, tok_s, eta):
 
 
 def pick_device(name):
-    """--device as a torch.device (auto: cuda, mps, cpu); one line if there is none."""
+    """--device as a torch.device (auto: cuda, else cpu); one line if there is none."""
     if name == "auto":
-        mps = torch.backends.mps.is_available()
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":  # under torchrun: this process's GPU
         name = f"cuda:{LOCAL_RANK}"
     try:
@@ -442,7 +442,7 @@ def precision(device, dtype, tf32=True):
 def computed(device, args):
     """How the run computes, for run.json."""
     tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
-    how = dict(device=str(device), torch=torch.__version__, dtype=args.dtype)
+    how = dict(device=str(device), torch=str(torch.__version__), dtype=args.dtype)
     how.update(float32_matmul=tf32, fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee")
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
@@ -453,10 +453,8 @@ def peak_memory(device):
     """(bytes, what): the most CUDA's tensors held, else the process's peak resident."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "peak CUDA memory allocated"
-    import resource  # (Unix; ru_maxrss is in kB on Linux, in bytes on macOS)
-
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if sys.platform == "darwin":
+    if sys.platform == "darwin":  # (ru_maxrss: kB on Linux, bytes on macOS)
         kb /= 1024
     return int(kb * 1024), "peak resident memory"
 
@@ -482,24 +480,20 @@ def locked(out_dir):
         fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
     made = not out.is_dir()
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out, os.O_RDONLY) if os.name == "posix" else None
+    fd = os.open(out, os.O_RDONLY)
     try:
-        if fd is not None:
-            import fcntl
-
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fail(
-                    f"{out_dir} is in use: a run of another train.py is in progress "
-                    "there; wait for it, or pick another --out_dir"
-                )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fail(
+                f"{out_dir} is in use: a run of another train.py is in progress "
+                "there; wait for it, or pick another --out_dir"
+            )
         for tmp in out.glob(".*.tmp"):
             tmp.unlink()
         yield
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
         if made and not any(out.iterdir()):
             out.rmdir()
 
@@ -551,26 +545,9 @@ def load_checkpoint(path):
     return ckpt
 
 
-def start_files(args, start):
-    """--overwrite removes the old run's files; log.csv's rows, one a batch."""
-    out = Path(args.out_dir)
-    if args.overwrite:
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-    path = out / "log.csv"
-    rows = []
-    if path.exists():
-        rows = path.read_text().splitlines(keepends=True)[1 : start + 1]
-    if len(rows) < start:
-        say(
-            f"note: {path} has no rows after batch {len(rows)}: those of batches "
-            f"{len(rows) + 1} to {start} are gone; it goes on from batch {start + 1}"
-        )
-    return rows
-
-
-def save_checkpoint(args, info, rows, model, optimizer, scaler, it, elapsed):
-    """ckpt.pt with all processes' RNG states, log.csv, run.json, each whole or none."""
+def save_checkpoint(args, info, rows, model, optimizer, scaler):
+    """ckpt.pt (run.json's info, log.csv's rows, all processes' RNG states), log.csv,
+    run.json, each whole or none."""
     state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -580,15 +557,12 @@ def save_checkpoint(args, info, rows, model, optimizer, scaler, it, elapsed):
     if not MASTER:
         return
     ckpt = dict(
+        info,
         model=model.state_dict(),
         optimizer=optimizer.state_dict(),
-        iter=it,
         scaler=scaler.state_dict(),
-        config=info["config"],
-        args=vars(args),
-        elapsed_s=elapsed,
-        data=info["data"],
         rng=rngs,
+        log=rows,
     )
     buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
     torch.save(ckpt, buffer)
@@ -648,9 +622,7 @@ def kept(out_dir):
 def main(argv=None):
     started = time.time()  # --time_limit counts from here
     parser = build_parser()
-    signals = [signal.SIGINT, signal.SIGTERM]
-    if hasattr(signal, "SIGHUP"):  # (not on Windows)
-        signals.append(signal.SIGHUP)
+    signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
         args = parser.parse_args(argv)
