@@ -132,13 +132,13 @@ def build_parser():
     return p
 
 
-def check_model(args, vocab_size):
-    """The model's Config, --mixer a mixer; one line if not."""
+def check_model(args):
+    """The model's Config (vocab_size 1 for now), --mixer a mixer; one line if not."""
     if args.batch_size % WORLD:
         fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
     fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
     try:
-        cfg = Config(vocab_size=vocab_size, **{k: getattr(args, k) for k in fields})
+        cfg = Config(vocab_size=1, **{k: getattr(args, k) for k in fields})
     except ValueError as e:
         fail(str(e))
     x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
@@ -270,16 +270,17 @@ class CapturedStep:
 # ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, start, started):
     """The data, the model, then batch, step, and at a log point evaluate, log, stop."""
+    cfg = check_model(args)  # (the checkpoint's settings too), before the data
     train_data, val_data, data = load_data(
         args.data_dir, args.block_size, args.batch_size
     )
-    cfg = check_model(args, data["vocab_size"])  # (the checkpoint's settings too)
     if ckpt and ckpt["data"] != data:  # (meta.json's sha256s and vocab_size)
         fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
     device = pick_device(args.device)
     if WORLD > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ctx, scaler = precision(device, args.dtype, args.tf32)
+    cfg = dataclasses.replace(cfg, vocab_size=data["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
         restore(ckpt, raw_model, optimizer, scaler, device)
