@@ -189,13 +189,12 @@ def plot_runs(runs, path, window, raw=False):
     fig, axes = plt.subplots(1, 2 if ref else 1, figsize=size, squeeze=False)
     ax = axes[0][0]
     for r in runs:
-        colour = STYLE.get(r["name"])
         if raw:
             x, y = r["log"]["iter"], r["log"]["train_loss"]
-            ax.plot(x, y, lw=0.5, alpha=0.6, color=colour, label=r["name"])
+            ax.plot(x, y, lw=0.5, alpha=0.6, label=r["name"], **line(r["name"]))
         else:
             ends, med = window_medians(r["log"]["train_loss"], window)
-            ax.plot(ends, med, "-o", ms=3, color=colour, label=r["name"])
+            ax.plot(ends, med, marker="o", ms=3, label=r["name"], **line(r["name"]))
     medians = f"median training cost of every {window} batches"
     finish(ax, "training cost of every batch" if raw else medians)
     if ref:
@@ -206,11 +205,16 @@ def plot_runs(runs, path, window, raw=False):
             ends, med = window_medians(r["log"]["train_loss"], window)
             n = min(len(med), len(ref_med))  # the windows both runs have
             gap = med[:n] - ref_med[:n]
-            colour = STYLE.get(r["name"])
-            ax.plot(ends[:n], gap, "-o", ms=3, color=colour, label=r["name"])
+            ax.plot(ends[:n], gap, marker="o", ms=3, label=r["name"], **line(r["name"]))
         ax.set(ylabel=f"median cost minus {ref['name']}'s (nats)")
         finish(ax, f"gap to {ref['name']}, window by window")
     save(fig, path, setting_title(runs))
+
+
+def line(name):
+    """A run's colour and line: the paper's mixers solid, the rest dashed."""
+    paper = name in STYLE or name.startswith("sa-")
+    return dict(color=STYLE.get(name), linestyle="-" if paper else "--")
 
 
 def setting_title(runs, swept=None):
@@ -262,7 +266,8 @@ def finish(ax, title):
     ax.set(xlabel=xlabel, ylabel=ax.get_ylabel() or "cost (cross-entropy, nats)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    many = len(ax.get_lines()) > 11  # (two columns, smaller)
+    ax.legend(ncols=1 + many, fontsize="small" if many else None)
 
 
 def save(fig, path, title=None):
