@@ -3176,15 +3176,15 @@ def test_results_csvs_are_what_the_readmes_commands_make_of_the_committed_logs(
 ):
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
-    # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers
-    assert len(commands) == 9
+    # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1
+    assert len(commands) == 10
     for argv in commands:
         for i, flag in enumerate(argv[:-1]):
             if flag in ("-o", "--results"):  # results/... into tmp_path/...
                 argv[i + 1] = str(tmp_path / os.path.relpath(argv[i + 1], "results"))
         assert plot.main(argv) == 0, argv
     written = sorted(glob.glob("**/*.csv", root_dir=tmp_path, recursive=True))
-    assert len(written) == 15, written  # and all of them as committed:
+    assert len(written) == 18, written  # and all of them as committed:
     for name in written:
         committed = open(os.path.join(ROOT, "results", name), "rb").read()
         assert (tmp_path / name).read_bytes() == committed, name
