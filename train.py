@@ -65,10 +65,10 @@ def bounded(kind, low, high=math.inf):
 
 def seconds(text):
     """An argparse type: --time_limit in seconds."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a time: write 90s, 40m, 2h")
-    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
+    return float(m[1]) * {"m": 60, "h": 3600}.get(m[2], 1)
 
 
 COUNT = bounded(int, 1)
@@ -107,8 +107,14 @@ FLAGS = {
     "device": (str, "auto", "auto (cuda, else cpu), cpu, cuda, cuda:1, mps"),
 }
 # --resume takes every setting from ckpt.pt but these; the data must be the same
-MAY_CHANGE = {"max_iters", "eval_interval", "ckpt_interval", "log_interval"}
-MAY_CHANGE |= {"data_dir", "device"}
+MAY_CHANGE = {
+    "max_iters",
+    "eval_interval",
+    "ckpt_interval",
+    "log_interval",
+    "data_dir",
+    "device",
+}
 # and these come from the command alone, never from ckpt.pt
 THIS_COMMAND = {"out_dir", "resume", "overwrite", "time_limit", "cuda_graph"}
 
@@ -117,7 +123,7 @@ def build_parser():
     p = argparse.ArgumentParser(description="Train a language model with a token mixer")
     p.error = lambda msg: fail(f"{msg} (see python train.py --help)")
     for name, (symbol, value, text, kind) in TABLE_1.items():
-        about = f"{symbol}: {text} ({value})"
+        about = f"{symbol}: {text} ({value})"  # as Table 1 writes it
         p.add_argument(f"--{name}", type=kind, default=value, help=about)
     for name, (kind, value, text) in FLAGS.items():
         p.add_argument(f"--{name}", type=kind, default=value, help=text)
@@ -136,9 +142,9 @@ def check_model(args):
     """The model's Config (vocab_size 1 for now), --mixer a mixer; one line if not."""
     if args.batch_size % WORLD:
         fail(f"--batch_size {args.batch_size} must divide among {WORLD} processes")
-    fields = [k for k in Config.__dataclass_fields__ if k != "vocab_size"]
+    given = {k: v for k, v in vars(args).items() if k in Config.__dataclass_fields__}
     try:
-        cfg = Config(vocab_size=1, **{k: getattr(args, k) for k in fields})
+        cfg = Config(vocab_size=1, **given)
     except ValueError as e:
         fail(str(e))
     x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
@@ -169,14 +175,16 @@ def batch_starts(i, n_starts, batch_size, data_seed):
 
 
 def get_batch(data, starts, block_size, device):
-    """Windows of l+1 tokens at the starts: x their first l tokens, y shifted by one."""
-    windows = [data[s : s + block_size + 1] for s in starts.tolist()]
+    """Windows of l+1 tokens at this process's part of the starts: x their first l
+    tokens, y shifted by one."""
+    mine = starts.chunk(WORLD)[RANK]  # (b / WORLD,)
+    windows = [data[s : s + block_size + 1] for s in mine.tolist()]
     w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
-    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (b, l), (b, l)
     pin = device.type == "cuda"  # pinned: the copy to the GPU runs beside the step
     if pin:
-        x, y = x.pin_memory(), y.pin_memory()
-    return x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+        w = w.pin_memory()
+    w = w.to(device, non_blocking=pin)
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x (b, l), y (b, l)
 
 
 def build_model(cfg, args, device):
@@ -184,11 +192,15 @@ def build_model(cfg, args, device):
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + RANK)
-    betas = (args.beta1, args.beta2)
     cuda = device.type == "cuda"  # fused, and capturable: the captured step needs it
-    kind = dict(fused=cuda, capturable=cuda)
     adamw = torch.optim.AdamW(
-        model.parameters(), args.lr, betas, 1e-8, args.weight_decay, **kind
+        model.parameters(),
+        args.lr,
+        (args.beta1, args.beta2),
+        1e-8,
+        args.weight_decay,
+        fused=cuda,
+        capturable=cuda,
     )
     return model, adamw
 
@@ -225,11 +237,11 @@ class CapturedStep:
     """step(x, y) replayed from a CUDA graph, bit for bit the eager step: 3 eager calls
     on a side stream, then the recording (failed, with `how` given: eager from then)."""
 
-    def __init__(self, step, optimizer=None, how=None, warmup=3):
+    def __init__(self, step, optimizer=None, how=None):
         self.step = step
         self.optimizer = optimizer
         self.how = how
-        self.warmup = warmup
+        self.warmup = 3
         self.graph = None
         self.stream = torch.cuda.Stream()
 
@@ -262,7 +274,6 @@ class CapturedStep:
         say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
         self.how["step"] = f"eager, the capture failed ({why})"
         self.optimizer.zero_grad(set_to_none=True)  # (the recording's, not computed)
-        self.graph = None
         self.warmup = math.inf  # eager, on the side stream, from now on
         return self(x, y)
 
@@ -288,28 +299,33 @@ def train(args, ckpt, start, started):
     model = DDP(raw_model) if WORLD > 1 else raw_model
     how = computed(device, args)
     step = make_step(model, optimizer, scaler, ctx, args, device, how)
-    info = dict(config=dataclasses.asdict(cfg), args=vars(args), data=data)  # run.json
-    info.update(params=raw_model.param_counts(), world_size=WORLD, computed=how)
+    info = dict(  # run.json
+        config=dataclasses.asdict(cfg),
+        args=vars(args),
+        data=data,
+        params=raw_model.param_counts(),
+        world_size=WORLD,
+        computed=how,
+    )
     rows = ckpt["log"] if ckpt else []  # log.csv's lines, in ckpt.pt too
     if MASTER and args.overwrite:
         for name in RUN_FILES:  # the old run's
             Path(args.out_dir, name).unlink(missing_ok=True)
     say(f"{cfg}")
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
-    say(", ".join(f"{k}: {v}" for k, v in how.items()))
+    say(f"computed: {how}")
     n_starts = len(train_data) - args.block_size
-    losses = torch.zeros(args.log_interval, device=device)  # since the last log point
-    done = []  # when each batch since the last log point ended
+    losses = []  # the batches' since the last log point
+    done = []  # when each of them ended, from the run's start
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
     since = time.time()  # the end of the last log point
     t0 = since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (a resumed run's time counts)
     for it in range(start + 1, args.max_iters + 1):  # it: the batches done after it
         starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)
-        mine = starts.chunk(WORLD)[RANK]  # this process's part
-        x, y = get_batch(train_data, mine, args.block_size, device)  # (b, l), (b, l)
-        losses[len(done)] = step(x, y)
+        x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
+        losses.append(step(x, y))
         now = time.time()
-        done.append(now)
+        done.append(now - t0)
         per_batch = (now - since) / len(done)
         stop = must_stop(args, it, now - started, per_batch, pause)
         evaluate_now = evaluates(args, it)
@@ -321,19 +337,23 @@ def train(args, ckpt, start, started):
         val = evaluate(model, args, val_data, device, ctx) if evaluate_now else None
         # (DDP: any process's)
         stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
-        costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
+        costs = mean_over_processes(torch.stack(losses)).tolist()  # (DDP: the batch's)
         tok_s = len(done) * args.batch_size * args.block_size / (now - since)
-        times = [t - t0 for t in done]
         eta = (args.max_iters - it) * (now - started) / (it - start)  # at this pace
-        rows += log(args, it, costs, times, val, tok_s, eta)
+        rows += log(args, it, costs, done, val, tok_s, eta)
         if ckpt_now or stop:
             peak, what = peak_memory(device)  # (this session's)
-            info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-            info.update(iter=it, elapsed_s=time.time() - t0)
+            info.update(
+                peak_memory_mb=round(peak / 2**20, 1),
+                peak_memory_is=what,
+                iter=it,
+                elapsed_s=time.time() - t0,
+            )
             save_checkpoint(args, info, rows, raw_model, optimizer, scaler)
         if stop:
             break
         pause = max(pause, time.time() - now)
+        losses = []
         done = []
         since = time.time()
     say(f"{what}: {peak / 2**30:.2f} GB")
@@ -356,8 +376,7 @@ def evaluate(model, args, val_data, device, ctx):
     model.eval()
     total = torch.zeros((), device=device)
     for batch in starts.split(args.batch_size):
-        mine = batch.chunk(WORLD)[RANK]  # this process's part
-        x, y = get_batch(val_data, mine, args.block_size, device)
+        x, y = get_batch(val_data, batch, args.block_size, device)
         with ctx:
             total += model(x, y)[1].float()
     model.train(was_training)
@@ -381,7 +400,7 @@ def evaluates(args, it):
 def must_stop(args, it, elapsed, per_batch, pause):
     """Whether batch `it` must be the last: a signal came, or from train.py's start the
     time limit leaves no room for 2 batches, the next validation and a log point."""
-    if STOP["signal"] is not None:
+    if STOP["signal"]:
         return True
     if args.time_limit is None:
         return False
@@ -392,7 +411,7 @@ def must_stop(args, it, elapsed, per_batch, pause):
 def log(args, it, costs, times, val, tok_s, eta):
     """log.csv's rows since the last log point, a console line; nan or inf: stop."""
     rows = []
-    for i, cost, t in zip(range(it - len(costs) + 1, it + 1), costs, times):
+    for i, (cost, t) in enumerate(zip(costs, times), it - len(costs) + 1):
         if not math.isfinite(cost):
             fail(
                 f"the training cost became {cost} at batch {i}; {kept(args.out_dir)}. "
@@ -403,8 +422,8 @@ def log(args, it, costs, times, val, tok_s, eta):
     line = f"iter {it}/{args.max_iters} | loss {np.mean(costs):.4f}"
     if val is not None:
         line += f" | val {val:.4f}"
-    speed = f"{tok_s / 1e3:.1f}k tok/s"
-    say(f"{line} | {speed} | elapsed {fmt_time(times[-1])} | ETA {fmt_time(eta)}")
+    line += f" | {tok_s / 1e3:.1f}k tok/s | elapsed {fmt_time(times[-1])}"
+    say(f"{line} | ETA {fmt_time(eta)}")
     return rows
 
 
@@ -423,9 +442,11 @@ def pick_device(name):
         torch.cuda.set_device(device)
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
         # glibc keeps freed memory, not giving large tensors' pages back to fault in at
-        # each step: 1.4x tokens/s at m = 2 (M_MMAP_MAX, M_TRIM_THRESHOLD, M_TOP_PAD)
-        for option, value in ((-4, 0), (-1, 2**31 - 1), (-2, 2**28)):
-            ctypes.CDLL("libc.so.6").mallopt(option, value)
+        # each step: 1.4x tokens/s at m = 2
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: no trim
+        libc.mallopt(-2, 2**28)  # M_TOP_PAD: grow the heap 256 MB at a time
     return device
 
 
@@ -443,8 +464,13 @@ def precision(device, dtype, tf32=True):
 def computed(device, args):
     """How the run computes, for run.json."""
     tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
-    how = dict(device=str(device), torch=str(torch.__version__), dtype=args.dtype)
-    how.update(float32_matmul=tf32, fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee")
+    how = dict(
+        device=str(device),
+        torch=str(torch.__version__),  # (a plain str: weights_only loads it)
+        dtype=args.dtype,
+        float32_matmul=tf32,
+        fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee",
+    )
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
@@ -468,8 +494,8 @@ def default_out_dir(args):
         v = getattr(args, flag)
         if v == value or flag == "n_head" and args.mixer == "sa":
             continue
-        short = f"{v:g}"  # (floats: the shortest that is exact)
-        name += f"-{symbol}{v if isinstance(v, int) or float(short) != v else short}"
+        # (Python's shortest exact form, 0.0 as 0)
+        name += f"-{symbol}{str(v).removesuffix('.0')}"
     return os.path.join("out", name)
 
 
@@ -518,19 +544,18 @@ def judge(args, parser, argv):
         return None
     ckpt = load_checkpoint(path)
     saved = {k: v for k, v in ckpt["args"].items() if k not in THIS_COMMAND}
-    # the flags given parsed over the saved settings
-    resumed = vars(parser.parse_args(argv, argparse.Namespace(**saved)))
-    differ = [k for k in saved if k not in MAY_CHANGE and resumed[k] != saved[k]]
+    vars(args).update(saved)
+    parser.parse_args(argv, args)  # the flags given, over the saved settings
+    differ = [k for k in saved if k not in MAY_CHANGE and vars(args)[k] != saved[k]]
     if differ:
         flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
         fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
     moved = not os.path.isdir(saved["data_dir"])  # (ckpt.pt keeps an absolute path)
-    if moved and resumed["data_dir"] == saved["data_dir"]:
+    if moved and args.data_dir == saved["data_dir"]:
         fail(
             f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
             "pass --data_dir with the folder where that data is now"
         )
-    vars(args).update({k: resumed[k] for k in saved})
     return ckpt
 
 
@@ -575,33 +600,30 @@ def save_checkpoint(args, info, rows, model, optimizer, scaler):
 
 def restore(ckpt, model, optimizer, scaler, device):
     """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
-    if len(ckpt["rng"]) != WORLD:
-        fail(
-            f"ckpt.pt was trained by {len(ckpt['rng'])} processes: resume with as many"
-        )
+    if ckpt["world_size"] != WORLD:
+        fail(f"ckpt.pt was trained by {ckpt['world_size']} processes: run as many")
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # a mixer of one's own whose parameters changed since
-        lines = str(e).splitlines()[1:]  # (the first: "Error(s) in loading ...")
-        why = " ".join(line.strip() for line in lines)
+        why = " ".join(str(e).split())  # (torch's lines as one)
         fail(f"ckpt.pt does not fit the model --mixer {model.cfg.mixer} makes: {why}")
     saved = ckpt["optimizer"]
-    for group, mine in zip(saved["param_groups"], optimizer.param_groups):
-        # AdamW's kind stays this device's
+    mine = optimizer.defaults  # AdamW's kind stays this device's (build_model's)
+    for group in saved["param_groups"]:
         group.update(fused=mine["fused"], capturable=mine["capturable"])
     optimizer.load_state_dict(saved)
-    if ckpt["scaler"]:
-        scaler.load_state_dict(ckpt["scaler"])
-    torch.set_rng_state(ckpt["rng"][RANK]["torch"])
-    if device.type == "cuda" and "cuda" in ckpt["rng"][RANK]:
-        torch.cuda.set_rng_state(ckpt["rng"][RANK]["cuda"])
+    scaler.load_state_dict(ckpt["scaler"])  # (float16's; else it does nothing)
+    rng = ckpt["rng"][RANK]  # this process's
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
-def say(*args):
+def say(line):
     """A console line at once, from process 0; a closed stdout (| head) is a signal."""
     if MASTER:
         try:
-            print(*args, flush=True)
+            print(line, flush=True)
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             STOP["signal"] = STOP["signal"] or signal.SIGPIPE
