@@ -315,7 +315,7 @@ def train(args, ckpt, start, started):
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
     say(f"computed: {how}")
     n_starts = len(train_data) - args.block_size
-    losses = []  # the batches' since the last log point
+    losses = []  # the batches' losses since the last log point
     done = []  # when each of them ended, from the run's start
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
     since = time.time()  # the end of the last log point
