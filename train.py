@@ -315,7 +315,10 @@ def train(args, ckpt, start, started):
     say(f"training from batch {start} to {args.max_iters} into {args.out_dir}")
     say(f"computed: {how}")
     n_starts = len(train_data) - args.block_size
-    losses = []  # the batches' losses since the last log point
+    # the batches' losses since the last log point in one buffer: a tensor kept per
+    # batch would split the block the logits freed, and the heap would grow by the
+    # logits' size each batch (pick_device's allocator settings)
+    losses = torch.zeros(min(args.log_interval, args.max_iters - start), device=device)
     done = []  # when each of them ended, from the run's start
     pause = 5.0  # the longest log point's work, s (a guess until one is measured)
     since = time.time()  # the end of the last log point
@@ -323,7 +326,7 @@ def train(args, ckpt, start, started):
     for it in range(start + 1, args.max_iters + 1):  # it: the batches done after it
         starts = batch_starts(it - 1, n_starts, args.batch_size, args.data_seed)
         x, y = get_batch(train_data, starts, args.block_size, device)  # (b, l), (b, l)
-        losses.append(step(x, y))
+        losses[len(done)] = step(x, y)
         now = time.time()
         done.append(now - t0)
         per_batch = (now - since) / len(done)
@@ -337,7 +340,7 @@ def train(args, ckpt, start, started):
         val = evaluate(model, args, val_data, device, ctx) if evaluate_now else None
         # (DDP: any process's)
         stop = mean_over_processes(torch.tensor(float(stop), device=device)).item() > 0
-        costs = mean_over_processes(torch.stack(losses)).tolist()  # (DDP: the batch's)
+        costs = mean_over_processes(losses[: len(done)]).tolist()  # (DDP: the batch's)
         tok_s = len(done) * args.batch_size * args.block_size / (now - since)
         eta = (args.max_iters - it) * (now - started) / (it - start)  # at this pace
         rows += log(args, it, costs, done, val, tok_s, eta)
@@ -353,7 +356,6 @@ def train(args, ckpt, start, started):
         if stop:
             break
         pause = max(pause, time.time() - now)
-        losses = []
         done = []
         since = time.time()
     say(f"{what}: {peak / 2**30:.2f} GB")
