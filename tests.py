@@ -2961,6 +2961,20 @@ def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
     assert _lines(figures[1].axes[0]) == raw  # every batch at its number
 
 
+def test_plot_dashes_the_synthesizers_by_their_mixer_not_their_folders_name(
+    tmp_path, figures
+):
+    # two HE runs on other batch orders, named by their folders, as results/data-order
+    runs = [_run(tmp_path / f"he-d{d}", "he", [4.0] * 8, data_seed=d) for d in (2, 3)]
+    runs += [_run(tmp_path / "sa-32", "sa", [4.0] * 8, 32)]
+    runs += [_run(tmp_path / "random", "random", [4.0] * 8, 32)]
+    assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
+    styles = {"he-d2": "-", "he-d3": "-", "sa-32": "-", "random": "--"}
+    drawn = lambda ax: {x.get_label(): x.get_linestyle() for x in ax.lines}
+    medians, gaps = figures[0].axes  # the gap panel: sa-32 its zero line
+    assert drawn(medians) == drawn(gaps) == styles
+
+
 def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
     tmp_path, capsys, figures
 ):

@@ -191,10 +191,10 @@ def plot_runs(runs, path, window, raw=False):
     for r in runs:
         if raw:
             x, y = r["log"]["iter"], r["log"]["train_loss"]
-            ax.plot(x, y, lw=0.5, alpha=0.6, label=r["name"], **line(r["name"]))
+            ax.plot(x, y, lw=0.5, alpha=0.6, label=r["name"], **line(r))
         else:
             ends, med = window_medians(r["log"]["train_loss"], window)
-            ax.plot(ends, med, marker="o", ms=3, label=r["name"], **line(r["name"]))
+            ax.plot(ends, med, marker="o", ms=3, label=r["name"], **line(r))
     medians = f"median training cost of every {window} batches"
     finish(ax, "training cost of every batch" if raw else medians)
     if ref:
@@ -205,16 +205,17 @@ def plot_runs(runs, path, window, raw=False):
             ends, med = window_medians(r["log"]["train_loss"], window)
             n = min(len(med), len(ref_med))  # the windows both runs have
             gap = med[:n] - ref_med[:n]
-            ax.plot(ends[:n], gap, marker="o", ms=3, label=r["name"], **line(r["name"]))
+            ax.plot(ends[:n], gap, marker="o", ms=3, label=r["name"], **line(r))
         ax.set(ylabel=f"median cost minus {ref['name']}'s (nats)")
         finish(ax, f"gap to {ref['name']}, window by window")
     save(fig, path, setting_title(runs))
 
 
-def line(name):
-    """A run's colour and line: the paper's mixers solid, the rest dashed."""
-    paper = name in STYLE or name.startswith("sa-")
-    return dict(color=STYLE.get(name), linestyle="-" if paper else "--")
+def line(run):
+    """A run's colour (its name's) and line: the paper's mixers solid, the rest dashed,
+    by its mixer, not its name (he-d1338 is HE's run on another batch order)."""
+    paper = run["settings"]["mixer"] in ("sa", *EXTRACTORS)
+    return dict(color=STYLE.get(run["name"]), linestyle="-" if paper else "--")
 
 
 def setting_title(runs, swept=None):
