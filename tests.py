@@ -4,6 +4,7 @@ TEST_DEVICE=cuda (or cuda:N, mps) runs the model, FIR, generation and training t
 that device; the literal references stay on the CPU in float64. `-m device` selects the
 tests that only mean something on a GPU (they skip elsewhere)."""
 
+import argparse
 import collections
 import contextlib
 import copy
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 
 # the tests' own medians, not numpy's, which plot.py takes
@@ -2644,10 +2646,10 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
 SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
 
 
-def _fake_run(folder, batches, device):
+def _fake_run(folder, batches, device, cost=lambda i: 5 - i / 100):
     """A run folder as train.py leaves it: log.csv of `batches` rows, run.json."""
     os.makedirs(folder, exist_ok=True)
-    rows = [f"{i},{5 - i / 100},,0.001,1000,{i}\n" for i in range(1, batches + 1)]
+    rows = [f"{i},{cost(i)},,0.001,1000,{i}\n" for i in range(1, batches + 1)]
     header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
     open(f"{folder}/log.csv", "w").write(header + "".join(rows))
     json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
@@ -2694,8 +2696,9 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
     monkeypatch.setattr(reproduce, "redraw", redraw)
 
     def main(batches, device, code, *flags):
-        def train_all(names, flags, work):
+        def train_all(names, flags, work, fits):
             _fake_run(os.path.join(work, "me"), batches, device)
+            open(os.path.join(work, "me", "console.txt"), "a").write("$ train.py\n")
             return [code]
 
         monkeypatch.setattr(reproduce, "train_all", train_all)
@@ -2716,7 +2719,7 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
     assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
     assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
 
-    def stopped(names, flags, work):
+    def stopped(names, flags, work, fits):
         raise KeyboardInterrupt  # Ctrl-C while the runs train
 
     monkeypatch.setattr(reproduce, "train_all", stopped)
@@ -2724,6 +2727,211 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
     assert reproduce.main(["--device=cpu", f"--work={work}"]) == 130
     err = capsys.readouterr().err
     assert err.startswith("stopped: ") and err.endswith("goes on from there\n")
+
+
+# each model's training peak on an H200, MiB: results/table1/bench_h200.txt, section 6
+H200_PEAK_MIB = {"sa-1": 1610, "sa-32": 1610, "she": 2453, "he": 1739, "we": 1736}
+H200_PEAK_MIB["me"] = 1294
+GIB = 2**30
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """reproduce.py's train.py children made up, on a made-up GPU ("free" GiB): each
+    leaves a 100-batch run on cuda:0 and its `console` text, and trains until the
+    script's next one-second sleep ends the oldest running one (exit: `codes`, else 0;
+    `stop`: that sleep is a Ctrl-C). `started`: the runs running as each started."""
+    import reproduce
+
+    rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False)
+    rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
+
+    class Child:
+        def __init__(self, cmd, stdout, stderr, preexec_fn):
+            flag = next(a for a in cmd if a.startswith("--out_dir="))
+            out = flag.split("=", 1)[1]
+            self.out, self.name, self.returncode = out, os.path.basename(out), None
+            _fake_run(out, 100, "cuda:0")
+            rec.cmds.append(cmd)
+            rec.preexec.append(preexec_fn)
+            rec.running.append(self)
+            rec.started.append([c.name for c in rec.running])
+
+        def poll(self):
+            return self.returncode
+
+        def end(self, code):
+            with open(os.path.join(self.out, "console.txt"), "a") as f:
+                f.write(rec.console.get(self.name, "done\n"))
+            self.returncode = code
+            rec.running.remove(self)
+
+        def wait(self):
+            if self.returncode is None:
+                self.end(rec.codes.get(self.name, 0))
+            return self.returncode
+
+        def send_signal(self, signum):  # as Popen's: nothing if it has exited
+            if self.returncode is None:
+                rec.signals.append((self.name, signum))
+                self.end(128 + signum)
+
+    def sleep(seconds):
+        assert rec.running, "it waits while no run is running"
+        if rec.stop:
+            raise KeyboardInterrupt
+        rec.running[0].end(rec.codes.get(rec.running[0].name, 0))
+
+    monkeypatch.setattr(reproduce.subprocess, "Popen", Child)
+    monkeypatch.setattr(time, "sleep", sleep)  # (reproduce.time.sleep)
+    monkeypatch.setattr(reproduce, "redraw", lambda results: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Made-Up GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (rec.free * GIB, 0))
+    return rec
+
+
+def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
+    tmp_path, children
+):
+    import reproduce
+
+    def at_once(free, *flags):
+        """The runs running as each started, on a GPU of `free` GiB free."""
+        children.free, children.started, children.preexec = free, [], []
+        work, results = tmp_path / f"work{free}{flags}", tmp_path / f"res{free}{flags}"
+        assert reproduce.main([f"--work={work}", f"--results={results}", *flags]) == 0
+        assert sorted(os.listdir(results / "logs" / "table1")) == sorted(reproduce.RUNS)
+        assert children.preexec == [reproduce.die_with_parent] * 6  # kill -9: they die
+        return children.started
+
+    assert [len(s) for s in at_once(3)] == [1] * 6  # a 4 GB card: one at a time
+    assert len(at_once(16)[-1]) == 6  # all six (~15 GiB)
+    for free in 8, 12:  # more than one, never more than their peaks fit
+        started = at_once(free)
+        assert 1 < max(map(len, started)) < 6
+        for names in started:  # each model's peak and 0.3 GiB of CUDA context
+            assert sum(H200_PEAK_MIB[n] / 1024 + 0.3 for n in names) <= free
+    assert max(map(len, at_once(140, "--jobs=2"))) == 2  # --jobs says
+    assert len(at_once(3, "--jobs=6")[-1]) == 6
+    assert len(at_once(0, "--device=cpu")[-1]) == 6  # on the CPU: all at once
+
+
+def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
+    tmp_path, capsys, children
+):
+    import reproduce
+
+    children.free, children.stop = 8, True  # Ctrl-C (or kill) as the pool waits
+    argv = [f"--work={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
+    assert reproduce.main(argv) == 130
+    first = children.started[-1]
+    assert 1 < len(first) < 6 and len(children.started) == len(first)  # none later
+    assert children.signals == [(name, signal.SIGTERM) for name in first]
+    assert children.running == [] and not (tmp_path / "results").exists()
+    assert capsys.readouterr().err.startswith(
+        "stopped: each run at its last checkpoint"
+    )
+
+
+def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
+    tmp_path, capsys, children
+):
+    import reproduce
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    argv = [f"--work={work}", f"--results={results}"]
+    children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
+    oom = "error: out of memory: use a smaller --batch_size; out/she holds the run\n"
+    children.console = {"she": "training from batch 0\n" + oom}
+    assert reproduce.main(argv) == 1
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if line.startswith("she: ")][-1]
+    assert "run fewer at once (--jobs 1)" in said and "not copied" in said
+    assert not (results / "logs" / "table1" / "she").exists()
+    err = error_line(capsys, reproduce.main, argv + ["--check"])
+    assert err.startswith("error: the check's she run ran out of memory: run fewer")
+    assert "(--jobs 1)" in err
+    children.console = {"she": "error: cannot read data/train.bin\n"}
+    assert reproduce.main(argv) == 1  # the earlier call's out of memory is not this
+    said = [line for line in capsys.readouterr().out.splitlines() if "she: " in line]
+    assert said[-1].startswith("she: failed (exit 1); not copied, see ")
+
+
+def test_reproduce_copies_no_run_stopped_by_a_signal(tmp_path, capsys, children):
+    import reproduce
+
+    results = tmp_path / "results"
+    stopped = {"sa-1": 128 + signal.SIGINT, "sa-32": 128 + signal.SIGTERM}
+    children.codes = stopped | {"she": 128 + signal.SIGHUP, "he": -signal.SIGKILL}
+    argv = [f"--work={tmp_path / 'work'}", f"--results={results}"]
+    assert reproduce.main(argv) == 1  # each stopped at a checkpoint, its run whole
+    assert sorted(os.listdir(results / "logs" / "table1")) == ["me", "we"]
+    out = capsys.readouterr().out
+    for name, code in children.codes.items():
+        assert f"{name}: failed (exit {code}); not copied" in out
+
+
+def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
+    import reproduce
+
+    results = tmp_path / "results"
+    argv = ["me", f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
+    for shift, rc in ((0.04, 0), (-0.04, 0), (0.1, 1), (-0.1, 1)):
+        cost = lambda i: 5 - i / 100 + (shift if 40 < i <= 50 else 0)
+        _fake_run(results / "logs" / "table1-cpu" / "me", 100, "cpu", cost)
+        assert reproduce.main(argv) == rc, shift  # here (5 - i / 100) minus the CPU's
+        table = (results / "gpu" / "check-me.txt").read_text().splitlines()
+        assert table[-2].startswith("me ") and f"{-shift:+.4f}" in table[-2]
+        assert table[-1].startswith("passed" if rc == 0 else "FAILED")
+
+
+def test_reproduce_check_names_its_device_and_keeps_the_six_models_file(
+    tmp_path, children
+):
+    import reproduce
+
+    results = tmp_path / "results"
+    argv = [f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
+    for name in reproduce.RUNS:  # as the runs here (children)
+        _fake_run(results / "logs" / "table1-cpu" / name, 100, "cpu")
+    assert reproduce.main(argv) == 0
+    six = (results / "gpu" / "check.txt").read_bytes()
+    head = six.decode().splitlines()[0]
+    assert head == f"device cuda (Made-Up GPU), torch {torch.__version__}"
+    assert six.decode().splitlines()[-1].startswith("passed")
+    assert reproduce.main(["me", *argv]) == 0
+    assert reproduce.main(["he", "--device=cpu", *argv]) == 0
+    assert reproduce.main(["--device=cpu", *argv]) == 0
+    assert (results / "gpu" / "check.txt").read_bytes() == six  # the six's, kept
+    files = sorted(os.listdir(results / "gpu"))
+    assert files == ["check-cpu-he.txt", "check-cpu.txt", "check-me.txt", "check.txt"]
+    head = (results / "gpu" / "check-cpu-he.txt").read_text().splitlines()[0]
+    assert head == f"device cpu, torch {torch.__version__}"
+
+
+def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
+    tmp_path, capsys, children
+):
+    import reproduce
+
+    work = tmp_path / "work"
+    argv = [f"--work={work}", f"--results={tmp_path / 'results'}", "--device=cpu"]
+    for bad in ("14x", "m", "40 m", "-5m", "1h30m", "2d"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            train.seconds(bad)  # train.py refuses it too
+        for more in ([], ["--check"]):
+            flags = [f"--time_limit={bad}", *more, *argv]
+            err = error_line(capsys, reproduce.main, flags)
+            assert err.startswith(f"error: --time_limit {bad!r} is not a time: ")
+    for bad in ("0", "-1", "two"):
+        err = error_line(capsys, reproduce.main, [f"--jobs={bad}", *argv])
+        assert "--jobs" in err
+    assert children.started == [] and not work.exists()
+    for good in ("90s", "40m", "2h", "1.5h", "600"):
+        train.seconds(good)
+        assert reproduce.main(["me", f"--time_limit={good}", *argv]) == 0
+        assert f"--time_limit={good}" in children.cmds[-1]
 
 
 @pytest.mark.slow
@@ -2784,7 +2992,7 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
         with open(out / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
             g.write(f.read())
     assert reproduce.main(argv + ["--check"]) == 0
-    check = results / "gpu" / "check.txt"
+    check = results / "gpu" / "check-cpu.txt"  # (the check on the CPU)
     assert "passed: every 10-batch window within 0.05" in check.read_text()
     with gzip.open(results / "logs" / "table1-cpu" / "me" / "log.csv.gz", "rt") as f:
         rows = list(csv.reader(f))

@@ -1,10 +1,11 @@
 """
 Figures 8 and 9 on one GPU: Table 1's six models (self-attention with 1 and 32 heads,
-SHE, HE, WE, ME) trained side by side to 60000 batches within a time limit; run again,
-it goes on where it stopped. The runs train in out/table1/. A run that ended well is
-copied into results/logs/table1/ when it is at least as long as the one there and from
-the same kind of device (or with --replace), and then Figures 8 and 9 are redrawn into
-results/table1/ as results/README.md's "Redrawing" does.
+SHE, HE, WE, ME) trained to 60000 batches within a time limit, as many at once as the
+GPU's free memory holds (--jobs N: N); run again, it goes on where it stopped. The
+runs train in out/table1/. A run that ended well is copied into results/logs/table1/
+when it is at least as long as the one there and from the same kind of device (or with
+--replace), and then Figures 8 and 9 are redrawn into results/table1/ as
+results/README.md's "Redrawing" does.
 
     python experiments/reproduce.py --check           # first: the CPU's experiment?
     python experiments/reproduce.py --time_limit 14m  # the six; again: it goes on
@@ -12,8 +13,10 @@ results/table1/ as results/README.md's "Redrawing" does.
 
 --check trains each model for 100 batches and compares every 10-batch window's mean
 training cost with the committed CPU runs of results/logs/table1-cpu: within 0.05, or it
-fails (results/gpu/check.txt). The children are train.py processes; Ctrl-C or kill stops
-them at a checkpoint, and so does kill -9 of this script on Linux."""
+fails (results/gpu/check.txt; on another kind of device or for fewer models
+check-cpu.txt, check-me.txt, which keep the six's). The children are train.py
+processes; Ctrl-C or kill stops them at a checkpoint, and so does kill -9 of this script
+on Linux."""
 
 import argparse
 import contextlib
@@ -21,10 +24,12 @@ import ctypes
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from plot import atomic_write, fail, read_log
 
@@ -36,6 +41,11 @@ RUNS = {"sa-1": ["--mixer=sa", "--n_head=1"], "sa-32": ["--mixer=sa"]}
 RUNS |= {mixer: [f"--mixer={mixer}"] for mixer in ("she", "he", "we", "me")}
 WINDOW = 10  # the check: batches per window
 TOLERANCE = 0.05  # the check: the largest gap to the CPU run's window mean
+# GiB on a GPU: each model's training peak on an H200 (results/table1/bench_h200.txt,
+# section 6's peak_mib; sa's for both heads), plus CONTEXT_GIB for its CUDA context,
+# evaluation and the allocator's slack: the six need ~15 GiB, sa-32 and she 5.5 GiB
+NEED_GIB = {"sa-1": 1.6, "sa-32": 1.6, "she": 2.4, "he": 1.7, "we": 1.7, "me": 1.3}
+CONTEXT_GIB = 0.75
 
 
 def die_with_parent():
@@ -44,27 +54,61 @@ def die_with_parent():
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def train_all(names, flags, work):
-    """train.py for each run side by side into work/<name>, resumed where it has a
-    checkpoint; their exit codes. A stop of this script stops each at a checkpoint."""
-    procs = []
+def start(name, flags, work):
+    """train.py for one run into work/<name>, resumed where it has a checkpoint; its
+    output goes into work/<name>/console.txt after a line "$ <its command>"."""
+    out = os.path.join(work, name)
+    cmd = [sys.executable, TRAIN, *RUNS[name], *flags, f"--out_dir={out}"]
+    if os.path.exists(os.path.join(out, "ckpt.pt")):
+        cmd.append("--resume")
+    os.makedirs(out, exist_ok=True)
+    print(f"{name}: {' '.join(cmd[1:])}", flush=True)
+    with open(os.path.join(out, "console.txt"), "a") as console:
+        print(f"$ {' '.join(cmd)}", file=console, flush=True)
+        output = dict(stdout=console, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, **output, preexec_fn=die_with_parent)
+
+
+def train_all(names, flags, work, fits):
+    """train.py for each run in turn, started once fits(the running runs and it) or
+    none runs; their exit codes. A stop of this script stops each at a checkpoint."""
+    procs = {}
+
+    def running():
+        return [n for n, p in procs.items() if p.poll() is None]
+
     try:
         for name in names:
-            out = os.path.join(work, name)
-            cmd = [sys.executable, TRAIN, *RUNS[name], *flags, f"--out_dir={out}"]
-            if os.path.exists(os.path.join(out, "ckpt.pt")):
-                cmd.append("--resume")
-            os.makedirs(out, exist_ok=True)
-            console = open(os.path.join(out, "console.txt"), "a")
-            output = dict(stdout=console, stderr=subprocess.STDOUT)
-            procs.append(subprocess.Popen(cmd, **output, preexec_fn=die_with_parent))
-            print(f"{name}: {' '.join(cmd[1:])}", flush=True)
-        return [p.wait() for p in procs]
+            while running() and not fits(running() + [name]):
+                time.sleep(1)
+            procs[name] = start(name, flags, work)
+        return [procs[name].wait() for name in names]
     finally:  # Ctrl-C, kill, an error: every child gets SIGTERM, checkpoints and stops
-        for p in procs:
+        for p in procs.values():
             p.send_signal(signal.SIGTERM)  # (nothing for a child that has exited)
-        for p in procs:
+        for p in procs.values():
             p.wait()
+
+
+def room(args):
+    """The rule of which runs train at once: --jobs of them; else on CUDA those whose
+    NEED_GIB the device's free memory holds; else all."""
+    if args.jobs or not args.device.startswith("cuda"):
+        return lambda names: not args.jobs or len(names) <= args.jobs
+    import torch  # (main imported it)
+
+    free = torch.cuda.mem_get_info(args.device)[0] / 2**30
+    print(f"{free:.1f} GiB free on {args.device}: as many runs at once as it holds")
+    return lambda names: sum(NEED_GIB[n] + CONTEXT_GIB for n in names) <= free
+
+
+def failure(console, code):
+    """Why a run failed, from its console: out of memory and what to do, or its exit."""
+    with open(console) as f:
+        ours = f.read().rsplit("$ ", 1)[-1]  # this call's: after its "$ command" line
+    if "\nerror: out of memory" in ours:
+        return "ran out of memory: run fewer at once (--jobs 1) or free the GPU"
+    return f"failed (exit {code})"
 
 
 def window_means(run_dir):
@@ -74,20 +118,38 @@ def window_means(run_dir):
     return [sum(costs[i : i + WINDOW]) / WINDOW for i in starts]
 
 
-def check(names, args):
+def check_file(names, args):
+    """results/gpu/check.txt for the six on CUDA; a check of fewer or on another kind
+    of device names them (check-cpu-me.txt), so that it keeps the six's."""
+    kind = args.device.split(":")[0]
+    parts = ["check"] if kind == "cuda" else ["check", kind]
+    if names != list(RUNS):
+        parts += names
+    return os.path.join(args.results, "gpu", "-".join(parts) + ".txt")
+
+
+def check(names, args, fits):
     """Each model's first 100 batches here against its committed CPU run: a table."""
+    import torch  # (main imported it)
+
     work = os.path.join(args.work, "check")
     shutil.rmtree(work, ignore_errors=True)  # the check trains anew
     flags = ["--max_iters=100", "--log_interval=10"]
     flags += [f"--device={args.device}", f"--data_dir={args.data_dir}"]
-    codes = train_all(names, flags, work)
+    codes = train_all(names, flags, work, fits)
     for name, code in zip(names, codes):
         if code != 0:
             console = os.path.join(work, name, "console.txt")
-            fail(f"the check's {name} run failed (exit {code}); see {console}")
+            fail(f"the check's {name} run {failure(console, code)}; see {console}")
+    card = ""
+    if args.device.startswith("cuda"):
+        card = f" ({torch.cuda.get_device_name(args.device)})"
     ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
-    lines = [f"mean training cost here minus on the CPU, windows of {WINDOW} batches"]
-    lines.append(f"{'run':6s} {ends}   worst")
+    lines = [
+        f"device {args.device}{card}, torch {torch.__version__}",
+        f"mean training cost here minus on the CPU, windows of {WINDOW} batches",
+        f"{'run':6s} {ends}   worst",
+    ]
     worst = 0
     for name in names:
         here = window_means(os.path.join(work, name))
@@ -104,7 +166,7 @@ def check(names, args):
     lines.append(f"{verdict}: {within} (worst {worst:.4f})")
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.join(args.results, "gpu"), exist_ok=True)
-    atomic_write(os.path.join(args.results, "gpu", "check.txt"), text)
+    atomic_write(check_file(names, args), text)
     print(text, end="")
     return 0 if verdict == "passed" else 1
 
@@ -123,7 +185,8 @@ def keep(name, code, args):
     src = os.path.join(args.work, name)
     dst = os.path.join(args.results, "logs", "table1", name)
     if code != 0:
-        print(f"{name}: failed (exit {code}), not copied; see {src}/console.txt")
+        console = os.path.join(src, "console.txt")
+        print(f"{name}: {failure(console, code)}; not copied, see {console}")
         return False
     batches, device = length_and_device(src)
     if os.path.exists(dst) and not args.replace:
@@ -160,9 +223,12 @@ def redraw(results):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.error = lambda msg: fail(f"{msg} (see python experiments/reproduce.py --help)")
     runs_help = f"which of {', '.join(RUNS)} (default: all)"
     p.add_argument("runs", nargs="*", default=list(RUNS), help=runs_help)
     p.add_argument("--time_limit", default="14m", help="each run stops within it")
+    jobs = "runs at once (default: as many as the GPU's free memory holds; all on CPU)"
+    p.add_argument("--jobs", type=int, help=jobs)
     p.add_argument("--check", action="store_true", help="only the check, 100 batches")
     p.add_argument("--device", default="cuda", help="the device of every train.py")
     p.add_argument("--data_dir", default="data", help="prepare_data.py's folder")
@@ -175,17 +241,24 @@ def main(argv=None):
     unknown = sorted(set(args.runs) - set(RUNS))
     if unknown:
         fail(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
+    if not re.fullmatch(r"\d+(\.\d+)?[smh]?", args.time_limit):  # as train.py reads it
+        fail(f"--time_limit {args.time_limit!r} is not a time: write 90s, 40m, 2h")
+    if args.jobs is not None and args.jobs < 1:
+        fail(f"--jobs {args.jobs}: runs at once must be at least 1")
+    args.runs = [name for name in RUNS if name in args.runs]  # each once, in order
     import torch  # (only here: the rest of this script needs none)
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
+    fits = room(args)
     # SIGTERM as Ctrl-C: `finally` stops the children
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.check:
-            return check(args.runs, args)
+            return check(args.runs, args, fits)
         flags = [f"--time_limit={args.time_limit}", f"--device={args.device}"]
-        codes = train_all(args.runs, flags + [f"--data_dir={args.data_dir}"], args.work)
+        flags.append(f"--data_dir={args.data_dir}")
+        codes = train_all(args.runs, flags, args.work, fits)
     except KeyboardInterrupt:
         stopped = f"stopped: each run at its last checkpoint in {args.work}"
         print(f"{stopped}; the same command goes on from there", file=sys.stderr)
