@@ -24,18 +24,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fir import fir_full, fir_last_row
+from synthesizer import SYNTHESIZERS  # further mixers (Tay et al.)
 
-# the paper's mixers, each --mixer name -> its class (the first sublayer); filled below
-MIXERS = {}
-# further mixers (Tay et al.), in synthesizer.py: imported only when one is used
-SYNTHESIZERS = (
-    "dense dense-fact random random-fixed random-fact random+dense random+sa dense+sa"
-).split()
+# Section 6: every weight starts N(0, INIT_STD²), every bias at zero
+INIT_STD = 0.01
 
 
 @dataclass
 class Config:
-    """Defaults are the paper's Table 1."""
+    """The model's settings; the defaults are the paper's Table 1. A plain record: the
+    command line checks each value, and a mixer the settings it needs."""
 
     vocab_size: int = 5000  # u, size of the vocabulary
     block_size: int = 128  # l, length of the context window
@@ -45,29 +43,6 @@ class Config:
     n_head: int = 32  # n, heads of self-attention (and of the Synthesizers)
     dropout: float = 0.1  # p, dropout rate
     mixer: str = "sa"  # the first sublayer: a name find_mixer knows
-
-    def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "block_size",
-            "n_embd",
-            "n_hidden",
-            "n_layer",
-            "n_head",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if (
-            getattr(find_mixer(self.mixer), "uses_heads", False)
-            and self.n_embd % self.n_head != 0
-        ):
-            why = f"for mixer {self.mixer!r} (each head has d/n features)"
-            raise ValueError(
-                f"n_head={self.n_head} must divide n_embd={self.n_embd} {why}"
-            )
 
 
 # --------------------------------------------------------------------------------------
@@ -130,7 +105,8 @@ class Transformer(nn.Module):
                 f"idx {tuple(idx.shape)} holds no tokens; "
                 "give each sequence at least one"
             )
-        past, l = 0 if cache is None else cache["t"], self.cfg.block_size
+        past = 0 if cache is None else cache["t"]  # the positions cached before idx
+        l = self.cfg.block_size
         if past + t > l:
             raise ValueError(
                 f"sequence length {past + t} exceeds block_size l={l}; "
@@ -174,31 +150,12 @@ class Transformer(nn.Module):
         top_p=None,
         use_cache=True,
     ):
-        """Append max_new_tokens sampled tokens to idx (B, t) and return it, as
-        nanoGPT's does.
-        """
-        new = list(
-            self.generate_stream(
-                idx, max_new_tokens, temperature, top_k, top_p, use_cache
-            )
-        )
-        return torch.cat([idx] + new, dim=1)
-
-    @torch.no_grad()
-    def generate_stream(
-        self,
-        idx,
-        max_new_tokens,
-        temperature=1.0,
-        top_k=None,
-        top_p=None,
-        use_cache=True,
-    ):
         """Yield each new token (B, 1) as soon as it is sampled from the last l
-        tokens, Eq. (2). While the sequence fits in l, a cache makes a new token cost
-        one row per layer (Tables 5, 6); beyond l every position shifts, so each token
-        is a forward over the last l tokens, as with use_cache=False throughout. Runs
-        in eval mode, then puts the model back in its mode."""
+        tokens, Eq. (2): torch.cat([idx, *model.generate(idx, n)], 1) is what
+        nanoGPT's generate returns. While the sequence fits in l, a cache makes a new
+        token cost one row per layer (Tables 5, 6); beyond l every position shifts, so
+        each token is a forward over the last l tokens, as with use_cache=False
+        throughout. Runs in eval mode, then puts the model back in its mode."""
         check_sampling(temperature, top_k, top_p)
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(
@@ -225,23 +182,23 @@ class Transformer(nn.Module):
 def init_weights(module):
     """Section 6: weights ~ N(0, 0.01²), biases zero. LayerNorm keeps gain 1, bias 0."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.01)
+        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
 
 
 def normal_weight(*shape):
     """A weight tensor that is not an nn.Linear's (the Extractors' taps)."""
-    return nn.Parameter(torch.randn(*shape) * 0.01)  # Section 6: weights ~ N(0, 0.01²)
+    return nn.Parameter(torch.randn(*shape) * INIT_STD)  # Section 6
 
 
 # --------------------------------------------------------------------------------------
 # Token mixers, the first sublayer. A mixer is an nn.Module built as cls(cfg), with
 # forward(x, cache=None) mapping X^[in_sub1] (B, t, d) to X^[out_sub1] (B, t, d)
-# causally, with no dropout inside, and optionally a class attribute `uses_heads` (True:
-# cfg.n_head must divide cfg.n_embd). With `cache` (a dict per layer, for generation) x
-# holds only the new positions, and the mixer keeps in the dict what later tokens need.
-# Your own mixer class needs no registering: --mixer=module.Class names it.
+# causally, with no dropout inside; a ValueError for settings it cannot take. With
+# `cache` (a dict per layer, for generation) x holds only the new positions, and the
+# mixer keeps in the dict what later tokens need. Your own mixer class needs no
+# registering: --mixer=module.Class names it.
 
 
 class SelfAttention(nn.Module):
@@ -249,11 +206,10 @@ class SelfAttention(nn.Module):
     d + d^2)).
     """
 
-    uses_heads = True
-
     def __init__(self, cfg):
         super().__init__()
         d, self.n = cfg.n_embd, cfg.n_head
+        check_heads(cfg)
         # W_j^[Q], W_j^[K], W_j^[V] of all heads
         self.W_QKV = nn.Linear(d, 3 * d, bias=False)
         self.W_out_att = nn.Linear(d, d, bias=False)  # W^[out_att]
@@ -289,8 +245,6 @@ class SelfAttention(nn.Module):
 class SHE(nn.Module):
     """The super high-performance Extractor, Eq. (23)-(25): matrix taps."""
 
-    uses_heads = False
-
     def __init__(self, cfg):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
@@ -300,15 +254,13 @@ class SHE(nn.Module):
 
     def forward(self, x, cache=None):
         # Eq. (23): x_i^ext = sum_j x_j W_{i-j+1}
-        x_ext = causal_fir(x, self.W_ext, cache)
-        x_adj = self.W_adj(x) * x_ext  # Eq. (24): X^adj = (X W^adj) o X^ext
-        return self.W_out(x_adj)  # Eq. (25): X^out_sub1 = X^adj W^out
+        x_out_ext = causal_fir(x, self.W_ext, cache)
+        x_out_adj = self.W_adj(x) * x_out_ext  # Eq. (24): X^adj = (X W^adj) o X^ext
+        return self.W_out(x_out_adj)  # Eq. (25): X^out_sub1 = X^adj W^out
 
 
 class WE(nn.Module):
     """The worthwhile Extractor, Eq. (26), (24), (25): vector taps."""
-
-    uses_heads = False
 
     def __init__(self, cfg):
         super().__init__()
@@ -320,17 +272,15 @@ class WE(nn.Module):
 
     def forward(self, x, cache=None):
         # Eq. (26): x_i^out_ext = sum_j x_j o w_{i-j+1}
-        x_ext = causal_fir(x, self.w_ext, cache)
-        x_adj = self.W_adj(x) * x_ext  # Eq. (24)
-        return self.W_out(x_adj)  # Eq. (25)
+        x_out_ext = causal_fir(x, self.w_ext, cache)
+        x_out_adj = self.W_adj(x) * x_out_ext  # Eq. (24)
+        return self.W_out(x_out_adj)  # Eq. (25)
 
 
 class HE(nn.Module):
     """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map, then
     vector taps.
     """
-
-    uses_heads = False
 
     def __init__(self, cfg):
         super().__init__()
@@ -341,17 +291,15 @@ class HE(nn.Module):
         self.W_out = nn.Linear(d, d, bias=False)  # W^[out]
 
     def forward(self, x, cache=None):
-        x_e = self.W_in_ext(x)  # Eq. (27): X^ext = X W^in_ext
+        x_ext = self.W_in_ext(x)  # Eq. (27): X^ext = X W^in_ext
         # Eq. (28): x_i^out_ext = sum_j x^ext_j o w_{i-j+1}
-        x_ext = causal_fir(x_e, self.w_ext, cache)
-        x_adj = self.W_adj(x) * x_ext  # Eq. (24)
-        return self.W_out(x_adj)  # Eq. (25)
+        x_out_ext = causal_fir(x_ext, self.w_ext, cache)
+        x_out_adj = self.W_adj(x) * x_out_ext  # Eq. (24)
+        return self.W_out(x_out_adj)  # Eq. (25)
 
 
 class ME(nn.Module):
     """The minimalist Extractor, Eq. (29): only the extraction, with scalar taps."""
-
-    uses_heads = False
 
     def __init__(self, cfg):
         super().__init__()
@@ -366,8 +314,6 @@ class HEExtraction(nn.Module):
     """The extraction part of the HE alone, the variant named at the end of Section 5:
     Eq. (27) and (28), no adjustment (Eq. 24) and no output map (Eq. 25)."""
 
-    uses_heads = False
-
     def __init__(self, cfg):
         super().__init__()
         l, d = cfg.block_size, cfg.n_embd
@@ -378,26 +324,27 @@ class HEExtraction(nn.Module):
         return causal_fir(self.W_in_ext(x), self.w_ext, cache)  # Eq. (27), (28)
 
 
-MIXERS.update(
-    {
-        "sa": SelfAttention,
-        "she": SHE,
-        "he": HE,
-        "we": WE,
-        "me": ME,
-        "he-ext": HEExtraction,
-    }
-)
+# the paper's mixers: each --mixer name and its class (the first sublayer)
+MIXERS = {"sa": SelfAttention, "she": SHE, "he": HE, "we": WE, "me": ME}
+MIXERS["he-ext"] = HEExtraction
+
+
+def check_heads(cfg):
+    """A ValueError unless the heads divide d: each head has h = d/n features."""
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(
+            f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
+            f"{cfg.mixer!r} (each head has d/n features)"
+        )
 
 
 def find_mixer(name):
-    """The mixer class called `name`: a key of MIXERS, a key of SYNTHESIZERS
-    (synthesizer.py is imported only then) or "module.Class", a class of your own,
-    imported by that name."""
+    """The mixer class called `name`: a key of MIXERS or of SYNTHESIZERS, or
+    "module.Class", an nn.Module class of your own, imported by that name."""
     if name in MIXERS:
         return MIXERS[name]
     if name in SYNTHESIZERS:
-        return importlib.import_module("synthesizer").SYNTHESIZERS[name]
+        return SYNTHESIZERS[name]
     module, _, cls = name.rpartition(".")
     found, why = None, ""
     try:
@@ -448,8 +395,8 @@ def causal_fir(x, w, cache=None):
 
 
 # --------------------------------------------------------------------------------------
-# Generation, Eq. (2): Transformer.generate_stream turns the last position's logits into
-# the next token
+# Generation, Eq. (2): Transformer.generate turns the last position's logits into the
+# next token
 
 
 def check_sampling(temperature, top_k, top_p):
@@ -459,21 +406,16 @@ def check_sampling(temperature, top_k, top_p):
             f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
         )
     if top_k is not None and top_k < 1:
-        raise ValueError(
-            f"top_k must be at least 1 (or None for all tokens), got {top_k}"
-        )
+        raise ValueError(f"top_k must be at least 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(
-            f"top_p must be in (0, 1] (or None for all tokens), got {top_p}"
-        )
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     """logits (B, u) -> token (B, 1). temperature 0 is greedy; top_k keeps exactly the k
     most likely tokens; top_p keeps the smallest set of most likely tokens whose
     probability reaches p (nucleus sampling, the paper's Table 2 uses p = 0.6). Uses
-    torch's global RNG."""
-    check_sampling(temperature, top_k, top_p)
+    torch's global RNG; Transformer.generate has checked the settings."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()

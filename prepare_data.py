@@ -12,7 +12,8 @@ of the text: ebooks 55, 146, 51, 2726, 2557 and 1154), train a byte-level BPE to
 Writes to --data_dir: train.bin and val.bin, uint16 token ids, each book followed by
 <|endoftext|> (id vocab_size - 1); tokenizer.tiktoken, "base64(token) rank" lines;
 meta.json, the books of each split and the files' sha256; raw/<ID>.txt, the downloads (a
-rerun fetches only what is missing). train.py reads them with load_data.
+rerun fetches only what is missing). train.py and sample.py read them with machinery.py,
+checking each file against meta.json; this script imports nothing of the project.
 """
 
 import argparse
@@ -61,36 +62,16 @@ def fail(msg):
     raise SystemExit(1)
 
 
-def fmt_time(s):
-    """Seconds for progress lines and ETAs: 4.2s, 3m05s, 1h02m."""
-    s = max(0.0, s)
-    if s < 60:
-        return f"{s:.1f}s"
-    if s < 3600:
-        return f"{int(s) // 60}m{int(s) % 60:02d}s"
-    return f"{int(s) // 3600}h{int(s) // 60 % 60:02d}m"
-
-
 def atomic_write(path, data):
-    """data (bytes, str, or a function of a file) to a temporary file, then path."""
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    """The bytes data whole at path or none of it: a temporary file, then a rename."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            if callable(data):
-                data(f)
-            elif isinstance(data, str):
-                f.write(data.encode())
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        Path(tmp).write_bytes(data)
         os.replace(tmp, path)
-    except BaseException as e:
+    except OSError as e:  # (named as the file it was for)
+        raise OSError(e.errno, e.strerror, path) from e
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno is not None:
-            raise OSError(e.errno, e.strerror, path) from e
-        raise
 
 
 def read_books_tsv(path):
@@ -161,8 +142,8 @@ def download_books(books, mirror, raw_dir, pause):
             continue
         atomic_write(path, data)
         left = len(todo) - n - 1
-        eta = fmt_time((time.time() - t0 + pause) / (n + 1) * left)
-        print(f"  [{n + 1}/{len(todo)}] ebook {book_id}, {title[:40]}; eta {eta}")
+        eta = (time.time() - t0 + pause) / (n + 1) * left
+        print(f"  [{n + 1}/{len(todo)}] ebook {book_id}, {title[:40]}; eta {eta:.0f} s")
     if missing:
         fail(
             f"ebooks {', '.join(missing)} not found at {mirror}"
@@ -393,53 +374,10 @@ def prepare(args):
     write_outputs(args.data_dir, vocab, source, ids, texts, tokens)
     n_train = tokens["train"].size
     n_val = tokens["val"].size
-    took = fmt_time(time.time() - t0)
-    print(f"wrote {args.data_dir}: {n_train:,} + {n_val:,} tokens (train, val), {took}")
+    took = time.time() - t0
+    tokens = f"{n_train:,} + {n_val:,} tokens (train, val)"
+    print(f"wrote {args.data_dir}: {tokens}, {took:.0f} s")
     return 0
-
-
-def checked_file(data_dir, name, key):
-    """data_dir/name's path and bytes, and meta.json, once its sha256 is meta[key]."""
-    path = os.path.join(data_dir, name)
-    meta_path = os.path.join(data_dir, "meta.json")
-    try:
-        meta = json.loads(Path(meta_path).read_text())
-        data = Path(path).read_bytes()
-    except (OSError, ValueError) as e:  # no such file, not JSON
-        missing = getattr(e, "filename", None) or meta_path
-        fail(f"{missing} is missing or damaged: run prepare_data.py first")
-    if hashlib.sha256(data).hexdigest() != meta.get(key):
-        fail(f"{path} is not the file meta.json describes: re-run prepare_data.py")
-    return path, data, meta
-
-
-def load_tokenizer(data_dir):
-    """data_dir's tokenizer as a tiktoken.Encoding, read fresh, checked by meta.json."""
-    _, data, _ = checked_file(data_dir, TOKENIZER_FILE, "tokenizer_sha256")
-    vocab = [base64.b64decode(line.split()[0]) for line in data.splitlines()]
-    return make_encoding(vocab)
-
-
-def load_data(data_dir, block_size, batch_size):
-    """For train.py: train and val tokens memory-mapped, checked; their fingerprint."""
-    tokens = []
-    # a batch of windows of l + 1 tokens in train.bin, one in val.bin
-    for split, need in (("train", block_size + batch_size), ("val", block_size + 1)):
-        path, raw, meta = checked_file(data_dir, f"{split}.bin", f"{split}_sha256")
-        n = len(raw) // 2
-        if n < need:
-            fail(f"{path}: {n} tokens, fewer than one batch ({need}): use a smaller l")
-        tokens.append(np.memmap(path, dtype=np.uint16, mode="r"))
-        top = int(tokens[-1].max())
-        vocab_size = meta.get("vocab_size", 0)
-        if top >= vocab_size:
-            fail(
-                f"{path} holds token {top} >= meta.json's vocab_size {vocab_size}:"
-                " run prepare_data.py"
-            )
-    keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
-    fingerprint = {k: meta.get(k) for k in keys}
-    return tokens[0], tokens[1], fingerprint
 
 
 def parse_args(argv):

@@ -18,8 +18,14 @@ import time
 import torch
 
 from extractor import Config, Transformer, check_sampling
-from prepare_data import TOKENIZER_FILE, fail, load_tokenizer
-from train import load_checkpoint, peak_memory, pick_device
+from machinery import (
+    TOKENIZER_FILE,
+    fail,
+    load_checkpoint,
+    load_tokenizer,
+    peak_memory,
+    pick_device,
+)
 
 
 def build_parser():
@@ -34,7 +40,7 @@ def build_parser():
     p.add_argument("--num_samples", type=int, default=1, help="how many samples (1)")
     p.add_argument("--seed", type=int, default=1337, help="same seed, same samples")
     p.add_argument("--data_dir", help="the run's tokenizer (the run's --data_dir)")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, ...")
+    p.add_argument("--device", default="auto", help="auto (cuda, else cpu), cpu, mps")
     return p
 
 
@@ -52,7 +58,8 @@ def load_model(out_dir, device):
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
     except (ValueError, ImportError, RuntimeError) as e:
-        fail(f"cannot build the model of {path}: {str(e).splitlines()[0]}")
+        why = " ".join(str(e).split())  # (torch's lines as one)
+        fail(f"cannot build the model of {path}: {why}")
     return model.to(device).eval(), ckpt
 
 
@@ -71,7 +78,7 @@ def stream(model, idx, enc, max_new_tokens, **kw):
     """Print each new token as it is sampled, by an incremental decoder: it may end
     inside a character."""
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for tok in model.generate_stream(idx, max_new_tokens, **kw):  # (1, 1) each
+    for tok in model.generate(idx, max_new_tokens, **kw):  # (1, 1) each
         piece = text.decode(enc.decode_single_token_bytes(tok.item()))
         print(piece, end="", flush=True)
     print(text.decode(b"", final=True))

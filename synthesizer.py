@@ -2,7 +2,7 @@
 The Synthesizer family (Tay et al., "Synthesizer: Rethinking Self-Attention for
 Transformer Models", ICML 2021, arXiv:2005.00743) as further drop-in token mixers:
 synthesized alignment matrices instead of Q K^T, named in SYNTHESIZERS (at the end).
-extractor.find_mixer imports this module only when a model uses one of them.
+It stands on torch alone; extractor.find_mixer finds its mixers by these names.
 """
 
 import math
@@ -10,8 +10,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from extractor import normal_weight  # N(0, 0.01²), the Extractors paper's Section 6
 
 # Synthesizer equations are cited as `# Synthesizer Eq. (k)`, to tell them from the
 # Extractors paper's `# Eq. (k)` (its self-attention equations, reused here). Each head
@@ -35,6 +33,12 @@ from extractor import normal_weight  # N(0, 0.01²), the Extractors paper's Sect
 
 # k of the Factorized Random Synthesizer ("In practice, we use a small value of k = 8")
 SYN_RANK = 8
+
+
+def normal_weight(*shape):
+    """A weight drawn N(0, 0.01²), as the Extractors paper's Section 6 draws every one
+    (extractor.INIT_STD): the Synthesizers train here on the same footing."""
+    return nn.Parameter(torch.randn(*shape) * 0.01)
 
 
 def _syn_factors(l):
@@ -94,10 +98,13 @@ class _Synthesizer(nn.Module):
     Subclasses define mix(x, v, past, cache) -> softmax(S) V for the new rows, (B, n, t,
     h)."""
 
-    uses_heads = True
-
     def __init__(self, cfg):
         super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(
+                f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
+                f"{cfg.mixer!r} (each head has d/n features)"
+            )
         self.d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
         self.h = self.d // self.n
         # G(X) = X W_j^[V] of all heads
@@ -296,7 +303,7 @@ class DenseSASynthesizer(DenseSynthesizer):
         return _syn_attend(q, k, v, past)
 
 
-SYNTHESIZERS = {  # the --mixer names (extractor.find_mixer finds them here)
+SYNTHESIZERS = {  # the --mixer names
     "dense": DenseSynthesizer,
     "dense-fact": FactorizedDenseSynthesizer,
     "random": RandomSynthesizer,

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import extractor
 import fir
+import machinery
 import prepare_data
 import sample
 import synthesizer
@@ -290,7 +291,7 @@ def output_and_grads(m, x, g, forward):
 
 
 def test_the_mixers_and_their_names():
-    assert list(MIXERS) == PAPER and SYNTHESIZERS == SYNTHS
+    assert list(MIXERS) == PAPER and list(SYNTHESIZERS) == SYNTHS
     assert list(synthesizer.SYNTHESIZERS) == SYNTHS
     for name, cls in [*MIXERS.items(), *synthesizer.SYNTHESIZERS.items()]:
         assert find_mixer(name) is cls and name in ALL
@@ -513,25 +514,14 @@ def refused(message, fn, *args, **kw):
     assert str(e.value) == message
 
 
-def test_bad_config_gives_one_clear_value_error():
-    for field in (
-        "n_layer",
-        "n_embd",
-        "block_size",
-        "vocab_size",
-        "n_hidden",
-        "n_head",
-    ):
-        for bad in (0, -1, 2.0, True):
-            says = f"{field} must be a positive integer, got {bad!r}"
-            refused(says, Config, **{field: bad})
-    for bad in (-0.1, 1.0, 1.5):
-        refused(f"dropout must be in [0, 1), got {bad}", Config, dropout=bad)
-    Config(dropout=0.0, n_layer=1, vocab_size=1, n_hidden=1)
+def test_a_mixer_refuses_settings_it_cannot_take_with_one_clear_value_error():
+    """Config is a plain record (the command line checks each value); a mixer refuses
+    what it cannot take."""
     for name in ("sa", "dense", "random+sa"):  # the mixers with heads
         why = f"for mixer '{name}' (each head has d/n features)"
-        refused(f"n_head=3 must divide n_embd=128 {why}", Config, n_head=3, mixer=name)
-    Config(n_head=3, mixer="me")  # heads mean nothing to the Extractors
+        cfg = Config(n_head=3, mixer=name)
+        refused(f"n_head=3 must divide n_embd=128 {why}", find_mixer(name), cfg)
+    extractor.ME(Config(n_head=3, mixer="me"))  # heads mean nothing to the Extractors
     # Factorized Dense needs l = a b with a, b > 1
     for l, fix in ((2, 4), (3, 4), (7, 8), (127, 128)):
         why = f"but l={l} is prime: try block_size={fix}"
@@ -559,8 +549,7 @@ def test_bad_inputs_give_one_clear_value_error():
     refused("sequence length 13 exceeds block_size l=12", random_mixer("dense"), x)
 
 
-# ---- find_mixer: the paper's names, the Synthesizers' (imported only then),
-# module.Class
+# ---- find_mixer: the paper's names, the Synthesizers', module.Class
 USER_MIXER = '''
 import torch, torch.nn as nn
 
@@ -595,20 +584,15 @@ def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
     cases += [("my_mixers.Nope", nope), ("my_mixers.NOT_A_CLASS", "")]
     for bad, why in cases:
         says = f"unknown mixer {bad!r}{why}; choose one of: {choices}"
-        refused(says, Config, mixer=bad)
-
-
-def test_the_synthesizers_are_imported_only_when_used(monkeypatch):
-    monkeypatch.delitem(sys.modules, "synthesizer")
-    sizes = dict(n_layer=1, block_size=4, n_embd=8, n_head=2, vocab_size=5)
-    for name in PAPER:
-        Transformer(Config(**sizes, mixer=name))
-    assert "synthesizer" not in sys.modules
-    assert find_mixer("random+sa").__name__ == "RandomSASynthesizer"
-    assert "synthesizer" in sys.modules
+        refused(says, find_mixer, bad)
 
 
 # ---- generation (Eq. 2) and sampling
+def generated(model, idx, n, **kw):
+    """The prompt and the n tokens model.generate yields, as nanoGPT's generate."""
+    return torch.cat([idx, *model.generate(idx, n, **kw)], dim=1)
+
+
 def scrambled_model(name, l=16):
     return dev(scrambled(tiny_model(name, l=l), 0.3))
 
@@ -617,8 +601,8 @@ def scrambled_model(name, l=16):
 def test_cached_generation_equals_uncached(name, monkeypatch):
     model = scrambled_model(name, l=12)
     idx = torch.randint(0, 50, (2, 5), device=DEVICE)
-    cached = model.generate(idx, 7, temperature=0, use_cache=True)  # fills l = 12
-    assert torch.equal(cached, model.generate(idx, 7, temperature=0, use_cache=False))
+    cached = generated(model, idx, 7, temperature=0, use_cache=True)  # fills l = 12
+    assert torch.equal(cached, generated(model, idx, 7, temperature=0, use_cache=False))
     # a token, chunks of 4 and 2, then one token at a time: one full forward
     cache = model.new_cache()
     steps = [model(cached[:, i:j], cache=cache)[0] for i, j in ((0, 1), (1, 5), (5, 7))]
@@ -640,9 +624,9 @@ def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
     for _ in range(10):  # the plain sliding-window loop
         greedy = model(idx[:, -8:])[0][:, -1].argmax(-1, keepdim=True)
         idx = torch.cat([idx, greedy], dim=1)
-    assert torch.equal(model.generate(prompt, 10, temperature=0), idx)
+    assert torch.equal(generated(model, prompt, 10, temperature=0), idx)
     for use_cache in (True, False):  # a prompt longer than l: its last l tokens
-        got = model.generate(idx[:, :12], 3, temperature=0, use_cache=use_cache)
+        got = generated(model, idx[:, :12], 3, temperature=0, use_cache=use_cache)
         assert torch.equal(got, idx[:, :15])
 
 
@@ -707,23 +691,22 @@ def test_temperature_top_k_and_top_p_draw_from_exactly_these_probabilities(monke
 def test_generate_refuses_bad_settings_and_samples():
     model = scrambled_model("sa")
     prompt = torch.tensor([[1, 2, 3]], device=DEVICE)
-    top_p = "top_p must be in (0, 1] (or None for all tokens), got "
+    top_p = "top_p must be in (0, 1], got "
     temperature = "temperature must be a finite number >= 0 (0 is greedy), got "
-    cases = [({"top_k": 0}, "top_k must be at least 1 (or None for all tokens), got 0")]
+    cases = [({"top_k": 0}, "top_k must be at least 1, got 0")]
     cases += [({"top_p": 0}, top_p + "0"), ({"top_p": 1.01}, top_p + "1.01")]
     for T, shown in ((-1e-9, "-1e-09"), (math.nan, "nan"), (math.inf, "inf")):
         cases.append(({"temperature": T}, temperature + shown))
-    for kw, says in cases:
-        refused(says, model.generate, prompt, 0, **kw)  # at once, before any token
-        refused(says, extractor.sample_next, prompt.float(), **kw)
+    for kw, says in cases:  # before any token
+        refused(says, generated, model, prompt, 0, **kw)
     for bad in (prompt[:, :0], prompt[0]):
         shape = tuple(bad.shape)
         says = f"idx must be (B, t) token ids with t >= 1 (a prompt), got {shape}"
-        refused(says, model.generate, bad, 4)
-    assert model.generate(prompt, 0).tolist() == prompt.tolist()
+        refused(says, generated, model, bad, 4)
+    assert generated(model, prompt, 0).tolist() == prompt.tolist()
     torch.manual_seed(3)
     # nearly uniform over 50
-    sampled = model.generate(prompt.expand(64, 3), 1, temperature=100.0)[:, -1]
+    sampled = generated(model, prompt.expand(64, 3), 1, temperature=100.0)[:, -1]
     assert len(set(sampled.tolist())) > 20
 
 
@@ -1487,7 +1470,7 @@ def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_fold
 ):
     data_dir, tsv = clean
     meta = json.loads((data_dir / "meta.json").read_text())
-    enc = prepare_data.load_tokenizer(data_dir)
+    enc = machinery.load_tokenizer(data_dir)
     assert (meta["vocab_size"], enc.n_vocab) == (VOCAB, VOCAB)
     assert enc.decode([VOCAB - 1]) == "<|endoftext|>"
     assert sorted(meta["train_books"] + meta["val_books"]) == [i for i, _ in BOOKS]
@@ -1515,16 +1498,16 @@ def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_fold
     for vocab in (VOCAB, 300):  # the same path, a new file: nothing cached survives
         flags = ["--source", src, "--vocab_size", str(vocab)]
         assert prepare(tmp_path, *flags, tsv=tsv) == 0
-        enc = prepare_data.load_tokenizer(tmp_path)
+        enc = machinery.load_tokenizer(tmp_path)
         assert enc.n_vocab == vocab
         assert enc.decode(enc.encode(BODIES[9002])) == BODIES[9002]
         assert vocab != VOCAB or outputs(tmp_path) == outputs(data_dir)
     assert json.loads((tmp_path / "meta.json").read_text())["source"] == src
     tok = tmp_path / "tokenizer.tiktoken"
     tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
-    said = error_line(capsys, prepare_data.load_tokenizer, tmp_path)
+    said = error_line(capsys, machinery.load_tokenizer, tmp_path)
     assert f"{tok} is not the file meta.json describes" in said
-    said = error_line(capsys, prepare_data.load_tokenizer, tmp_path / "none")
+    said = error_line(capsys, machinery.load_tokenizer, tmp_path / "none")
     assert "none/meta.json is missing" in said
 
 
@@ -1582,8 +1565,8 @@ def test_a_server_down_is_one_line_at_once_and_leaves_nothing(clean, tmp_path, c
 
 def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
     data = make_data(tmp_path, vocab=64)
-    err = lambda *a: error_line(capsys, prepare_data.load_data, *a)
-    train, val, fp = prepare_data.load_data(data, 8, 4)
+    err = lambda *a: error_line(capsys, machinery.load_data, *a)
+    train, val, fp = machinery.load_data(data, 8, 4)
     assert np.array_equal(train, np.fromfile(f"{data}/train.bin", dtype=np.uint16))
     assert np.array_equal(val, np.fromfile(f"{data}/val.bin", dtype=np.uint16))
     meta = json.loads(open(f"{data}/meta.json").read())
@@ -1591,7 +1574,7 @@ def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
     assert fp == {k: meta.get(k) for k in keys}
     n = len(val)
     # windows of l + 1 = n tokens: just enough
-    assert len(prepare_data.load_data(data, n - 1, 1)[1]) == n
+    assert len(machinery.load_data(data, n - 1, 1)[1]) == n
     assert f"val.bin: {n} tokens, fewer than one batch ({n + 1})" in err(data, n, 1)
     n = len(train)
     assert f"train.bin: {n} tokens, fewer than one batch ({n + 1})" in err(data, 1, n)
@@ -1847,8 +1830,8 @@ def test_help_gives_each_setting_its_symbol_and_table1_value(capsys):
     table1 = (
         "N_LAYER m: number of layers (18); BLOCK_SIZE l: context length (128); "
         "N_EMBD d: dimension of the model (128); N_HIDDEN c: nodes in the FFN's "
-        "hidden layer (512); N_HEAD n: heads of self-attention; DROPOUT p: dropout "
-        "rate (0.1); "
+        "hidden layer (512); N_HEAD n: heads of self-attention, the Synthesizers "
+        "(32); DROPOUT p: dropout rate (0.1); "
         "BATCH_SIZE b: batch size; LR lr: AdamW's learning rate gamma, constant "
         "(0.001); BETA1 bm: AdamW's beta_1 (0.9); BETA2 bv: AdamW's beta_2 (0.999)"
     )
@@ -1856,7 +1839,7 @@ def test_help_gives_each_setting_its_symbol_and_table1_value(capsys):
         assert text in out, text
     assert "(default: None)" not in out and "(None)" not in out
     # the flags' defaults are the model's, Table 1's
-    defaults = vars(train.build_parser().parse_args([]))
+    defaults = vars(machinery.build_parser(train.SETTINGS).parse_args([]))
     model = ("n_layer", "block_size", "n_embd", "n_hidden", "n_head", "dropout")
     assert [defaults[k] for k in model] == [getattr(Config, k) for k in model]
     others = ("lr", "batch_size", "max_iters", "weight_decay")
@@ -1877,7 +1860,7 @@ BAD_FLAGS = {
     "--resume --overwrite": "--overwrite: not allowed with argument --resume",
     "--device cuda:99": "torch sees no such device",
     "--max_iters x": "invalid number value: 'x'",
-    "--dtype half": "invalid choice: 'half'",
+    "--dtype half": "argument --dtype: 'half': use float32, bfloat16 or float16",
 }
 
 
@@ -1912,19 +1895,19 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
     flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"]
     if decay != 0.01:  # (Table 1's decay as the default, then another)
         flags.append(f"--weight_decay={decay}")
-    args = train.build_parser().parse_args(flags)
+    args = machinery.build_parser(train.SETTINGS).parse_args(flags)
     cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")  # u, l, d, c, m, n, p, the mixer
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
     reference = copy.deepcopy(model.double())
     params = list(reference.parameters())
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     dtype = "float16" if clip else "float32"  # fp16 scales the loss
-    scaler = train.precision(torch.device("cpu"), dtype)[1]
+    scaler = machinery.precision(torch.device("cpu"), dtype)[1]
     assert scaler.is_enabled() == (clip > 0)
     ctx = contextlib.nullcontext()
-    step = functools.partial(train.train_step, model, adamw, scaler, ctx)  # no clip
-    if clip:  # --grad_clip reaches the step through make_step
-        step = train.make_step(model, adamw, scaler, ctx, args, torch.device("cpu"), {})
+    step = functools.partial(
+        train.train_step, model, adamw, scaler, ctx, grad_clip=args.grad_clip
+    )
     for t in range(1, 4):
         generator = torch.Generator().manual_seed(t)
         x, y = torch.randint(0, 30, (2, 2, 8), generator=generator)
@@ -2031,7 +2014,7 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
     assert f"{out} holds a run (--resume continues it; --overwrite starts" in said
     assert files(out) == before
-    with train.locked(out):  # a train.py working in the folder
+    with machinery.locked(out):  # a train.py working in the folder
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "9", "--resume")
     assert f"{out} is in use: a run of another train.py is in progress" in said
     assert files(out) == before
@@ -2117,9 +2100,9 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     said = error_line(capsys, run, tmp_path, data, name="other")
     assert said.startswith("error: out of memory: use a smaller --batch_size")
     assert said.endswith("; no checkpoint was written")
-    monkeypatch.setattr(train.platform, "libc_ver", lambda: ("", ""))  # musl, macOS
-    monkeypatch.setattr(train.ctypes, "CDLL", no_such_library)
-    assert train.pick_device("cpu") == torch.device("cpu")  # (no malloc options)
+    monkeypatch.setattr(machinery.platform, "libc_ver", lambda: ("", ""))  # musl, macOS
+    monkeypatch.setattr(machinery.ctypes, "CDLL", no_such_library)
+    assert machinery.pick_device("cpu") == torch.device("cpu")  # (no malloc options)
 
 
 def test_time_limit_counts_from_the_start_and_foresees_the_validation(
@@ -2128,7 +2111,7 @@ def test_time_limit_counts_from_the_start_and_foresees_the_validation(
     """A clock of 1 s a batch (validation's too) and 10 s to load the data: 21 s at
     batch 9, + twice the slowest batch + batch 10's validation (2) + 5 s (a guess at a
     checkpoint's) > 29 s. From the loop's start, or without the validation: later."""
-    clock, get_batch, load_data = [1000.0], train.get_batch, train.load_data
+    clock, get_batch, load_data = [1000.0], train.get_batch, machinery.load_data
 
     def batch(*a):
         clock[0] += 1
@@ -2138,9 +2121,9 @@ def test_time_limit_counts_from_the_start_and_foresees_the_validation(
         clock[0] += 10
         return load_data(*a)
 
-    monkeypatch.setattr(train.time, "time", lambda: clock[0])
+    monkeypatch.setattr(machinery.time, "time", lambda: clock[0])
     monkeypatch.setattr(train, "get_batch", batch)
-    monkeypatch.setattr(train, "load_data", slow_load)
+    monkeypatch.setattr(machinery, "load_data", slow_load)
     assert run(tmp_path, data, "--max_iters", "100", "--time_limit", "29s") == 0
     said = capsys.readouterr().out
     assert "--time_limit: stopped at batch 9 with a checkpoint" in said
@@ -2214,8 +2197,10 @@ FOLDER_NAMES = {
 
 @pytest.mark.parametrize("flags", FOLDER_NAMES)
 def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
-    args = train.build_parser().parse_args(flags.split())
-    assert train.default_out_dir(args) == os.path.join("out", FOLDER_NAMES[flags])
+    args = machinery.build_parser(train.SETTINGS).parse_args(flags.split())
+    assert machinery.default_out_dir(args, train.SETTINGS) == os.path.join(
+        "out", FOLDER_NAMES[flags]
+    )
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
@@ -2303,17 +2288,17 @@ def test_validation_and_generation_run_without_dropout_and_keep_the_mode(data):
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.9  # in training mode this would change every logit
     flags = ["--batch_size", "4", "--block_size", "16", "--eval_batches", "2"]
-    args = train.build_parser().parse_args(flags)
+    args = machinery.build_parser(train.SETTINGS).parse_args(flags)
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)
     ctx = contextlib.nullcontext()
     prompt = torch.tensor([[1, 2, 3]], device=DEVICE)
     val_loss = train.evaluate(model, args, val, DEVICE, ctx)
-    greedy = model.generate(prompt, 6, temperature=0)
+    greedy = generated(model, prompt, 6, temperature=0)
     for training in (False, True, False):
         model.train(training)
         assert train.evaluate(model, args, val, DEVICE, ctx) == val_loss, training
         assert model.training == training
-        assert torch.equal(model.generate(prompt, 6, temperature=0), greedy), training
+        assert torch.equal(generated(model, prompt, 6, temperature=0), greedy), training
         assert model.training == training
 
 
@@ -2324,11 +2309,11 @@ def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
     global RNG, dropout's stream, seeded with seed + RANK: a stream of its own each."""
     sizes = dict(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2)
     cfg = Config(**sizes, n_head=4, mixer="random-fixed")  # its R: drawn too
-    args = train.build_parser().parse_args(["--seed", "7"])
+    args = machinery.build_parser(train.SETTINGS).parse_args(["--seed", "7"])
     torch.manual_seed(7)
     want = Transformer(cfg).state_dict()
     for rank in (0, 1, 2):
-        monkeypatch.setattr(train, "RANK", rank)
+        monkeypatch.setattr(machinery, "RANK", rank)
         torch.manual_seed(1000)
         model, _ = train.build_model(cfg, args, torch.device("cpu"))
         for name, tensor in model.state_dict().items():
@@ -2356,11 +2341,11 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
             opt = torch.optim.AdamW(
                 model.parameters(), lr=1e-2, fused=True, capturable=True
             )
-            ctx, scaler = train.precision(DEVICE, dtype)
+            ctx, scaler = machinery.precision(DEVICE, dtype)
             step = functools.partial(
                 train.train_step, model, opt, scaler, ctx, grad_clip=0.5
             )
-            step = train.CapturedStep(step) if captured else step
+            step = machinery.CapturedStep(step) if captured else step
             loss = torch.stack(
                 [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
             )
@@ -2380,7 +2365,9 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     """What train.py chooses for torch.device("cuda"), and for the CPU, on the CPU's
     tensors: AdamW's kind, the step, TF32's flags, autocast's cache, pinned batches."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    parse = lambda *flags: train.build_parser().parse_args(["--out_dir=r", *flags])
+    parse = lambda *flags: machinery.build_parser(train.SETTINGS).parse_args(
+        ["--out_dir=r", *flags]
+    )
     monkeypatch.setattr(Transformer, "to", lambda model, device: model)
     cfg = Config(30, 8, 8, 16, 1, 2)
     adamw = [train.build_model(cfg, parse(), d)[1] for d in (cuda, cpu)]
@@ -2391,13 +2378,12 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
 
     def make(device, *flags):
         hows.append({})
-        return train.make_step(
-            None, "AdamW", None, None, parse(*flags), device, hows[-1]
-        )
+        step = functools.partial(train.train_step, None)
+        return machinery.make_step(step, "AdamW", parse(*flags), device, hows[-1])
 
     eager = ("--no-cuda_graph", "--dtype=float16")
     steps = [make(cuda), make(cpu)] + [make(cuda, flag) for flag in eager]
-    monkeypatch.setattr(train, "WORLD", 2)  # DDP
+    monkeypatch.setattr(machinery, "WORLD", 2)  # DDP
     steps.append(make(cuda))
     assert [type(s).__name__ for s in steps] == ["CapturedStep"] + ["partial"] * 4
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
@@ -2408,15 +2394,15 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     monkeypatch.setattr(cudnn, "allow_tf32", False)
     seen = []  # TF32's flags, autocast's cache (CUDA graphs want none)
     for device, tf32 in ((cpu, True), (cuda, True), (cuda, False)):
-        ctx = train.precision(device, "bfloat16", tf32)[0]
+        ctx = machinery.precision(device, "bfloat16", tf32)[0]
         seen.append((matmul.allow_tf32, cudnn.allow_tf32, ctx._cache_enabled))
     assert seen == [(False, False, True), (True, True, False), (False, False, False)]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"the GPU {d}")
-    how = lambda d, *flags: train.computed(d, parse(*flags))["float32_matmul"]
+    how = lambda d, *flags: machinery.computed(d, parse(*flags))["float32_matmul"]
     assert [how(cuda), how(cuda, "--no-tf32"), how(cpu)] == ["tf32", "ieee", "ieee"]
-    assert train.computed(cuda, parse())["fir_matmul"] == "ieee"  # (TF32 elsewhere)
+    assert machinery.computed(cuda, parse())["fir_matmul"] == "ieee"  # (TF32 elsewhere)
     monkeypatch.setattr(fir, "ALLOW_TF32", True)  # the FIR's products follow TF32
-    whole = train.computed(cuda, parse("--dtype=bfloat16"))
+    whole = machinery.computed(cuda, parse("--dtype=bfloat16"))
     assert whole == dict(
         device="cuda",
         torch=torch.__version__,
@@ -2425,11 +2411,11 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
         fir_matmul="tf32",
         device_name="the GPU cuda",
     )
-    ctx, scaler = train.precision(cpu, "float16")
+    ctx, scaler = machinery.precision(cpu, "float16")
     assert (ctx.fast_dtype, scaler._device) == (torch.float16, "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # float32: no autocast (torch warns of one)
-        train.precision(cuda, "float32")  # TF32 on unless --no-tf32
+        machinery.precision(cuda, "float32")  # TF32 on unless --no-tf32
     assert matmul.allow_tf32 and cudnn.allow_tf32
     pinned, moved = [], []  # (last: every tensor's `to` stubbed)
     to = lambda t, d, non_blocking: moved.append((d.type, non_blocking)) or t
@@ -2455,7 +2441,7 @@ def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, capsys):
     for captured in (False, True):
         model = tiny_model("he")
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ctx, scaler = train.precision(torch.device("cpu"), "float32")
+        ctx, scaler = machinery.precision(torch.device("cpu"), "float32")
         eager = functools.partial(train.train_step, model, adamw, scaler, ctx)
         calls = itertools.count(1)
 
@@ -2465,7 +2451,7 @@ def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, capsys):
                 raise RuntimeError("capturable is False\n(more)")
             return eager(x, y)
 
-        run = train.CapturedStep(step, adamw, how) if captured else eager
+        run = machinery.CapturedStep(step, adamw, how) if captured else eager
         ends.append([torch.stack([run(b[:, :-1], b[:, 1:]) for b in batches])])
         ends[-1] += model.parameters()
     assert all(torch.equal(a, b) for a, b in zip(*ends))
@@ -2507,7 +2493,7 @@ def prepared(tmp_path_factory):
 def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
     prepared, monkeypatch, capsys
 ):
-    enc = prepare_data.load_tokenizer(prepared[0])
+    enc = machinery.load_tokenizer(prepared[0])
     # a token each byte, the last character cut
     ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]]
     model, ckpt = sample.load_model(prepared[1], torch.device("cpu"))
@@ -2527,7 +2513,7 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
             seen.append(screen.shown)
             yield torch.tensor([[i]])
 
-    monkeypatch.setattr(model, "generate_stream", tokens)
+    monkeypatch.setattr(model, "generate", tokens)
     monkeypatch.setattr(sample, "load_model", lambda *a: (model, ckpt))
     monkeypatch.setattr(sys, "stdout", screen)
     argv = ["--out_dir", prepared[1], "--prompt", "", "--max_new_tokens", "8"]
@@ -2540,7 +2526,7 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
 def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
     prepared, tmp_path, capsys
 ):
-    enc = prepare_data.load_tokenizer(prepared[0])
+    enc = machinery.load_tokenizer(prepared[0])
     l = 8
     ckpt = torch.load(prepared[1] + "/ckpt.pt")
     g = torch.Generator().manual_seed(0)
@@ -2591,10 +2577,10 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
     (other / "tokenizer.tiktoken").write_bytes(tokenizer[:-20])
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     cases = {  # flags: what the line says
-        "--top_p=1.5": "top_p must be in (0, 1] (or None for all tokens), got 1.5",
-        "--top_p=0": "top_p must be in (0, 1] (or None for all tokens), got 0.0",
+        "--top_p=1.5": "top_p must be in (0, 1], got 1.5",
+        "--top_p=0": "top_p must be in (0, 1], got 0.0",
         "--temperature=inf": "finite number >= 0 (0 is greedy), got inf",
-        "--top_k=0": "top_k must be at least 1 (or None for all tokens), got 0",
+        "--top_k=0": "top_k must be at least 1, got 0",
         "--seed=-1": "--seed -1: give 0 to 2**63 - 1",
         "--num_samples=0": "--num_samples 0: give 1 or more",
         "--max_new_tokens=-1": "--max_new_tokens -1: give 0 or more",
@@ -2622,15 +2608,16 @@ def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(
 def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     rc, out, err = run_script("train.py", "--n_layer", "0")
     assert rc == 1 and err.count("\n") == 1
-    assert err.startswith("error: n_layer must be a positive integer")
+    assert err.startswith("error: argument --n_layer: must be in [1, inf), got 0")
     for mixer in ("sa", "me"):
         flags = [f"--mixer={mixer}", f"--data_dir={prepared[0]}", "--max_iters=60"]
         flags += ["--lr=3e-3", f"--out_dir={tmp_path / mixer}"]
         rc, out, err = run_script("-X", "importtime", "train.py", *TINY, *flags)
         lines = [line for line in err.splitlines() if line.startswith("import ")]
         imported = {line.split("|")[-1].strip() for line in lines}
-        assert {"extractor", "fir", "prepare_data"} <= imported
-        assert not {"synthesizer", "matplotlib"} & imported
+        # the house: train.py stands on the machinery and the model, not the data script
+        assert {"extractor", "fir", "synthesizer", "machinery"} <= imported
+        assert not {"prepare_data", "matplotlib"} & imported
         costs = [float(r["train_loss"]) for r in log_rows(str(tmp_path / mixer))]
         assert rc == 0 and len(costs) == 60
         assert np.mean(costs[-10:]) < np.mean(costs[:10]) - 0.3  # it learns
@@ -2919,7 +2906,7 @@ def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
     argv = [f"--work={work}", f"--results={tmp_path / 'results'}", "--device=cpu"]
     for bad in ("14x", "m", "40 m", "-5m", "1h30m", "2d"):
         with pytest.raises(argparse.ArgumentTypeError):
-            train.seconds(bad)  # train.py refuses it too
+            machinery.seconds(bad)  # train.py refuses it too
         for more in ([], ["--check"]):
             flags = [f"--time_limit={bad}", *more, *argv]
             err = error_line(capsys, reproduce.main, flags)
@@ -2929,7 +2916,7 @@ def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
         assert "--jobs" in err
     assert children.started == [] and not work.exists()
     for good in ("90s", "40m", "2h", "1.5h", "600"):
-        train.seconds(good)
+        machinery.seconds(good)
         assert reproduce.main(["me", f"--time_limit={good}", *argv]) == 0
         assert f"--time_limit={good}" in children.cmds[-1]
 

@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E402
 
-import extractor  # noqa: E402
 import fir  # noqa: E402
+import machinery  # noqa: E402
 import train  # noqa: E402
-from extractor import Config, Transformer  # noqa: E402
-from prepare_data import atomic_write, fail  # noqa: E402
+from extractor import MIXERS, SYNTHESIZERS, Config, SelfAttention, Transformer  # noqa: E402
+from machinery import atomic_write, fail  # noqa: E402
 
 # Table 1's shapes (d, l, batch, u, c, m); rounds of timing (section step: 5x on CUDA);
 # the GEMM's n and the copy's MiB that measure the floor's rates (CPU: <= 2048, 256)
@@ -47,7 +47,7 @@ QUICK = dict(d=32, l=32, batch=4, vocab=300, hidden=128, n_layer=1)  # --quick
 QUICK |= dict(rounds=2, step_rounds=1, gemm_n=256, copy_mib=16)
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
 # section step: variant -> autocast dtype; CUDA runs all four, the CPU eager; the
-# captured ones in a CUDA graph, as train.py does on CUDA (train.CapturedStep)
+# captured ones in a CUDA graph, as train.py does on CUDA (machinery.CapturedStep)
 VARIANTS = {"captured": "float32", "eager": "float32", "bf16": "bfloat16"}
 VARIANTS["bf16-captured"] = "bfloat16"
 
@@ -85,7 +85,7 @@ def sublayer(cfg):
 def new_model(s, args, mixer, batch, device):
     """train.py's default model and AdamW (Table 1), and make_step(dtype, captured):
     their training step on one batch (B, l), a function of no arguments."""
-    defaults = train.build_parser().parse_args([])
+    defaults = machinery.build_parser(train.SETTINGS).parse_args([])
     model, opt = train.build_model(make_config(s, args, mixer), defaults, device)
     seeded = torch.Generator().manual_seed(0)
     data = torch.randint(0, s["vocab"], (batch, s["l"] + 1), generator=seeded)
@@ -93,10 +93,10 @@ def new_model(s, args, mixer, batch, device):
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # (no float16)
 
     def make_step(dtype, captured=False):
-        ctx = train.precision(device, dtype)[0]
+        ctx = machinery.precision(device, dtype)[0]
         fn = functools.partial(train.train_step, model, opt, scaler, ctx)
         if captured:  # as train.py on CUDA
-            fn = train.CapturedStep(fn)
+            fn = machinery.CapturedStep(fn)
         return functools.partial(fn, x, y)
 
     return model.train(), opt, make_step
@@ -108,7 +108,7 @@ def sublayer_paths(module, t, device):
     names = ("W_ext", "w_ext")
     taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in names]
     if not taps:
-        return ["sdpa" if isinstance(module, extractor.SelfAttention) else "matmul"]
+        return ["sdpa" if isinstance(module, SelfAttention) else "matmul"]
     dim = taps[0].dim()
     default = fir.default_path(device.type, dim, t)
     if device.type != "cuda":
@@ -159,9 +159,9 @@ def peak_bytes(step, device):
             f.write("5")  # the high-water mark down to what is resident now
     else:
         return None
-    before = train.peak_memory(device)[0]
+    before = machinery.peak_memory(device)[0]
     step()
-    return train.peak_memory(device)[0] - before
+    return machinery.peak_memory(device)[0] - before
 
 
 def completed_flops():
@@ -491,14 +491,11 @@ def parse_args(argv):
         fail(f"--sections takes a comma list of {sections}, got {given!r}")
     names = args.mixers.split(",")
     if args.mixers.strip() == "all":
-        names = [*extractor.MIXERS, *extractor.SYNTHESIZERS]
+        names = [*MIXERS, *SYNTHESIZERS]
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
-    d = QUICK["d"] if args.quick else SIZES["d"]
-    for m in args.mixers:
-        try:
-            Config(n_embd=d, n_head=args.n_head, mixer=m)
-        except ValueError as e:  # an unknown name, or --n_head not dividing d
-            fail(str(e))
+    s = QUICK if args.quick else SIZES
+    for m in args.mixers:  # an unknown name, --n_head not dividing d: one line
+        machinery.check_mixer(make_config(s, args, m))
     if args.gpu_gib <= 1:
         fail(f"--gpu_gib must be above 1 (1 GiB is left to CUDA), got {args.gpu_gib}")
     return args
@@ -508,10 +505,10 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.table7:
         return print_table7()
-    device = train.pick_device(args.device)
+    device = machinery.pick_device(args.device)
     s = QUICK if args.quick else SIZES
     s = s | dict(n_head=args.n_head, gpu_gib=args.gpu_gib)
-    train.precision(device, "float32")  # TF32 matmuls on CUDA, as train.py
+    machinery.precision(device, "float32")  # TF32 matmuls on CUDA, as train.py
     threads = torch.get_num_threads()
     info = dict(device=str(device), threads=threads, torch=torch.__version__)
     quick = ", quick" if args.quick else ""

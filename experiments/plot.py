@@ -39,8 +39,6 @@ matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
-from prepare_data import atomic_write, fail  # noqa: E402
-
 # one colour per mixer, in this order, in every figure (others: matplotlib's cycle)
 STYLE = {"sa-1": "tab:gray", "sa-32": "black", "she": "tab:red", "he": "tab:orange"}
 STYLE |= {"we": "tab:green", "me": "tab:blue", "he-ext": "tab:purple"}
@@ -48,6 +46,27 @@ SYMBOLS = {"n_layer": "m", "block_size": "l"}  # the paper's, in titles and swee
 EXTRACTORS = ("she", "we", "he", "me", "he-ext")  # (no heads)
 SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
 UNREADABLE = (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Error)
+
+
+# (this file and those that import it stay free of torch: machinery.py's twins)
+def fail(msg):
+    """Bad input: one line on stderr, what is wrong and what to do; exit 1, no trace."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def atomic_write(path, data):
+    """data (bytes or str) whole at path or none of it: a temporary file, renamed."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError as e:  # (named as the file it was for)
+        raise OSError(e.errno, e.strerror, path) from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def damaged(path, e):
@@ -283,11 +302,9 @@ def save(fig, path, title=None):
     fig.tight_layout()
     metadata = {"Software": None} if fmt == "png" else None  # no version stamp
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-
-    def write(f):
-        fig.savefig(f, format=fmt, dpi=120, bbox_inches="tight", metadata=metadata)
-
-    atomic_write(path, write)
+    image = io.BytesIO()
+    fig.savefig(image, format=fmt, dpi=120, bbox_inches="tight", metadata=metadata)
+    atomic_write(path, image.getvalue())
     plt.close(fig)
 
 

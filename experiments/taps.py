@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from machinery import fail  # noqa: E402
 from plot import cli, label, output_path, paper_rank, plt, save  # noqa: E402
-from prepare_data import fail  # noqa: E402
 from sample import load_model  # noqa: E402
 from synthesizer import _syn_softmax  # noqa: E402
 
