@@ -1210,6 +1210,153 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     assert sorted(forced) == sorted(p for _, p in rows[1:] for _ in range(3 + 2))
 
 
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
+    tmp_path, capsys
+):
+    threads = torch.get_num_threads()
+    argv = ["--quick", "--sections", "length,generate", "--mixers", "me,she,he,we"]
+    bench.main(argv + ["--csv", str(tmp_path), "--device", str(DEVICE)])
+    assert torch.get_num_threads() == threads  # (restored after the 1-thread rounds)
+    kind = DEVICE.type
+    length = _read_csv(tmp_path / f"length_{kind}.csv")
+    generate = _read_csv(tmp_path / f"generate_{kind}.csv")
+    mixers, d, n = ["sa", "me", "she", "he", "we"], 32, 32  # --quick: d = 32, 32 heads
+    counts = {1, threads} if kind == "cpu" else {threads}
+    ops = lambda c: c["mult"] + c["add"] + c["div"] + c["exp"]
+    for rows, x, ms in ((length, "l", "ms_fwd_bwd"), (generate, "t", "ms_fwd")):
+        # a row per thread count, length and mixer, in this order, each timed
+        keys = [(int(r["threads"]), int(r[x]), r["mixer"]) for r in rows]
+        lengths = [8, 16, 32]  # --quick's
+        assert keys == [
+            (k, l, m) for k in sorted(counts) for l in lengths for m in mixers
+        ]
+        assert all(float(r[ms]) > 0 and not r.get("stop") for r in rows)
+        sa = {(r["threads"], r[x]): float(r[ms]) for r in rows if r["mixer"] == "sa"}
+        for r in rows:
+            ratio = float(r[ms]) / sa[r["threads"], r[x]]
+            assert math.isclose(float(r["vs_sa"]), ratio, rel_tol=1e-12), r
+            per_token = float(r[ms]) / int(r["tokens" if x == "l" else "batch"])
+            assert math.isclose(float(r["ms_per_token"]), per_token, rel_tol=1e-12), r
+    for r in length:  # b l = 64 tokens; Tables 3-4: Tables 5-6 summed over t
+        l, b, m = int(r["l"]), int(r["batch"]), r["mixer"]
+        assert b * l == int(r["tokens"]) == 64, r
+        summed = sum(ops(per_token_counts(d, t, n)[m]) for t in range(1, l + 1))
+        assert int(r["paper_ops_fwd"]) == b * summed, r
+        assert float(r["peak_mib"]) >= 0, r
+    for r in generate:  # batch 4, one token at t
+        t, m = int(r["t"]), r["mixer"]
+        assert int(r["paper_ops_fwd"]) == 4 * ops(per_token_counts(d, t, n)[m]), r
+    # the FLOPs of what runs: sa's four d x d maps (backward twice the forward's) and
+    # SDPA's two t x t GEMMs, five in its backward; ME's Toeplitz GEMM, two in backward
+    flops = {(r["mixer"], int(r["l"])): int(r["flops_fwd_bwd"]) for r in length}
+    for l, b in ((8, 8), (16, 4), (32, 2)):
+        assert flops["sa", l] == 24 * b * l * d * d + 14 * b * l * l * d, l
+        assert flops["me", l] == 6 * b * l * l * d, l
+    flops = {(r["mixer"], int(r["t"])): int(r["flops_fwd"]) for r in generate}
+    for t in (8, 16, 32):  # one token: sa's maps, q k^T and a v over t; ME's row of t
+        assert flops["sa", t] == 8 * 4 * d * d + 4 * 4 * t * d, t
+        assert flops["me", t] == 2 * 4 * t * d, t
+    # the tables: a row per CSV row, in its order
+    blocks = capsys.readouterr().out.split("\n\n")[1:3]
+    for block, rows in zip(blocks, (length, generate)):
+        printed = [ln.split()[:2] for ln in block.splitlines()[3:] if ln[0] != " "]
+        assert printed == [[r["mixer"], r["threads"]] for r in rows]
+    assert "--csv takes a folder" in error_line(
+        capsys, bench.main, argv + ["--csv", str(tmp_path / "none")]
+    )
+
+
+@pytest.mark.parametrize("mixer", ["sa", "we"])
+def test_bench_one_token_is_the_next_position_and_leaves_the_cache(mixer):
+    module = bench.sublayer(Config(n_embd=8, n_head=2, block_size=6, mixer=mixer))
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
+    cache = {}
+    with torch.no_grad():
+        module(x[:, :5], cache)
+        want = module(x)[:, 5:]  # the sixth position, uncached
+        kept = {k: v.clone() for k, v in cache.items()}
+        for _ in range(2):  # the same token after the same five, each time
+            torch.testing.assert_close(bench.one_token(module, x[:, 5:], cache), want)
+    assert cache.keys() == kept.keys()
+    assert all(torch.equal(cache[k], kept[k]) for k in kept)
+
+
+def test_bench_length_stops_a_mixer_out_of_memory_and_goes_on(tmp_path, monkeypatch):
+    peak_bytes = bench.peak_bytes
+
+    def peak(step, device):  # ME: out of memory at l = 16
+        module = step.args[0]
+        if isinstance(module, extractor.ME) and module.w_ext.shape[0] == 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return peak_bytes(step, device)
+
+    monkeypatch.setattr(bench, "peak_bytes", peak)
+    argv = ["--quick", "--sections", "length", "--mixers", "me,we"]
+    bench.main(argv + ["--csv", str(tmp_path), "--device", "cpu"])
+    rows = _read_csv(tmp_path / "length_cpu.csv")
+    got = [(r["mixer"], r["l"], bool(r["ms_fwd_bwd"]), r["stop"]) for r in rows]
+    want = [("sa", "8", True, ""), ("me", "8", True, ""), ("we", "8", True, "")]
+    want += [("sa", "16", True, ""), ("me", "16", False, "out of memory")]
+    want += [("we", "16", True, ""), ("sa", "32", True, ""), ("we", "32", True, "")]
+    # on one thread, then on the default threads (where they are more)
+    assert got == want * len({1, torch.get_num_threads()})
+
+
+def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
+    tmp_path, capsys, monkeypatch
+):
+    path = tmp_path / "length.csv"
+    path.write_text(  # he: 0.5 of sa's time at l = 64, twice it at 128
+        "mixer,threads,l,ms_per_token,vs_sa,paper_ops_fwd,flops_fwd_bwd,stop\n"
+        "sa,1,64,1.0,1.0,7,9,\nhe,1,64,0.5,0.5,100,10,\nme,1,64,0.1,0.1,1,,\n"
+        "sa,1,128,4.0,1.0,21,36,\nhe,1,128,8.0,2.0,400,80,\nme,1,128,0.2,0.1,2,,\n"
+        "me,1,256,,,,,out of memory\n"
+    )
+    drawn, save = [], plot.save
+
+    def keep(fig, out, title):
+        drawn.append(
+            [(ln.get_linestyle(), ln.get_xydata().tolist()) for ln in fig.axes[0].lines]
+        )
+        save(fig, out, title)
+
+    monkeypatch.setattr(plot, "save", keep)
+    bench.main(["--draw", str(path)])
+    out = capsys.readouterr().out
+    assert out == (
+        "he, threads 1: vs_sa crosses 1 at l = 91\n"
+        "me, threads 1: vs_sa crosses 1 at l = none in range\n"
+    )
+    with open(tmp_path / "length.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    lines = drawn[0]
+    # measured, then the tables' counts (dashed) and the FLOPs (dotted), each scaled
+    # to the first point; ME has no FLOPs column, no dotted line
+    cross = 64 * 2**0.5  # log 0.5 to log 2: halfway, in log l too
+    assert lines == [
+        ("-", [[64, 1.0], [128, 4.0]]),
+        ("--", [[64, 1.0], [128, 3.0]]),
+        (":", [[64, 1.0], [128, 4.0]]),
+        ("-", [[64, 0.5], [128, 8.0]]),
+        ("--", [[64, 0.5], [128, 2.0]]),
+        (":", [[64, 0.5], [128, 4.0]]),
+        ("-", [[64, 0.1], [128, 0.2]]),
+        ("--", [[64, 0.1], [128, 0.2]]),
+        ("None", [[pytest.approx(cross), pytest.approx(2.0)]]),  # on sa's line
+    ]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("mixer,threads,l\nsa,1,64\n")  # no ms_per_token
+    assert "as a length or generate CSV" in error_line(
+        capsys, bench.main, ["--draw", str(bad)]
+    )
+    assert not os.path.exists(tmp_path / "bad.png")
+
+
 @pytest.mark.slow
 def test_bench_quick_as_users_run_it_every_mixer_and_a_closed_pipe():
     rc, out, err = run_script("experiments/bench.py", "--quick", "--mixers", "all")

@@ -1,24 +1,31 @@
 """
 The token mixers against attention on this device, and the paper's operation counts.
 
-    python experiments/bench.py                 # every section at Table 1's shapes
+    python experiments/bench.py                 # sublayer, step, memory: Table 1's
     python experiments/bench.py --quick         # tiny shapes, few rounds: seconds
     python experiments/bench.py --sections step --device cuda --json bench.json
     python experiments/bench.py --table7        # Tables 3-7, and the FLOPs counted
+    python experiments/bench.py --sections length,generate --csv results  # minutes
+    python experiments/bench.py --draw results/length_cpu.csv   # its figure, .png
 
 Sections: sublayer, a mixer's forward+backward (on CUDA each FIR path: fir.py's CUDA
 defaults come from it); step, train.py's training step of Table 1's model (on CUDA in a
 CUDA graph, eager, bf16 of both), on CUDA or with --floor beside its floor: its FLOPs
 and the bytes it must move at the rates measured in the run; memory, a step's peak and
-the largest batch that fits a --gpu_gib GPU. Times: medians of interleaved rounds after
-warm-up (a noisy moment hits all the mixers), the ratios to sa from the same run.
+the largest batch that fits a --gpu_gib GPU; by name only, length, the sublayer's
+forward+backward at l = 32 .. 4096 (b l fixed), and generate, one new token with the
+cache at t = 32 .. 4096, on one and on the default threads, beside Tables 3-6's counts
+and the FLOPs run. Times: medians of interleaved rounds after warm-up (a noisy moment
+hits all the mixers), the ratios to sa from the same run.
 """
 
 import argparse
 import contextlib
+import csv
 import ctypes
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
@@ -45,6 +52,9 @@ SIZES = dict(d=128, l=128, batch=64, vocab=5000, hidden=512, n_layer=18)
 SIZES |= dict(rounds=15, step_rounds=4, gemm_n=8192, copy_mib=1024)
 QUICK = dict(d=32, l=32, batch=4, vocab=300, hidden=128, n_layer=1)  # --quick
 QUICK |= dict(rounds=2, step_rounds=1, gemm_n=256, copy_mib=16)
+# sections length and generate: the lengths l (and t), tokens per batch (length), rounds
+SIZES |= dict(lengths=[2**k for k in range(5, 13)], tokens=8192, length_rounds=7)
+QUICK |= dict(lengths=[8, 16, 32], tokens=64, length_rounds=2)
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
 # section step: variant -> autocast dtype; CUDA runs all four, the CPU eager; the
 # captured ones in a CUDA graph, as train.py does on CUDA (machinery.CapturedStep)
@@ -201,15 +211,20 @@ def completed_flops():
     return counts
 
 
+def forward_backward(module, x, g):
+    """module's forward on x and backward from dL/dy = g; the gradients then freed."""
+    module(x).backward(g)
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+
+
 def section_sublayer(s, args, device):
     x = torch.randn(s["batch"], s["l"], s["d"], device=device, requires_grad=True)
     g = torch.randn(s["batch"], s["l"], s["d"], device=device)  # dL/dy
 
     def fwd_bwd(module, path):  # every FIR inside takes this path (sdpa, matmul: none)
         with fir.forcing(path) if path in fir.PATHS else contextlib.nullcontext():
-            module(x).backward(g)
-        module.zero_grad(set_to_none=True)
-        x.grad = None
+            forward_backward(module, x, g)
 
     steps = {}  # (mixer, path) -> one forward+backward
     for m in args.mixers:
@@ -408,7 +423,189 @@ def print_table7(d=128, l=128):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
+# ---------- sections length and generate: the cost as the context grows
+
+
+def paper_ops(counts, mixer, times):
+    """times Tables 3-6's mult + add + div + exp; None for a mixer they lack."""
+    c = counts.get(mixer)
+    return None if c is None else times * sum(c[k] for k in OPS)
+
+
+def per_thread_count(device, measure):
+    """measure() -> rows, on one thread, then on the default threads (CUDA: these
+    only); each row gains its threads after the mixer."""
+    default = torch.get_num_threads()
+    rows = []
+    try:
+        for k in [default] if device.type == "cuda" else sorted({1, default}):
+            torch.set_num_threads(k)
+            rows += [dict(mixer=r["mixer"], threads=k) | r for r in measure()]
+    finally:
+        torch.set_num_threads(default)
+    return rows
+
+
+def timed(rows, steps, s, device, ms, tokens):
+    """rows[m] gains column ms, ms_per_token and vs_sa (this time over sa's) from
+    interleaved rounds of steps[m]."""
+    t = interleaved(steps, s["length_rounds"], device) if steps else {}  # all stopped
+    for m, sec in t.items():
+        rows[m] |= {ms: 1e3 * sec, "ms_per_token": 1e3 * sec / tokens}
+        rows[m]["vs_sa"] = sec / t["sa"] if "sa" in t else None
+    return list(rows.values())
+
+
+def counted_call(step, device):
+    """One call of step, outside the rounds: (its FLOPs, its peak bytes or None)."""
+    with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
+        peak = peak_bytes(step, device)
+    return counter.get_total_flops(), peak
+
+
+def length_at(s, args, device, l, stopped):
+    """Each mixer at length l, b = tokens // l, but those out of memory at a shorter l
+    (in stopped; the CPU's allocations do not fail: Linux ends the process instead)."""
+    b, d = s["tokens"] // l, s["d"]
+    x = torch.randn(b, l, d, device=device, requires_grad=True)
+    g = torch.randn(b, l, d, device=device)  # dL/dy
+    counts = complexity_training(d, l, args.n_head)
+    rows, steps = {}, {}
+    for m in [m for m in args.mixers if m not in stopped]:
+        module = sublayer(make_config(s | dict(l=l), args, m)).to(device)
+        row = rows[m] = dict(mixer=m, l=l, batch=b, tokens=b * l)
+        row["path"] = sublayer_paths(module, l, device)[0]
+        row["params"] = sum(p.numel() for p in module.parameters())
+        step = functools.partial(forward_backward, module, x, g)
+        try:
+            flops, peak = counted_call(step, device)
+        except torch.OutOfMemoryError:
+            row["stop"] = stopped[m] = "out of memory"
+            continue
+        row |= dict(paper_ops_fwd=paper_ops(counts, m, b), flops_fwd_bwd=flops)
+        row["peak_mib"] = None if peak is None else peak / 2**20
+        steps[m] = step
+    return timed(rows, steps, s, device, "ms_fwd_bwd", b * l)
+
+
+def section_length(s, args, device):
+    def measure():
+        stopped = {}  # the mixers out of memory, left out at every longer l
+        return [r for l in s["lengths"] for r in length_at(s, args, device, l, stopped)]
+
+    return per_thread_count(device, measure)
+
+
+def one_token(module, x, cache):
+    """x (B, 1, d) after the cached positions, on a copy of the cache: each call adds
+    the same token to the same past."""
+    return module(x, dict(cache))
+
+
+@torch.no_grad()
+def generate_at(s, args, device, modules, t):
+    """Each mixer's one new token at position t (t - 1 cached) for a batch."""
+    B, d = s["batch"], s["d"]
+    counts = complexity_inference(d, t, args.n_head)
+    new = torch.randn(B, 1, d, device=device)
+    rows, steps = {}, {}
+    for m, module in modules.items():
+        cache = {}
+        module(torch.randn(B, t - 1, d, device=device), cache)  # the t - 1 before
+        steps[m] = functools.partial(one_token, module, new, cache)
+        flops, peak = counted_call(steps[m], device)
+        rows[m] = dict(mixer=m, t=t, batch=B, paper_ops_fwd=paper_ops(counts, m, B))
+        rows[m]["flops_fwd"] = flops
+        rows[m]["peak_mib"] = None if peak is None else peak / 2**20
+    return timed(rows, steps, s, device, "ms_fwd", B)
+
+
+def section_generate(s, args, device):
+    s["window"] = l = s["lengths"][-1]  # every t in one window: the longest
+    make = lambda m: sublayer(make_config(s | dict(l=l), args, m)).to(device)
+    modules = {m: make(m) for m in args.mixers}
+    at = lambda t: generate_at(s, args, device, modules, t)
+    return per_thread_count(device, lambda: [r for t in s["lengths"] for r in at(t)])
+
+
+def crossings(rows, x):
+    """(threads, mixer) -> where its vs_sa crosses 1, each between two neighbouring
+    lengths x (l or t), interpolated in log-log; [] where it does not cross."""
+    ratios = {}
+    for r in rows:
+        if r["mixer"] != "sa" and r.get("vs_sa"):
+            ratios.setdefault((r["threads"], r["mixer"]), []).append((r[x], r["vs_sa"]))
+    found = {key: [] for key in ratios}
+    for key, points in ratios.items():
+        points.sort()
+        for (l1, r1), (l2, r2) in zip(points, points[1:]):
+            if (r1 < 1) != (r2 < 1):
+                f = math.log(r1) / (math.log(r1) - math.log(r2))  # r = 1 at this f
+                found[key].append(l1 * (l2 / l1) ** f)
+    return found
+
+
+DRAWN = {"l": "flops_fwd_bwd", "t": "flops_fwd"}  # length column -> the FLOPs column
+
+
+def read_bench_csv(path):
+    """A length or generate CSV's rows, its numbers as floats ("": None), and its
+    length column, l or t."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        x = "l" if "l" in rows[0] else "t"
+        numbers = (x, "threads", "ms_per_token", "vs_sa", "paper_ops_fwd", DRAWN[x])
+        for r in rows:
+            r |= {k: float(r[k]) if r[k] else None for k in numbers}
+    except (OSError, ValueError, csv.Error, IndexError, KeyError) as e:
+        why = f"{type(e).__name__}: {e}"  # unread, no number, no rows, a column gone
+        fail(f"cannot read {path} as a length or generate CSV of bench.py ({why})")
+    return rows, x
+
+
+def draw(path, out):
+    """A length or generate CSV as ms per token against l (t), log-log, a panel per
+    thread count: measured (solid), Tables 3-6's counts and the FLOPs of the path that
+    runs (dashed, dotted), scaled to meet its first point; crossings with sa (x)."""
+    import plot  # matplotlib, only to draw
+
+    rows, x = read_bench_csv(path)
+    rows = [r for r in rows if r["ms_per_token"] is not None]  # not the stops
+    threads = sorted({r["threads"] for r in rows})
+    size = (6.4 * len(threads), 4.8)
+    fig, axes = plot.plt.subplots(1, len(threads), figsize=size, squeeze=False)
+    lines = {}  # (threads, mixer) -> lengths, ms per token, colour
+    for ax, k in zip(axes[0], threads):
+        for m in dict.fromkeys(r["mixer"] for r in rows if r["threads"] == k):
+            mine = [r for r in rows if (r["threads"], r["mixer"]) == (k, m)]
+            ls, ms = [r[x] for r in mine], [r["ms_per_token"] for r in mine]
+            color = plot.STYLE.get("sa-32" if m == "sa" else m)
+            color = ax.plot(ls, ms, "o-", color=color, label=m)[0].get_color()
+            lines[k, m] = ls, ms, color
+            for column, style in (("paper_ops_fwd", "--"), (DRAWN[x], ":")):
+                ops = [r[column] for r in mine]
+                if None not in ops:
+                    ax.plot(ls, [ms[0] * n / ops[0] for n in ops], style, color=color)
+        ax.set(xscale="log", yscale="log", xlabel=x, ylabel="ms per token")
+        ax.set_title(f"threads: {k:.0f}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small")
+    for (k, m), at in crossings(rows, x).items():
+        log_l, log_ms = map(plot.np.log, lines[k, "sa"][:2])
+        for v in at:  # on sa's line, interpolated in log-log
+            y = math.exp(plot.np.interp(math.log(v), log_l, log_ms))
+            ax = axes[0][threads.index(k)]
+            ax.plot(v, y, "x", color=lines[k, m][2], ms=9, mew=2)
+            ax.annotate(f"{v:.0f}", (v, y), textcoords="offset points", xytext=(4, 4))
+        where = ", ".join(f"{v:.0f}" for v in at) or "none in range"
+        print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
+    title = "measured (solid); Tables 3-6 (dashed), FLOPs of the path run (dotted)"
+    plot.save(fig, out, f"{os.path.basename(path)}: {title}")
+
+
 SECTIONS = dict(sublayer=section_sublayer, step=section_step, memory=section_memory)
+SECTIONS |= dict(length=section_length, generate=section_generate)
 # section: title, columns (a row's key:format), notes; {...} filled from the settings
 TABLES = {
     "sublayer": (
@@ -437,6 +634,22 @@ TABLES = {
         " backward; peak: with the state (CPU: VmHWM)\n"
         "fits: peak <= {gpu_gib:g} GiB less 1 (left to CUDA); max_batch: on the line"
         " through peak and peak_half (batch {half})",
+    ),
+    "length": (
+        "Sublayer forward+backward against l, d = {d}, b l = {tokens} tokens (sa:"
+        " {n_head} heads); median of {length_rounds} rounds",
+        "mixer threads l batch path params:si ms_fwd_bwd:.2f ms_per_token:.3g"
+        " vs_sa:.3f paper_ops_fwd:si flops_fwd_bwd:si peak_mib:.0f stop",
+        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops_fwd_bwd: the"
+        " path's forward+backward (as --table7 counts); vs_sa: this time over sa's",
+    ),
+    "generate": (
+        "One new token with the cache at position t (t - 1 cached), window l ="
+        " {window}, batch {batch}; median of {length_rounds} rounds",
+        "mixer threads t batch ms_fwd:.3f ms_per_token:.3g vs_sa:.3f"
+        " paper_ops_fwd:si flops_fwd:si peak_mib:.0f",
+        "paper_ops_fwd: Tables 5-6's sum times the batch; flops_fwd: as --table7"
+        " counts; peak_mib: the first call's",
     ),
 }
 
@@ -468,13 +681,23 @@ def show(name, rows, s):
     print("\n".join("  " + n.format(**s) for n in notes.split("\n")), flush=True)
 
 
+def csv_text(rows):
+    """rows as CSV text: a column per key in the order first seen, "" for none."""
+    buf = io.StringIO()
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    writer = csv.DictWriter(buf, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
 def parse_args(argv):
     fmt = argparse.ArgumentDefaultsHelpFormatter
     description = __doc__.strip().split("\n\n")[0]
     p = argparse.ArgumentParser(description=description, formatter_class=fmt)
     p.error = lambda msg: fail(f"{msg} (see --help)")
     sections = ",".join(SECTIONS)
-    p.add_argument("--sections", default=sections, help="comma list of the sections")
+    p.add_argument("--sections", default="sublayer,step,memory", help=sections)
     mixers = "sa,she,he,we,me,he-ext"
     p.add_argument("--mixers", default=mixers, help="comma list or all (sa always)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
@@ -483,6 +706,9 @@ def parse_args(argv):
     p.add_argument("--n_head", type=int, default=32, help="heads of sa (Table 1's)")
     p.add_argument("--gpu_gib", type=float, default=6.0, help="memory: the GPU's GiB")
     p.add_argument("--json", help="also write every table's rows to this file")
+    p.add_argument("--csv", metavar="DIR", help="also each table: DIR/section_cpu.csv")
+    p.add_argument("--draw", metavar="CSV", help="a length or generate CSV's figure")
+    p.add_argument("-o", "--out", help="--draw's figure (default: the CSV's .png)")
     p.add_argument("--table7", action="store_true", help="Tables 3-7 and the FLOPs")
     args = p.parse_args(argv)
     args.sections = [k.strip() for k in args.sections.split(",") if k.strip()]
@@ -498,6 +724,8 @@ def parse_args(argv):
         machinery.check_mixer(make_config(s, args, m))
     if args.gpu_gib <= 1:
         fail(f"--gpu_gib must be above 1 (1 GiB is left to CUDA), got {args.gpu_gib}")
+    if args.csv and not os.path.isdir(args.csv):
+        fail(f"--csv takes a folder; {args.csv!r} is none (make it first)")
     return args
 
 
@@ -505,6 +733,8 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.table7:
         return print_table7()
+    if args.draw:
+        return draw(args.draw, args.out or os.path.splitext(args.draw)[0] + ".png")
     device = machinery.pick_device(args.device)
     s = QUICK if args.quick else SIZES
     s = s | dict(n_head=args.n_head, gpu_gib=args.gpu_gib)
@@ -526,12 +756,14 @@ def main(argv=None):
         results["sections"][name] = rows
         show(name, rows, s)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s")
-    if args.json:
+    files = {args.json: json.dumps(results, indent=1)} if args.json else {}
+    for name, rows in results["sections"].items() if args.csv else ():
+        files[os.path.join(args.csv, f"{name}_{device.type}.csv")] = csv_text(rows)
+    for path, text in files.items():
         try:
-            atomic_write(args.json, json.dumps(results, indent=1))
+            atomic_write(path, text)
         except OSError as e:
-            why = f"cannot write --json {args.json!r} ({e.strerror})"
-            fail(f"{why}; the tables above hold the results")
+            fail(f"cannot write {path!r} ({e.strerror}); the tables above hold it")
 
 
 if __name__ == "__main__":
