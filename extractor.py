@@ -349,10 +349,12 @@ def find_mixer(name):
     found, why = None, ""
     try:
         found = getattr(importlib.import_module(module), cls) if module else None
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, TypeError) as e:  # (TypeError: ".mod.Class")
         why = f" ({e})"
     if isinstance(found, type) and issubclass(found, nn.Module):
         return found
+    if found is not None:
+        why = f" ({name} is {found!r}, not an nn.Module class)"
     choices = ", ".join(
         [*MIXERS, *SYNTHESIZERS, "or module.Class (a mixer class of yours)"]
     )

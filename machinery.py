@@ -16,6 +16,7 @@ it in its docstring:
 
 import argparse
 import base64
+import contextlib
 import ctypes
 import fcntl  # (Linux and macOS, as resource: train.py runs on Unix; Windows: WSL)
 import hashlib
@@ -30,6 +31,7 @@ import signal
 import sys
 import textwrap
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -49,6 +51,9 @@ LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 MASTER = RANK == 0
 STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
 CPU_GROUP = {"group": None}  # under DDP: gloo, for the stop every process agrees on
+# this process's run: its folder (locked by process 0), the batch it is at (None while
+# the model is built), whether the console went to stderr; for the failure messages
+THIS_RUN = {"folder": None, "batch": None, "stderr": False}
 TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
@@ -56,8 +61,10 @@ RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
 
 
 def fail(msg):
-    """Bad input: one line on stderr, what is wrong and what to do; exit 1, no trace."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    """Bad input: one line on stderr, what is wrong and what to do; exit 1, no trace.
+    Under DDP process 0 says it: every process meets the same input."""
+    if MASTER:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 
@@ -71,19 +78,22 @@ def fmt_time(s):
     return f"{int(s) // 3600}h{int(s) // 60 % 60:02d}m"
 
 
-def atomic_write(path, data):
+def atomic_write(path, data, dir_fd=None):
     """data (bytes or str) whole at path, or nothing there: a temporary file first,
-    then renamed over path; an error names path, not the temporary file."""
+    then renamed over path (relative to the folder dir_fd, when given); an error names
+    path, not the temporary file."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with open(os.open(tmp, flags, 0o666, dir_fd=dir_fd), "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
         if isinstance(e, OSError) and e.errno is not None:
             raise OSError(e.errno, e.strerror, path) from e
         raise
@@ -94,7 +104,11 @@ def bounded(kind, low, high=math.inf):
     """An argparse type: a number of this kind in [low, high)."""
 
     def number(text):
-        value = kind(text)
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not low <= value < high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}), got {text}")
         return value
@@ -170,6 +184,8 @@ def check_mixer(cfg):
     except ValueError as e:  # an unknown name, or settings the mixer refuses
         fail(str(e))
     except Exception as e:  # not a module of the config that maps x to x's shape
+        if out_of_memory(e):
+            raise  # (said as such by run_command)
         fail(
             f"--mixer {cfg.mixer} is not a mixer ({type(e).__name__}: {e}): a mixer is "
             "an nn.Module of the config whose forward(x, cache) keeps x's shape"
@@ -185,7 +201,8 @@ def checked_file(data_dir, name, key):
     try:
         meta = json.loads(Path(meta_path).read_text())
         data = Path(path).read_bytes()
-    except (OSError, ValueError) as e:  # no such file, not JSON
+        assert isinstance(meta, dict), "not an object"
+    except (OSError, ValueError, AssertionError) as e:  # no such file, not JSON's {}
         missing = getattr(e, "filename", None) or meta_path
         fail(f"{missing} is missing or damaged: run prepare_data.py first")
     if hashlib.sha256(data).hexdigest() != meta.get(key):
@@ -217,7 +234,14 @@ def load_data(data_dir, block_size, batch_size):
         path, raw, meta = checked_file(data_dir, f"{split}.bin", f"{split}_sha256")
         n = len(raw) // 2
         if n < need:
-            fail(f"{path}: {n} tokens, fewer than one batch ({need}): use a smaller l")
+            batch = "b + l" if split == "train" else "l + 1"
+            less = (
+                "--batch_size or --block_size" if split == "train" else "--block_size"
+            )
+            fail(
+                f"{path}: {n} tokens, fewer than a batch needs ({batch} = {need}): "
+                f"use a smaller {less}"
+            )
         tokens.append(np.memmap(path, dtype=np.uint16, mode="r"))
         top = int(tokens[-1].max())
         vocab_size = meta.get("vocab_size", 0)
@@ -232,42 +256,110 @@ def load_data(data_dir, block_size, batch_size):
 
 
 # ---- the run folder and ckpt.pt ------------------------------------------------------
-@contextmanager
-def locked(out_dir):
-    """The run folder, made, locked against a second train.py, without killed .*.tmp."""
-    out = Path(out_dir)
-    if out.is_file():
-        fail(f"--out_dir {out_dir} is a file: pass a folder (the run's, or a new one)")
-    made = not out.is_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out, os.O_RDONLY)
-    try:
+# what --resume reads from ckpt.pt (sample.py: config, model, args, iter, data)
+RESUME_KEYS = {"model", "optimizer", "scaler", "rng", "log", "args", "iter", "data"}
+RESUME_KEYS |= {"world_size", "elapsed_s"}
+
+
+class RunFolder:
+    """The run folder, opened once: process 0 makes it, locks it against a second
+    train.py and writes through the handle it locked, so a run whose folder is renamed
+    while it trains keeps writing into its own folder, never into a new one at the old
+    path."""
+
+    def __init__(self, path):
+        self.path = path
+        if os.path.isfile(path):
+            fail(f"--out_dir {path} is a file: pass a folder (the run's, or a new one)")
+        self.made = not os.path.isdir(path)
+        os.makedirs(path, exist_ok=True)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def lock(self):
+        """Refused if another train.py holds the folder; one line if it cannot be
+        written; without the .*.tmp files a killed write left."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fail(
-                f"{out_dir} is in use: a run of another train.py is in progress "
+                f"{self.path} is in use: a run of another train.py is in progress "
                 "there; wait for it, or pick another --out_dir"
             )
-        for tmp in out.glob(".*.tmp"):
-            tmp.unlink()
-        yield
+        for name in os.listdir(self.fd):
+            if name.startswith(".") and name.endswith(".tmp"):
+                os.unlink(name, dir_fd=self.fd)
+        try:
+            atomic_write(".written", b"", dir_fd=self.fd)
+            os.unlink(".written", dir_fd=self.fd)
+        except OSError as e:
+            fail(f"cannot write in --out_dir {self.path} ({e.strerror}): pick another")
+
+    def has(self, name):
+        try:
+            os.stat(name, dir_fd=self.fd)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def write(self, name, data):
+        """The file `name` whole in this folder, or as it was."""
+        try:
+            atomic_write(name, data, dir_fd=self.fd)
+        except OSError as e:  # (named as the folder's file)
+            raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from e
+
+    def remove(self, name):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def close(self):
+        """The handle closed; a folder this run made and left empty removed."""
+        empty = not os.listdir(self.fd)
+        with contextlib.suppress(OSError):  # (not if another folder took its path)
+            if (
+                self.made
+                and empty
+                and os.path.samestat(os.stat(self.path), os.fstat(self.fd))
+            ):
+                os.rmdir(self.path)
+        os.close(self.fd)
+
+
+@contextmanager
+def run_folder(out_dir):
+    """The run folder, locked by process 0, for the run's whole command."""
+    folder = RunFolder(out_dir)
+    THIS_RUN["folder"] = folder
+    try:
+        if MASTER:
+            folder.lock()
+        yield folder
     finally:
-        os.close(fd)
-        if made and not any(out.iterdir()):
-            out.rmdir()
+        THIS_RUN["folder"] = None
+        if MASTER:
+            folder.close()
+        else:
+            os.close(folder.fd)
 
 
-def checkpoint_to_resume(args, parser, argv, settings, may_change):
-    """The checkpoint to resume (args then set from it), or None to start: one rule each
-    way, a folder holds a run once a checkpoint (and log.csv) was written in it."""
-    path = Path(args.out_dir, "ckpt.pt")
-    has_ckpt = path.exists()
-    has_log = path.with_name("log.csv").exists()
+def checkpoint_to_resume(args, parser, argv, settings, may_change, folder):
+    """The checkpoint to resume (args then set from it), or None to start: a folder
+    holds a run once a checkpoint (and log.csv) was written in it, and a plain command
+    refuses it; --resume goes on only from a checkpoint of as many processes,
+    with the same settings but those it may change; a finished run's log.csv.gz (as
+    results/logs/ keeps runs) is never written over."""
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if folder.has("log.csv.gz"):
+        fail(
+            f"{args.out_dir} holds a finished run's log.csv.gz (as results/logs/ keeps "
+            "runs): train.py writes no such folder; pick another --out_dir"
+        )
+    has_ckpt = folder.has("ckpt.pt")
+    has_run = has_ckpt or folder.has("log.csv")
     if args.resume and not has_ckpt:
-        how = "--overwrite starts the run again" if has_log else "drop --resume"
+        how = "--overwrite starts the run again" if has_run else "drop --resume"
         fail(f"no checkpoint {path} to resume; {how}")
-    if not (args.resume or args.overwrite) and (has_ckpt or has_log):
+    if not (args.resume or args.overwrite) and has_run:
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
         fail(
             f"{args.out_dir} holds a run ({how}; --overwrite starts it again); "
@@ -276,6 +368,14 @@ def checkpoint_to_resume(args, parser, argv, settings, may_change):
     if not args.resume:
         return None
     ckpt = load_checkpoint(path)
+    missing = ", ".join(sorted(RESUME_KEYS - set(ckpt)))
+    if missing:
+        fail(
+            f"{path} has no {missing}: an older train.py wrote it; resume it with that "
+            "version, or --overwrite starts the run again"
+        )
+    if ckpt["world_size"] != WORLD:
+        fail(f"{path} was trained by {ckpt['world_size']} processes: run as many")
     saved = {k: v for k, v in ckpt["args"].items() if k in settings}
     vars(args).update(saved)
     parser.parse_args(argv, args)  # the flags given, over the saved settings
@@ -310,9 +410,9 @@ def check_same_data(ckpt, data, args):
         fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
 
 
-def save_checkpoint(args, info, rows, model, optimizer, scaler):
+def save_checkpoint(info, rows, model, optimizer, scaler):
     """ckpt.pt (run.json's info, log.csv's rows, all processes' RNG states), log.csv,
-    run.json, each whole or none."""
+    run.json, each whole or none, in the locked folder."""
     state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -331,16 +431,14 @@ def save_checkpoint(args, info, rows, model, optimizer, scaler):
     )
     buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
     torch.save(ckpt, buffer)
-    out = Path(args.out_dir)
-    atomic_write(out / "ckpt.pt", buffer.getvalue())
-    atomic_write(out / "log.csv", LOG_HEADER + "".join(rows))
-    atomic_write(out / "run.json", json.dumps(info, indent=1) + "\n")
+    folder = THIS_RUN["folder"]
+    folder.write("ckpt.pt", buffer.getvalue())
+    folder.write("log.csv", LOG_HEADER + "".join(rows))
+    folder.write("run.json", json.dumps(info, indent=1) + "\n")
 
 
 def restore(ckpt, model, optimizer, scaler, device):
     """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
-    if ckpt["world_size"] != WORLD:
-        fail(f"ckpt.pt was trained by {ckpt['world_size']} processes: run as many")
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # a mixer of one's own whose parameters changed since
@@ -360,26 +458,56 @@ def restore(ckpt, model, optimizer, scaler, device):
 
 def kept(out_dir):
     """What a run that fails leaves, said as the folder is."""
-    path = Path(out_dir, "ckpt.pt")
-    if path.exists():
-        return f"the last checkpoint, {path}, stays"
+    folder = THIS_RUN["folder"]
+    with contextlib.suppress(OSError):  # (a name too long, a folder gone)
+        if folder.has("ckpt.pt") if folder else os.path.exists(f"{out_dir}/ckpt.pt"):
+            return f"the last checkpoint, {out_dir}/ckpt.pt, stays"
     return "no checkpoint was written"
 
 
 # ---- the console, log.csv and when to stop -------------------------------------------
 def say(line):
-    """A console line at once, from process 0; a closed stdout (| head) is a signal."""
-    if MASTER:
-        try:
-            print(line, flush=True)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            STOP["signal"] = STOP["signal"] or signal.SIGPIPE
+    """A console line at once, from process 0. A console that cannot be written (| head
+    has closed, the terminal is gone, the disk is full) stops the run at a checkpoint,
+    as a signal does; the lines go to stderr from then on, where it can be written."""
+    if not MASTER:
+        return
+    try:
+        print(line, file=sys.stderr if THIS_RUN["stderr"] else sys.stdout, flush=True)
+    except OSError as e:
+        gone = sys.stderr if THIS_RUN["stderr"] else sys.stdout
+        with contextlib.suppress(OSError, ValueError):  # (written to nowhere from now)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), gone.fileno())
+        closed = signal.SIGPIPE if isinstance(e, BrokenPipeError) else signal.SIGHUP
+        STOP["signal"] = STOP["signal"] or closed
+        if not THIS_RUN["stderr"]:
+            THIS_RUN["stderr"] = True
+            say(line)
 
 
 def ask_to_stop(signum, frame):
     STOP["signal"] = signum
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: abort
+
+
+class StepClock:
+    """The time each step ended as the device did it. On CUDA nothing in a step waits
+    for the GPU, so the host could queue a whole log interval ahead and the clock would
+    time the queueing: the clock is read once the GPU has finished the step before
+    (an event each step), the host one step ahead, the times a step late at most."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.queued = None  # the event after the step before
+
+    def now(self):
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+            if self.queued is not None:
+                self.queued.synchronize()
+            self.queued = done
+        return time.time()
 
 
 class Progress:
@@ -390,28 +518,37 @@ class Progress:
 
     def __init__(self, args, ckpt, start_time, info):
         self.args, self.info, self.start_time = args, info, start_time
+        if args.time_limit is not None and time.time() - start_time > args.time_limit:
+            took = f"{time.time() - start_time:.1f} s"
+            fail(
+                f"--time_limit passed before the first batch ({took} to start): "
+                "nothing was trained; give a longer one"
+            )
         self.start_iter = ckpt["iter"] if ckpt else 0
+        THIS_RUN["batch"] = self.start_iter + 1
         self.rows = ckpt["log"] if ckpt else []  # log.csv's lines
         n = min(args.log_interval, args.max_iters - self.start_iter)
-        device = info["computed"]["device"]
-        self.losses = torch.zeros(n, device=device)  # since the last log point
+        self.device = torch.device(info["computed"]["device"])
+        self.losses = torch.zeros(n, device=self.device)  # since the last log point
         self.times = []  # when each of those batches ended, from the run's start
+        self.clock = StepClock(self.device)
         self.pause = 5.0  # the longest log point's work, s (a guess until measured)
         self.since = time.time()  # the end of the last log point
         self.t0 = self.since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (its time counts)
         if MASTER and args.overwrite:
             for name in RUN_FILES:  # the old run's, once the new one could start
-                Path(args.out_dir, name).unlink(missing_ok=True)
+                THIS_RUN["folder"].remove(name)
 
     def batch_done(self, loss):
         """The batch's loss (a tensor on the device, not read) and its end."""
         self.losses[len(self.times)] = loss
-        self.times.append(time.time() - self.t0)
+        self.times.append(self.clock.now() - self.t0)
+        THIS_RUN["batch"] += 1
 
     def must_stop(self, evaluates_next):
-        """Whether batch `it` must be the last, in every process alike: a signal came,
-        or from train.py's start the time limit leaves no room for 2 batches, the next
-        validation (if the next batch has one) and a log point."""
+        """Whether the batch just done must be the last, in every process alike: a
+        signal came, or from train.py's start the time limit leaves no room for 2
+        batches, the next validation (if the next batch has one) and a log point."""
         signalled = STOP["signal"] is not None
         return any_process(signalled or self.out_of_time(evaluates_next))
 
@@ -434,10 +571,11 @@ class Progress:
         eta = (args.max_iters - it) * (now - self.start_time) / (it - self.start_iter)
         for i, (cost, t) in enumerate(zip(costs, self.times), it - n + 1):
             if not math.isfinite(cost):
+                left = kept(args.out_dir)
+                again = "(--overwrite) " if "stays" in left else ""
                 fail(
-                    f"the training cost became {cost} at batch {i}; "
-                    f"{kept(args.out_dir)}. Start again (--overwrite) with a smaller "
-                    "--lr or with --grad_clip"
+                    f"the training cost became {cost} at batch {i}; {left}. Start "
+                    f"again {again}with a smaller --lr or with --grad_clip"
                 )
             val_i = repr(val) if i == it and val is not None else ""
             self.rows.append(f"{i},{cost!r},{val_i},{args.lr},{tok_s:.1f},{t:.3f}\n")
@@ -448,12 +586,15 @@ class Progress:
         say(f"{line} | ETA {fmt_time(eta)}")
 
     def save(self, it, model, optimizer, scaler):
-        """ckpt.pt, log.csv and run.json, with this session's peak memory."""
-        peak, what = peak_memory(self.losses.device)
-        info = self.info
-        info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
-        info.update(iter=it, elapsed_s=time.time() - self.t0)
-        save_checkpoint(self.args, info, self.rows, model, optimizer, scaler)
+        """ckpt.pt, log.csv and run.json, with this session's peak memory (on CUDA the
+        allocator's reserve too: a captured step's pool is reserved, not allocated)."""
+        peak, what = peak_memory(self.device)
+        self.info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
+        if self.device.type == "cuda":
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            self.info["peak_reserved_mb"] = round(reserved / 2**20, 1)
+        self.info.update(iter=it, elapsed_s=time.time() - self.t0)
+        save_checkpoint(self.info, self.rows, model, optimizer, scaler)
 
     def log_point_done(self):
         """The pace counts again from here; the longest log point's work is kept."""
@@ -463,8 +604,10 @@ class Progress:
 
     def finish(self, it, stop):
         """The last lines: the peak memory and what ended the run; its exit status."""
-        peak, what = peak_memory(self.losses.device)
-        say(f"{what}: {peak / 2**30:.2f} GB")
+        peak, what = peak_memory(self.device)
+        reserved = self.info.get("peak_reserved_mb")
+        also = f", reserved {reserved / 1024:.2f} GB" if reserved else ""
+        say(f"{what}: {peak / 2**30:.2f} GB{also}")
         if not stop:
             plot = f"python experiments/plot.py {self.args.out_dir}"
             say(f"done: {plot} draws its losses")
@@ -495,9 +638,14 @@ def mean_over_processes(t):
 
 # ---- the device, precision, the step -------------------------------------------------
 def pick_device(name):
-    """--device as a torch.device (auto: cuda, else cpu); one line if there is none."""
+    """--device as a torch.device once a kernel has run on it; auto: CUDA where it runs
+    one, else the CPU (said where CUDA is there but unusable). One line for a device
+    torch does not see, or a GPU this build of torch has no kernels for."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        why = why_not_cuda()
+        if why:
+            say(f"note: CUDA is unusable here ({why}); --device auto runs on the CPU")
+        name = "cpu" if why is not None else "cuda"
     if name == "cuda":  # under torchrun: this process's GPU
         name = f"cuda:{LOCAL_RANK}"
     try:
@@ -506,15 +654,52 @@ def pick_device(name):
     except Exception:
         fail(f"--device {name}: torch sees no such device here; use --device cpu")
     if device.type == "cuda":
+        why = no_kernel(device)
+        if why:
+            fail(f"--device {name}: {why}; use --device cpu")
         torch.cuda.set_device(device)
     if device.type == "cpu" and platform.libc_ver()[0] == "glibc":
         # glibc keeps freed memory, not giving large tensors' pages back to fault in at
-        # each step: 1.4x tokens/s at m = 2
+        # each step: 1.2-1.4x tokens/s at m = 2
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap
         libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: no trim
         libc.mallopt(-2, 2**28)  # M_TOP_PAD: grow the heap 256 MB at a time
     return device
+
+
+def why_not_cuda():
+    """None where CUDA runs a kernel here; else why not ("" where torch or the machine
+    has no CUDA at all, torch's warning where it has, as with a driver too old)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not torch.cuda.is_available():
+            return str(caught[0].message).splitlines()[0] if caught else ""
+    return no_kernel(torch.device(f"cuda:{LOCAL_RANK}"))
+
+
+def no_kernel(device):
+    """None once a kernel ran on the GPU, else why not: the build has no kernels for
+    the card's compute capability (its list does not hold it), and what to install."""
+    try:
+        torch.ones(1, device=device).add_(1).item()  # (waited for: its error is here)
+        return None
+    except RuntimeError as e:
+        major, minor = torch.cuda.get_device_capability(device)
+        built = " ".join(torch.cuda.get_arch_list())
+        return (
+            f"torch {torch.__version__} cannot run on this GPU ({first_line(e)}): "
+            f"its compute capability is {major}.{minor}, the build's kernels are for "
+            f"{built}; install a PyTorch build that lists sm_{major}{minor}"
+        )
+
+
+def first_line(error):
+    """The first error of the chain an exception ends, as one line."""
+    while error.__cause__ or error.__context__:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def start_processes(device):
@@ -542,14 +727,17 @@ def precision(device, dtype, tf32=True):
 
 
 def computed(device, args):
-    """How the run computes, for run.json."""
-    tf32 = "tf32" if device.type == "cuda" and args.tf32 else "ieee"
+    """How the run computes, for run.json: TF32 only where the card has it (compute
+    capability 8.0 and up)."""
+    tf32 = device.type == "cuda" and args.tf32
+    tf32 = tf32 and torch.cuda.get_device_capability(device) >= (8, 0)
+    matmul = "tf32" if tf32 else "ieee"
     how = dict(
         device=str(device),
         torch=str(torch.__version__),  # (a plain str: weights_only loads it)
         dtype=args.dtype,
-        float32_matmul=tf32,
-        fir_matmul=tf32 if fir.ALLOW_TF32 else "ieee",
+        float32_matmul=matmul,
+        fir_matmul=matmul if fir.ALLOW_TF32 else "ieee",
     )
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
@@ -578,9 +766,11 @@ def make_step(step, optimizer, args, device, how):
 
 class CapturedStep:
     """step(x, y) replayed from a CUDA graph, bit for bit the eager step: 3 eager calls
-    on a side stream, then the recording (failed, with `how` given: eager from then)."""
+    on a side stream, then the recording; AdamW is made capturable for it alone (an
+    eager step runs faster without). A recording that fails in Python goes on eagerly
+    (said in `how`, run.json's, when given); one that CUDA fails stops the run."""
 
-    def __init__(self, step, optimizer=None, how=None):
+    def __init__(self, step, optimizer, how=None):
         self.step = step
         self.optimizer = optimizer
         self.how = how
@@ -597,11 +787,8 @@ class CapturedStep:
             torch.cuda.current_stream().wait_stream(self.stream)
             return loss
         if self.graph is None:  # recording runs nothing
-            self.x, self.y = x.clone(), y.clone()  # the static inputs
             try:
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=self.stream):
-                    self.loss = self.step(self.x, self.y)
+                self.record(x, y)
             except Exception as error:
                 if self.how is None:
                     raise
@@ -611,11 +798,40 @@ class CapturedStep:
         self.graph.replay()
         return self.loss.clone()
 
+    def record(self, x, y):
+        """The step recorded on the side stream. capture_end raises where CUDA failed
+        the capture: the caching allocator may then be left in its capture mode (as
+        PyTorch's CUDAGraph::reset says), where no eager step may run: the run stops
+        with the first error of the chain."""
+        self.x, self.y = x.clone(), y.clone()  # the static inputs
+        for group in self.optimizer.param_groups:
+            group["capturable"] = True
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.stream):
+            self.graph.capture_begin()
+            try:
+                self.loss = self.step(self.x, self.y)
+            finally:
+                try:
+                    self.graph.capture_end()
+                except Exception as error:
+                    fail(
+                        f"the step cannot be captured in a CUDA graph "
+                        f"({first_line(error)}); --no-cuda_graph runs it eagerly"
+                    )
+
     def fall_back(self, error, x, y):
-        """The eager step from now on, said on the console and in run.json."""
-        why = f"{type(error).__name__}: {error}".splitlines()[0]
+        """The eager step from now on, said on the console and in run.json; the graph
+        and its memory pool freed."""
+        why = first_line(error)
         say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
         self.how["step"] = f"eager, the capture failed ({why})"
+        self.graph.reset()
+        self.graph = None
+        torch.cuda.empty_cache()
+        for group in self.optimizer.param_groups:
+            group["capturable"] = False
         self.optimizer.zero_grad(set_to_none=True)  # (the recording's, not computed)
         self.warmup = math.inf  # eager, on the side stream, from now on
         return self(x, y)
@@ -633,13 +849,13 @@ def run_command(settings, may_change, train, argv=None):
     try:
         args = parser.parse_args(argv)
         args.out_dir = args.out_dir or default_out_dir(args, settings)
-        with locked(args.out_dir) if MASTER else nullcontext():
-            ckpt = checkpoint_to_resume(args, parser, argv, settings, may_change)
+        with run_folder(args.out_dir) as folder:
+            ckpt = checkpoint_to_resume(
+                args, parser, argv, settings, may_change, folder
+            )
             args.data_dir = os.path.abspath(args.data_dir)
-            start = ckpt["iter"] if ckpt else 0
-            if start >= args.max_iters:
-                say(f"{args.out_dir} is at batch {start}: nothing to train")
-                return 0
+            if (ckpt["iter"] if ckpt else 0) >= args.max_iters:
+                return nothing_to_train(args, ckpt, folder)
             for s in signals:
                 signal.signal(s, ask_to_stop)
             return train(args, ckpt, start_time)
@@ -651,15 +867,41 @@ def run_command(settings, may_change, train, argv=None):
     except OSError as e:  # a full disk, a lost folder
         fail(f"cannot write {e.filename} ({e.strerror}); {kept(args.out_dir)}")
     except (RuntimeError, MemoryError) as e:
-        cpu = "can't allocate memory" in str(e)  # (torch's CPU allocator)
-        if not (cpu or isinstance(e, (torch.OutOfMemoryError, MemoryError))):
+        if not out_of_memory(e):
             raise
-        fail(f"out of memory: use a smaller --batch_size; {kept(args.out_dir)}")
+        fail(f"out of memory {memory_advice()}; {kept(args.out_dir)}")
     finally:
         STOP["signal"] = None
+        THIS_RUN.update(batch=None, stderr=False)
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():
             # tear the process group down together (gloo may abort if one leaves early)
             dist.barrier()
             dist.destroy_process_group()
+
+
+def nothing_to_train(args, ckpt, folder):
+    """A run at its last batch already: said, and a lost log.csv written again from
+    ckpt.pt's rows."""
+    if ckpt and MASTER and not folder.has("log.csv"):
+        folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
+        say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
+    start = ckpt["iter"] if ckpt else 0
+    say(f"{args.out_dir} is at batch {start}: nothing to train")
+    return 0
+
+
+def out_of_memory(error):
+    """Whether the error is memory running out (torch's CPU allocator raises a plain
+    RuntimeError that says so)."""
+    cpu = "can't allocate memory" in str(error)
+    return cpu or isinstance(error, (torch.OutOfMemoryError, MemoryError))
+
+
+def memory_advice():
+    """Where memory ran out and what shrinks it."""
+    if THIS_RUN["batch"] is None:
+        return "building the model: use a smaller --n_layer, --n_embd or --block_size"
+    batch = THIS_RUN["batch"]
+    return f"at batch {batch}: use a smaller --batch_size or --block_size"

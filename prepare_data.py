@@ -75,11 +75,14 @@ def atomic_write(path, data):
 
 
 def read_books_tsv(path):
-    """[(ebook id, title, author)]: a header, then rank, id, title, author by tabs."""
+    """[(ebook id, title, author)]: rank, id, title, author by tabs, a line a book,
+    after a header line if there is one (a first line whose id is not a number)."""
     try:
         with open(path, encoding="utf-8-sig") as f:
-            lines = [line for line in f.read().splitlines()[1:] if line.strip()]
+            lines = [line for line in f.read().splitlines() if line.strip()]
         rows = [(line + "\t\t\t").split("\t") for line in lines]
+        if rows and not rows[0][1].strip().isdigit():
+            rows = rows[1:]  # the header
         books = [(int(r[1]), r[2].strip(), r[3].strip()) for r in rows]
     except (OSError, ValueError) as e:  # no such file, not UTF-8, an id not a number
         fail(

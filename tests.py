@@ -9,6 +9,7 @@ import collections
 import contextlib
 import copy
 import csv
+import errno
 import functools
 import glob
 import gzip
@@ -71,9 +72,11 @@ def _test_device():
     if not there.get(device.type, False):
         return cpu, f"TEST_DEVICE={name}: torch sees no such device here; unset it"
     if device.type == "cuda":
-        # the same numbers every time, so "bit for bit" means what it does on the CPU
+        # the same numbers every time, so "bit for bit" means what it does on the CPU:
+        # without warn_only, as attention's backward kernels take only that as leave to
+        # drop their atomics, and an op with no deterministic kernel fails loudly
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)
     return device, None
 
 
@@ -580,8 +583,24 @@ def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
     assert model(torch.zeros(1, 6).long())[0].shape == (1, 6, 9)
     choices = ", ".join(ALL) + ", or module.Class (a mixer class of yours)"
     nope = " (module 'my_mixers' has no attribute 'Nope')"
-    cases = [("xx", ""), ("he.ext", " (No module named 'he')"), ("math.pi", "")]
-    cases += [("my_mixers.Nope", nope), ("my_mixers.NOT_A_CLASS", "")]
+    cases = [("xx", ""), ("he.ext", " (No module named 'he')")]
+    cases += [("math.pi", " (math.pi is 3.141592653589793, not an nn.Module class)")]
+    cases += [("my_mixers.Nope", nope)]
+    cases += [
+        (
+            "my_mixers.NOT_A_CLASS",
+            " (my_mixers.NOT_A_CLASS is 3, not an nn.Module class)",
+        )
+    ]
+    ordered = "<class 'collections.OrderedDict'>"  # a class, but not a module's
+    cases += [
+        (
+            "collections.OrderedDict",
+            f" (collections.OrderedDict is {ordered}, not an nn.Module class)",
+        )
+    ]
+    relative = "the 'package' argument is required to perform a relative import for"
+    cases += [(".my_mixers.Mean", f" ({relative} '.my_mixers')")]
     for bad, why in cases:
         says = f"unknown mixer {bad!r}{why}; choose one of: {choices}"
         refused(says, find_mixer, bad)
@@ -1722,14 +1741,20 @@ def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
     n = len(val)
     # windows of l + 1 = n tokens: just enough
     assert len(machinery.load_data(data, n - 1, 1)[1]) == n
-    assert f"val.bin: {n} tokens, fewer than one batch ({n + 1})" in err(data, n, 1)
+    assert (
+        f"val.bin: {n} tokens, fewer than a batch needs (l + 1 = {n + 1}): use a "
+        "smaller --block_size" in err(data, n, 1)
+    )
     n = len(train)
-    assert f"train.bin: {n} tokens, fewer than one batch ({n + 1})" in err(data, 1, n)
+    batch = f"fewer than a batch needs (b + l = {n + 1}): use a smaller --batch_size"
+    assert f"train.bin: {n} tokens, {batch} or --block_size" in err(data, 1, n)
     # a token fewer, a token changed
     for change in (lambda b: b[:-2], lambda b: b[:-2] + b"\1\0"):
         raw = open(f"{data}/val.bin", "rb").read()
         open(f"{data}/val.bin", "wb").write(change(raw))
         assert "val.bin is not the file meta.json describes" in err(data, 8, 4)
+    json.dump([meta], open(f"{data}/meta.json", "w"))  # JSON, but not meta.json's
+    assert "meta.json is missing or damaged: run prepare_data.py" in err(data, 8, 4)
     top = int(train.max())
     json.dump({**meta, "vocab_size": top}, open(f"{data}/meta.json", "w"))
     says = f"train.bin holds token {top} >= meta.json's vocab_size {top}"  # train first
@@ -1789,7 +1814,7 @@ def test_bpe_worked_by_hand_and_the_fast_one_against_the_literal_one(capsys):
     assert error_line(capsys, prepare_data.train_bpe, {"ab": 1}, 258).startswith(says)
 
 
-def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids():
+def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids(tmp_path):
     def held_out(ids, texts, f):
         return sorted(ids[i] for i in prepare_data.split_books(ids, texts, f)[1])
 
@@ -1806,6 +1831,10 @@ def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids():
     books = prepare_data.read_books_tsv(prepare_data.parse_args([]).books)
     assert len(books) == 100
     assert books[0] == (11, "Alice's Adventures in Wonderland", "Lewis Carroll")
+    headless = tmp_path / "headless.tsv"  # the same without its header line
+    tsv = open(prepare_data.BOOKS_TSV).read()
+    headless.write_text("".join(tsv.splitlines(True)[1:]))
+    assert prepare_data.read_books_tsv(str(headless)) == books
     # by sha256: 2726 (00f3ca2e...), 55 (02d20bbd...), 51 (031b4af5...), 1154
     # (06ec44cc...), 2557 (0844b610...), 146 (0a5b046d...), 520 (0b35b06a...); the real
     # books' lengths stop after six
@@ -2006,7 +2035,8 @@ BAD_FLAGS = {
     "--n_head 5": "n_head=5 must divide n_embd=16",
     "--resume --overwrite": "--overwrite: not allowed with argument --resume",
     "--device cuda:99": "torch sees no such device",
-    "--max_iters x": "invalid number value: 'x'",
+    "--max_iters x": "argument --max_iters: 'x' is not a whole number",
+    "--lr fast": "argument --lr: 'fast' is not a number",
     "--dtype half": "argument --dtype: 'half': use float32, bfloat16 or float16",
 }
 
@@ -2151,6 +2181,98 @@ def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     assert (args["lr"], args["log_interval"], args["n_layer"]) == (0.003, 2, 2)
     assert train.main(["--out_dir", out, "--resume"]) == 0
     assert f"{out} is at batch 10: nothing to train" in capsys.readouterr().out
+    rows = log_rows(out)
+    os.remove(os.path.join(out, "log.csv"))  # a finished run's log lost
+    assert train.main(["--out_dir", out, "--resume"]) == 0
+    assert (
+        f"{out}/log.csv was lost: written again from ckpt.pt" in capsys.readouterr().out
+    )
+    assert log_rows(out) == rows
+
+
+def other_value(name, value):
+    """A flag giving the setting `name` another value than `value`, one it may take."""
+    if isinstance(value, bool):
+        return f"--{'no-' if value else ''}{name}"
+    others = {"mixer": "he", "dtype": "bfloat16"}
+    if name in others:
+        return f"--{name}={others[name]}"
+    return f"--{name}={value + 1 if isinstance(value, int) else value / 2 or 0.5}"
+
+
+def test_resume_refuses_each_setting_of_the_run_other_processes_and_older_code(
+    data, tmp_path, capsys
+):
+    """Every setting --resume keeps (all of train.SETTINGS but MAY_CHANGE), given
+    another value, is refused in one line that names it; so is a checkpoint of another
+    number of processes or of an older train.py (a key it lacks). A finished run's
+    log.csv.gz, as results/logs/ keeps runs, is never written over."""
+    out = str(tmp_path / "run")
+    assert run(tmp_path, data, "--max_iters=2") == 0
+    saved = json.load(open(os.path.join(out, "run.json")))["args"]
+    kept_ = [k for k in train.SETTINGS if k not in train.MAY_CHANGE]
+    assert len(kept_) == 18  # Table 1's 15, the mixer, dtype, tf32, eval_batches
+    for name in kept_:
+        flag = other_value(name, saved[name])
+        said = error_line(capsys, run, tmp_path, data, "--resume", flag)
+        assert f"was trained with --{name} {saved[name]}: --resume keeps them" in said
+    path = os.path.join(out, "ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    for change, says in (
+        (dict(world_size=2), f"{path} was trained by 2 processes: run as many"),
+        (dict(elapsed_s=None), f"{path} has no elapsed_s: an older train.py wrote it"),
+    ):
+        torch.save({k: v for k, v in (ckpt | change).items() if v is not None}, path)
+        assert says in error_line(capsys, run, tmp_path, data, "--resume")
+    committed = tmp_path / "committed"  # as results/logs/m2l32/me
+    committed.mkdir()
+    (committed / "log.csv.gz").write_bytes(gzip.compress(b"iter\n"))
+    (committed / "run.json").write_text("{}")
+    for flags in ([], ["--resume"], ["--overwrite"]):
+        said = error_line(capsys, run, tmp_path, data, *flags, name="committed")
+        assert "holds a finished run's log.csv.gz (as results/logs/ keeps runs)" in said
+    assert sorted(os.listdir(committed)) == ["log.csv.gz", "run.json"]
+
+
+def test_a_run_writes_only_into_the_folder_it_locked_without_killed_writes(
+    data, tmp_path, monkeypatch, capsys
+):
+    """A killed write's .*.tmp goes; a folder renamed while its run trains gets the
+    run's files, a new folder at the old path none; a name too long is one line."""
+    out, moved = tmp_path / "run", tmp_path / "moved"
+    out.mkdir()
+    (out / ".ckpt.pt.4242.tmp").write_bytes(b"half a checkpoint")
+    get_batch, calls = train.get_batch, itertools.count(1)
+
+    def renamed_at_3(*a):
+        if next(calls) == 3:
+            os.rename(out, moved)
+            out.mkdir()  # another run's, say
+        return get_batch(*a)
+
+    monkeypatch.setattr(train, "get_batch", renamed_at_3)
+    assert run(tmp_path, data, "--max_iters=5") == 0
+    assert os.listdir(out) == [] and ckpt_iter(str(moved)) == 5
+    assert sorted(os.listdir(moved)) == ["ckpt.pt", "log.csv", "run.json"]
+    said = error_line(capsys, run, tmp_path, data, name="x" * 300)
+    assert said.endswith("(File name too long); no checkpoint was written")
+
+
+def test_a_console_that_cannot_be_written_stops_the_run_at_a_checkpoint(
+    data, tmp_path, monkeypatch, capsys
+):
+    """A terminal closed under the run (EIO, not a broken pipe) stops it as a hang-up
+    does, at a checkpoint, and says so on stderr."""
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert run(tmp_path, data, "--max_iters=100") == 128 + signal.SIGHUP
+    said = capsys.readouterr().err
+    assert "SIGHUP: stopped at batch 1 with a checkpoint; go on with --resume" in said
+    assert ckpt_iter(str(tmp_path / "run")) == 1
 
 
 # ---- the run folder: one run each, from its first checkpoint on
@@ -2161,7 +2283,7 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
     assert f"{out} holds a run (--resume continues it; --overwrite starts" in said
     assert files(out) == before
-    with machinery.locked(out):  # a train.py working in the folder
+    with machinery.run_folder(out):  # a train.py working in the folder
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "9", "--resume")
     assert f"{out} is in use: a run of another train.py is in progress" in said
     assert files(out) == before
@@ -2236,6 +2358,13 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     assert f"; the last checkpoint, {out}/ckpt.pt, stays" in said
     assert ckpt_iter(out) < int(said.split("at batch ")[1].split(";")[0])
+    step, calls = train.train_step, itertools.count(1)
+    infinite = lambda *a, **kw: step(*a, **kw) * (math.inf if next(calls) == 3 else 1)
+    monkeypatch.setattr(train, "train_step", infinite)
+    said = error_line(capsys, run, tmp_path, data, "--max_iters=9", name="inf")
+    gone = "at batch 3; no checkpoint was written. Start again with a smaller --lr"
+    assert f"the training cost became inf {gone}" in said
+    monkeypatch.setattr(train, "train_step", step)
 
     def too_large(*a):
         return torch.empty(2**62, dtype=torch.uint8)  # the allocator refuses it
@@ -2245,8 +2374,18 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(train, "get_batch", too_large)
     said = error_line(capsys, run, tmp_path, data, name="other")
-    assert said.startswith("error: out of memory: use a smaller --batch_size")
-    assert said.endswith("; no checkpoint was written")
+    big = "error: out of memory at batch 1: use a smaller --batch_size or --block_size"
+    assert said.startswith(big) and said.endswith("; no checkpoint was written")
+
+    class Huge(torch.nn.Module):  # a mixer whose weights do not fit
+        def __init__(self, cfg):
+            super().__init__()
+            self.w = torch.nn.Parameter(too_large())
+
+    monkeypatch.setattr(machinery, "find_mixer", lambda name: Huge)
+    said = error_line(capsys, run, tmp_path, data, name="huge")
+    model = "building the model: use a smaller --n_layer, --n_embd or --block_size"
+    assert said.startswith(f"error: out of memory {model}")
     monkeypatch.setattr(machinery.platform, "libc_ver", lambda: ("", ""))  # musl, macOS
     monkeypatch.setattr(machinery.ctypes, "CDLL", no_such_library)
     assert machinery.pick_device("cpu") == torch.device("cpu")  # (no malloc options)
@@ -2275,6 +2414,10 @@ def test_time_limit_counts_from_the_start_and_foresees_the_validation(
     said = capsys.readouterr().out
     assert "--time_limit: stopped at batch 9 with a checkpoint" in said
     assert ckpt_iter(str(tmp_path / "run")) == 9 and clock[0] - 1000 <= 29
+    flags = ["--max_iters=100", "--time_limit=5s"]  # 10 s to load the data
+    said = error_line(capsys, run, tmp_path, data, *flags, name="late")
+    assert "--time_limit passed before the first batch (10.0 s to start)" in said
+    assert not os.path.exists(tmp_path / "late")  # nothing was trained
 
 
 # ---- what a run writes: log.csv, run.json, the console
@@ -2473,26 +2616,29 @@ def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
 # ---- on a GPU: the captured step is the eager step
 @on_cuda
 @pytest.mark.device
-@pytest.mark.parametrize("mixer", ["sa", "she", "he", "we", "me", "he-ext"])
-def test_captured_step_equals_the_eager_step_bit_for_bit(mixer):
+@pytest.mark.parametrize(
+    "mixer, sizes",
+    [(m, {}) for m in PAPER] + [("sa", dict(l=128, d=128, n_head=1, batch=64))],
+    ids=[*PAPER, "sa-1-table1"],  # batch x heads 64 < 256: atomics unless deterministic
+)
+def test_captured_step_equals_the_eager_step_bit_for_bit(mixer, sizes):
     """3 eager warm-up steps, the capture, 5 replays, with dropout and clipping on, in
     float32 and bf16: the same losses, parameters and AdamW moments to the bit, and the
     CUDA generator where the eager steps leave it (so a checkpoint's RNG state continues
-    the run)."""
+    the run); also at Table 1's shape for 1-head attention."""
     torch.manual_seed(0)
-    batches = torch.randint(0, 50, (9, 4, 17)).to(DEVICE)
+    batch, l = sizes.pop("batch", 4), sizes.get("l", 16)
+    batches = torch.randint(0, 50, (9, batch, l + 1)).to(DEVICE)
     for dtype in ("float32", "bfloat16"):
         ends = []
         for captured in (False, True):
-            model = tiny_model(mixer).train().to(DEVICE)  # (dropout on)
-            opt = torch.optim.AdamW(
-                model.parameters(), lr=1e-2, fused=True, capturable=True
-            )
+            model = tiny_model(mixer, **sizes).train().to(DEVICE)  # (dropout on)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
             ctx, scaler = machinery.precision(DEVICE, dtype)
             step = functools.partial(
                 train.train_step, model, opt, scaler, ctx, grad_clip=0.5
             )
-            step = machinery.CapturedStep(step) if captured else step
+            step = machinery.CapturedStep(step, opt) if captured else step
             loss = torch.stack(
                 [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
             )
@@ -2519,7 +2665,7 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     cfg = Config(30, 8, 8, 16, 1, 2)
     adamw = [train.build_model(cfg, parse(), d)[1] for d in (cuda, cpu)]
     kinds = [(a.defaults["fused"], a.defaults["capturable"]) for a in adamw]
-    assert kinds == [(True, True), (False, False)]
+    assert kinds == [(True, False), (False, False)]  # (capturable: the capture's)
     monkeypatch.setattr(torch.cuda, "Stream", object)
     hows = []  # run.json's computed, each step named in it
 
@@ -2545,8 +2691,13 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
         seen.append((matmul.allow_tf32, cudnn.allow_tf32, ctx._cache_enabled))
     assert seen == [(False, False, True), (True, True, False), (False, False, False)]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"the GPU {d}")
+    capability = [(9, 0)]  # an H100's; a T4's (7, 5) has no TF32
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[0])
     how = lambda d, *flags: machinery.computed(d, parse(*flags))["float32_matmul"]
     assert [how(cuda), how(cuda, "--no-tf32"), how(cpu)] == ["tf32", "ieee", "ieee"]
+    capability[0] = (7, 5)
+    assert how(cuda) == "ieee"
+    capability[0] = (8, 0)
     assert machinery.computed(cuda, parse())["fir_matmul"] == "ieee"  # (TF32 elsewhere)
     monkeypatch.setattr(fir, "ALLOW_TF32", True)  # the FIR's products follow TF32
     whole = machinery.computed(cuda, parse("--dtype=bfloat16"))
@@ -2573,18 +2724,88 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     assert len(pinned) == 1 and moved == [("cuda", True), ("cpu", False)]
 
 
-def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, capsys):
-    """CUDA stubbed; the recording (call 4) fails after the backward, as AdamW's does
-    with capturable off: the run goes on eagerly (the same losses and parameters), says
-    so in one line and in run.json's `computed`."""
+def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
+    monkeypatch, capsys
+):
+    """CUDA stubbed. The step clock records an event each step and reads the host's
+    clock once the GPU has finished the step before: the host one step ahead, no more.
+    --device auto on a driver too old, or on a GPU the build has no kernels for, says
+    so and runs on the CPU; that GPU named is one line with its compute capability."""
+    seen, events = [], itertools.count(1)
+
+    class Event:
+        def __init__(self):
+            self.n = next(events)
+
+        def record(self):
+            seen.append(f"record {self.n}")
+
+        def synchronize(self):
+            seen.append(f"wait {self.n}")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(machinery.time, "time", lambda: seen.append("clock") or 0.0)
+    clock = machinery.StepClock(torch.device("cuda"))
+    for _ in range(3):
+        clock.now()
+    waits = ["record 2", "wait 1", "clock", "record 3", "wait 2", "clock"]
+    assert seen == ["record 1", "clock", *waits]
+    seen.clear()
+    machinery.StepClock(torch.device("cpu")).now()
+    assert seen == ["clock"]
+    monkeypatch.undo()
+    old = "CUDA initialization: The NVIDIA driver on your system is too old (11040)"
+
+    def too_old():
+        warnings.warn(f"{old}.\nPlease update your GPU driver")
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", too_old)
+    assert machinery.pick_device("auto") == torch.device("cpu")
+    note = f"note: CUDA is unusable here ({old}.); --device auto runs on the CPU\n"
+    assert capsys.readouterr().out == note
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA at all
+    assert machinery.pick_device("auto") == torch.device("cpu")
+    assert capsys.readouterr().out == ""
+    ones = torch.ones
+    no_image = "CUDA error: no kernel image is available for execution on the device"
+
+    def kernel(*a, device):
+        if device.type == "cuda":
+            raise RuntimeError(f"{no_image}\nCUDA kernel errors might be ...")
+        return ones(*a, device=device)
+
+    monkeypatch.setattr(torch, "ones", kernel)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (6, 1))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_90"])
+    assert machinery.pick_device("auto") == torch.device("cpu")
+    says = f"(RuntimeError: {no_image}): its compute capability is 6.1, the build's "
+    says += "kernels are for sm_75 sm_90; install a PyTorch build that lists sm_61"
+    assert says in capsys.readouterr().out
+    assert says in machinery.no_kernel(torch.device("cuda:0"))
+
+
+def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
+    monkeypatch, capsys
+):
+    """CUDA stubbed. The recording (call 4) fails in Python after the backward and CUDA
+    ends the capture: the run goes on eagerly (the same losses and parameters), says so
+    in one line and in run.json's `computed`, the graph's pool freed and AdamW no
+    longer capturable (it was for the recording). Where CUDA fails the capture (its
+    capture_end raises), the run stops with one line naming the first error."""
     from unittest import mock
 
-    for name in ("Stream", "current_stream", "stream", "CUDAGraph", "graph"):
+    for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
+    graphs = []  # each recording's graph
+    monkeypatch.setattr(
+        torch.cuda, "CUDAGraph", lambda: graphs.append(mock.Mock()) or graphs[-1]
+    )
     how = {"step": "CapturedStep"}  # run.json's computed
     torch.manual_seed(0)
     batches = torch.randint(0, 50, (6, 2, 17))
-    ends = []
+    ends, capturable = [], []
     for captured in (False, True):
         model = tiny_model("he")
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -2592,20 +2813,44 @@ def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, capsys):
         eager = functools.partial(train.train_step, model, adamw, scaler, ctx)
         calls = itertools.count(1)
 
-        def step(x, y):  # the 4th call records: the gradients, then AdamW's refusal
+        def step(x, y):  # the 4th call records: the gradients, then a refusal
             if next(calls) == 4:
+                capturable.append(adamw.param_groups[0]["capturable"])
                 model(x, y)[1].backward()
-                raise RuntimeError("capturable is False\n(more)")
+                raise ValueError("not recordable\n(more)")
             return eager(x, y)
 
         run = machinery.CapturedStep(step, adamw, how) if captured else eager
         ends.append([torch.stack([run(b[:, :-1], b[:, 1:]) for b in batches])])
         ends[-1] += model.parameters()
     assert all(torch.equal(a, b) for a, b in zip(*ends))
-    why = "RuntimeError: capturable is False"
+    why = "ValueError: not recordable"
     line = f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly\n"
     assert capsys.readouterr().out == line
     assert how == {"step": f"eager, the capture failed ({why})"}
+    assert graphs[0].reset.called and torch.cuda.empty_cache.called
+    assert capturable == [True] and not adamw.param_groups[0]["capturable"]
+    first = "CUDA error: operation not permitted when stream is capturing"
+    for body_error in (RuntimeError(first), None):
+        calls = itertools.count(1)
+
+        def step(x, y):  # (the 4th call records)
+            if next(calls) == 4 and body_error:
+                raise body_error
+            return torch.zeros(())
+
+        run = machinery.CapturedStep(step, adamw, {})
+        for _ in range(3):
+            run(*batches[0].split(16, dim=1))
+        end = RuntimeError("operation failed due to a previous error during capture")
+        monkeypatch.setattr(
+            torch.cuda,
+            "CUDAGraph",
+            lambda: mock.Mock(**{"capture_end.side_effect": end}),
+        )
+        said = error_line(capsys, run, *batches[0].split(16, dim=1))
+        shown = first if body_error else str(end)
+        assert f"(RuntimeError: {shown}); --no-cuda_graph runs it eagerly" in said
 
 
 # ======== sampling (sample.py), and end to end ========
@@ -2976,7 +3221,8 @@ def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
     work, results = tmp_path / "work", tmp_path / "results"
     argv = [f"--work={work}", f"--results={results}"]
     children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
-    oom = "error: out of memory: use a smaller --batch_size; out/she holds the run\n"
+    oom = "error: out of memory at batch 3: use a smaller --batch_size or --block_size"
+    oom += "; the last checkpoint, out/she/ckpt.pt, stays\n"
     children.console = {"she": "training from batch 0\n" + oom}
     assert reproduce.main(argv) == 1
     out = capsys.readouterr().out.splitlines()

@@ -99,7 +99,7 @@ def get_batch(data, starts, block_size, device):
 # ---- the model, AdamW and the step ---------------------------------------------------
 def build_model(cfg, args, device):
     """The Transformer, the same in every process, then a dropout stream each; AdamW,
-    fused on CUDA and capturable for the captured step."""
+    fused on CUDA (the captured step makes it capturable)."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + machinery.RANK)
@@ -111,7 +111,6 @@ def build_model(cfg, args, device):
         eps=1e-8,
         weight_decay=args.weight_decay,
         fused=cuda,
-        capturable=cuda,
     )
     return model, adamw
 
