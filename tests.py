@@ -3390,6 +3390,70 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     assert table[-1].startswith("FAILED")
 
 
+# ======== experiments/gpu_check.py: the short GPU job, known to start here ========
+def test_gpu_check_refuses_without_cuda_and_stops_a_stage_with_its_children_in_time(
+    tmp_path, capsys, monkeypatch
+):
+    import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    err = error_line(capsys, gpu_check.main, [str(out)])
+    assert err == "error: no CUDA device here: pass --dry-run to try it on the CPU"
+    assert not out.exists()
+    # a stage past its limit: its child and the child's own child (reproduce.py's
+    # train.py runs) stopped, what it wrote kept
+    sleep = "import time; time.sleep(60)"
+    code = "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', "
+    code += f"{sleep!r}]).pid); {sleep}"
+    path = tmp_path / "stage.txt"
+    cmd = [sys.executable, "-c", code]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    assert gpu_check.run_stage(cmd, str(path), "w", 3, env) == "timed out (3 s)"
+    lines = path.read_text().splitlines()
+    assert lines[0] == f"$ {shlex.join(cmd)}"
+    child = int(lines[1])
+    time.sleep(0.5)  # (the kernel's SIGKILL arrives)
+    try:  # gone, or a zombie no one reaps
+        assert open(f"/proc/{child}/stat").read().split()[2] == "Z"
+    except FileNotFoundError:
+        pass
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_reports_each_stage_a_broken_one_failed_the_later_ones_run(
+    data, tmp_path
+):
+    out = tmp_path / "out"
+    env = os.environ | {"GPU_CHECK_FAIL": "capture_failure", "OMP_NUM_THREADS": "1"}
+    argv = ["experiments/gpu_check.py", "--dry-run", str(out), f"--data_dir={data}"]
+    rc, stdout, _ = run_script(*argv, env=env)
+    table = stdout.splitlines()[-8:]  # the last lines: a row a stage
+    assert rc == 1 and table[0].split() == ["stage", "seconds", "limit", "status"]
+    status = {row.split()[0]: " ".join(row.split()[3:]) for row in table[1:]}
+    stages = ["versions", "device_tests", "steps", "capture_failure", "check", "bench"]
+    assert list(status) == stages + ["length"]
+    assert status.pop("capture_failure") == "failed (exit 1)"
+    assert status.pop("length") in ("ok", "skipped (bench.py has no section length)")
+    assert set(status.values()) == {"ok"}, status
+    files = "bench_cpu.json bench_cpu.txt capture_failure.txt check.txt"
+    files += " device_tests.txt steps.txt summary.txt"
+    assert sorted(os.listdir(out)) == files.split()  # (the device returns 8 at most)
+    read = lambda name: (out / name).read_text()
+    assert read("summary.txt").endswith("\n".join(table) + "\n")
+    assert "torch " in read("summary.txt").splitlines()[1]  # the versions
+    assert "fails on purpose" in read("capture_failure.txt")
+    assert " skipped" in read("device_tests.txt")  # (TEST_DEVICE=cpu: all of them)
+    assert "failed" not in read("device_tests.txt")
+    steps = read("steps.txt")
+    for model in ("sa-1", "sa-32", "she", "me"):
+        assert f"\n{model}: loss " in steps
+    assert steps.count("eager again against eager: bit for bit") == 4
+    assert "\npassed: every 10-batch window" in read("check.txt")
+    assert "computed: {'device': 'cpu'" in read("check.txt")  # (its run's console)
+    assert set(json.loads(read("bench_cpu.json"))["sections"]) >= {"step"}
+
+
 # ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========
 def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
     """A run folder as train.py writes it, of made-up costs from batch `start` on
