@@ -3,16 +3,18 @@ The pre-LN Transformer of "Attention Is Not All You Need Anymore" (Zhe Chen, 202
 arXiv:2308.07661), its baseline token mixer (causal multi-head self-attention) and the
 four Extractors (SHE, WE, HE, ME) that replace it, plus the extraction-only HE named at
 the end of Section 5. The file follows the paper: Config (Table 1); the Transformer
-(Section 4, Eq. 3-22); self-attention (Eq. 10-17); the Extractors (Section 5, Eq.
-23-29) and the causal FIR filter they share, as the literal sum and as causal_fir (how
+(Section 4, Eq. 3-22); self-attention (Eq. 10-17); the Extractors (Section 5, Eq. 23
+to 29) and the causal FIR filter they share, as the literal sum and as causal_fir (how
 it is computed fast is fir.py); last, choosing each new token in generation (Eq. 2).
 Every weight starts N(0, 0.01²), i.e. with standard deviation 0.01 (Section 6). The
 operation counts of Tables 3-7 are in experiments/bench.py.
 
 Equation numbers, e.g. `# Eq. (23)`, refer to the paper. Indices: the paper counts
-positions and taps from 1; the code counts from 0, so the paper's tap W_k (k = i - j +
-1, the distance back plus one) is W_ext[k - 1] here, and W_ext[0] multiplies the
-current token.
+positions and taps from 1; the code counts from 0, so the paper's tap W_k, at
+
+    k = i - j + 1  (the distance back plus one),
+
+is W_ext[k - 1] here, and W_ext[0] multiplies the current token.
 """
 
 import importlib

@@ -32,7 +32,7 @@ import sys
 import textwrap
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -262,22 +262,27 @@ RESUME_KEYS |= {"world_size", "elapsed_s"}
 
 
 class RunFolder:
-    """The run folder, opened once: process 0 makes it, locks it against a second
-    train.py and writes through the handle it locked, so a run whose folder is renamed
-    while it trains keeps writing into its own folder, never into a new one at the old
-    path."""
+    """The run folder for the command's whole run: process 0 makes it, locks it against
+    a second train.py and writes through the handle it locked, so a run whose folder is
+    renamed while it trains keeps writing into its own folder, never into a new one at
+    the old path."""
 
     def __init__(self, path):
-        self.path = path
         if os.path.isfile(path):
             fail(f"--out_dir {path} is a file: pass a folder (the run's, or a new one)")
-        self.made = not os.path.isdir(path)
+        self.path, self.made = path, not os.path.isdir(path)
         os.makedirs(path, exist_ok=True)
         self.fd = os.open(path, os.O_RDONLY)
 
+    def __enter__(self):
+        THIS_RUN["folder"] = self
+        if MASTER:
+            self.lock()
+        return self
+
     def lock(self):
-        """Refused if another train.py holds the folder; one line if it cannot be
-        written; without the .*.tmp files a killed write left."""
+        """Refused if another train.py holds the folder, or if it cannot be written
+        (found at the start, not at a checkpoint); a killed write's .*.tmp files go."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -289,57 +294,34 @@ class RunFolder:
             if name.startswith(".") and name.endswith(".tmp"):
                 os.unlink(name, dir_fd=self.fd)
         try:
-            atomic_write(".written", b"", dir_fd=self.fd)
+            self.write(".written", b"")
             os.unlink(".written", dir_fd=self.fd)
         except OSError as e:
             fail(f"cannot write in --out_dir {self.path} ({e.strerror}): pick another")
 
     def has(self, name):
-        try:
-            os.stat(name, dir_fd=self.fd)
-            return True
-        except FileNotFoundError:
-            return False
+        return name in os.listdir(self.fd)
 
     def write(self, name, data):
-        """The file `name` whole in this folder, or as it was."""
+        """The file `name` whole in this folder, or as it was; an error names it."""
         try:
             atomic_write(name, data, dir_fd=self.fd)
-        except OSError as e:  # (named as the folder's file)
+        except OSError as e:
             raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from e
 
     def remove(self, name):
-        with contextlib.suppress(FileNotFoundError):
+        if self.has(name):
             os.unlink(name, dir_fd=self.fd)
 
-    def close(self):
-        """The handle closed; a folder this run made and left empty removed."""
-        empty = not os.listdir(self.fd)
-        with contextlib.suppress(OSError):  # (not if another folder took its path)
-            if (
-                self.made
-                and empty
-                and os.path.samestat(os.stat(self.path), os.fstat(self.fd))
-            ):
+    def __exit__(self, *error):
+        """The handle closed; a folder this run made and left empty removed (and not
+        another that took its path since)."""
+        THIS_RUN["folder"] = None
+        with contextlib.suppress(OSError):
+            ours = os.path.samestat(os.stat(self.path), os.fstat(self.fd))
+            if MASTER and self.made and ours and not os.listdir(self.fd):
                 os.rmdir(self.path)
         os.close(self.fd)
-
-
-@contextmanager
-def run_folder(out_dir):
-    """The run folder, locked by process 0, for the run's whole command."""
-    folder = RunFolder(out_dir)
-    THIS_RUN["folder"] = folder
-    try:
-        if MASTER:
-            folder.lock()
-        yield folder
-    finally:
-        THIS_RUN["folder"] = None
-        if MASTER:
-            folder.close()
-        else:
-            os.close(folder.fd)
 
 
 def checkpoint_to_resume(args, parser, argv, settings, may_change, folder):
@@ -849,7 +831,7 @@ def run_command(settings, may_change, train, argv=None):
     try:
         args = parser.parse_args(argv)
         args.out_dir = args.out_dir or default_out_dir(args, settings)
-        with run_folder(args.out_dir) as folder:
+        with RunFolder(args.out_dir) as folder:
             ckpt = checkpoint_to_resume(
                 args, parser, argv, settings, may_change, folder
             )

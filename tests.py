@@ -2283,7 +2283,7 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
     assert f"{out} holds a run (--resume continues it; --overwrite starts" in said
     assert files(out) == before
-    with machinery.run_folder(out):  # a train.py working in the folder
+    with machinery.RunFolder(out):  # a train.py working in the folder
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "9", "--resume")
     assert f"{out} is in use: a run of another train.py is in progress" in said
     assert files(out) == before
