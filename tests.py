@@ -821,15 +821,11 @@ def test_default_path_by_device_type_taps_and_length(monkeypatch):
     assert got == ["toeplitz-strided", "toeplitz-strided", "fft"]
 
 
-def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypatch):
+def record_fir_paths(monkeypatch):
+    """A list that gains the path of each fir_full call as it runs (spied where each
+    path begins)."""
     taken = []
-    asked = []
-    default_path = fir.default_path
     fft_apply = fir.FIRFFT.apply
-
-    def asking(device_type, *args):
-        asked.append(device_type)
-        return default_path(device_type, *args)
 
     def spy(name, f):
         def spied(*args):
@@ -842,11 +838,23 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
         name = "fft-cuda" if cuda_layout else "fft"
         return spy(name, fft_apply)(x, w, cuda_layout)
 
-    monkeypatch.setattr(fir, "default_path", asking)
     monkeypatch.setattr(fir, "toeplitz", spy("toeplitz", fir.toeplitz))
     strided = spy("toeplitz-strided", fir.ToeplitzStrided.apply)
     monkeypatch.setattr(fir.ToeplitzStrided, "apply", strided)
     monkeypatch.setattr(fir.FIRFFT, "apply", fft)
+    return taken
+
+
+def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypatch):
+    asked = []
+    default_path = fir.default_path
+
+    def asking(device_type, *args):
+        asked.append(device_type)
+        return default_path(device_type, *args)
+
+    monkeypatch.setattr(fir, "default_path", asking)
+    taken = record_fir_paths(monkeypatch)
     for dim, shape in TAPS.items():
         x, w = dev(torch.randn(2, 12, 5)), dev(torch.randn(*shape))
         default = default_path(DEVICE.type, dim, 12)
@@ -1189,25 +1197,35 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
         cpu_paths = bench.sublayer_paths(module(m), 16, torch.device("cpu"))
         assert cpu_paths == [fir.default_path("cpu", dim, 16)]
     assert paths["sa"] == ["sdpa"] and len(paths["me"]) == 3 and len(paths["she"]) == 2
-    sublayer_paths, forcing = bench.sublayer_paths, fir.forcing  # the originals
-    forced = []
+    sublayer_paths, interleaved = bench.sublayer_paths, bench.interleaved
+    taken = record_fir_paths(monkeypatch)
+    ran = []  # (a timed step's key, the paths its FIRs took) per call
 
-    def force(path):
-        forced.append(path)
-        return forcing(path)
+    def watched(fns, *args, **kw):
+        def watch(key, fn):
+            def call():
+                taken.clear()
+                fn()
+                ran.append((key, tuple(taken)))
+
+            return call
+
+        return interleaved({k: watch(k, fn) for k, fn in fns.items()}, *args, **kw)
 
     # the CUDA paths, run here
     on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)
     monkeypatch.setattr(bench, "sublayer_paths", on_cuda)
-    monkeypatch.setattr(fir, "forcing", force)
+    monkeypatch.setattr(bench, "interleaved", watched)
     argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
     bench.main(argv + ["--device", str(DEVICE)])
     # the table: title, columns, ----, rows, notes
     out = capsys.readouterr().out.split("\n\n")[1]
     rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
     assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
-    # 3 warm-up rounds, 2 timed
-    assert sorted(forced) == sorted(p for _, p in rows[1:] for _ in range(3 + 2))
+    # each row's step, 3 warm-up rounds and 2 timed, its one FIR on the row's path
+    fir_of = lambda m, p: () if m == "sa" else (p,)
+    want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(3 + 2)]
+    assert sorted(ran) == sorted(want)
 
 
 def _read_csv(path):
