@@ -806,19 +806,15 @@ def test_every_path_and_the_last_row_equal_the_literal_sum_forward_and_backward(
         assert fir.fir_last_row(dev(x).float(), dev(w)).dtype == torch.float32
 
 
-# ---- which path runs: the device's default, a named path, a forced one
-def test_default_path_by_device_type_taps_and_length(monkeypatch):
+# ---- which path runs: the device's default, else a named path
+def test_default_path_by_device_type_taps_and_length():
     # (w.dim(), t) -> path
     cpu = {(1, 1023): "toeplitz", (1, 1024): "fft", (2, 1): "fft", (3, 1): "fft"}
     cuda = {(1, 1): "toeplitz-strided", (1, 1023): "toeplitz-strided", (1, 1024): "fft"}
-    cuda |= {(2, 1): "fft", (3, 1): "fft-cuda", (3, 1024): "fft-cuda"}
+    cuda |= {(2, 1): "fft", (2, 1023): "fft", (3, 1): "fft-cuda", (3, 1024): "fft-cuda"}
     for device_type, want in (("cpu", cpu), ("mps", cpu), ("cuda", cuda)):
         got = {key: fir.default_path(device_type, *key) for key in want}
         assert got == want, device_type
-    # once a GPU measures it faster
-    monkeypatch.setattr(fir, "CUDA_TOEPLITZ_MAX_T_VECTOR", 256)
-    got = [fir.default_path("cuda", 2, t) for t in (1, 256, 257)]
-    assert got == ["toeplitz-strided", "toeplitz-strided", "fft"]
 
 
 def record_fir_paths(monkeypatch):
@@ -845,7 +841,7 @@ def record_fir_paths(monkeypatch):
     return taken
 
 
-def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypatch):
+def test_fir_full_takes_the_named_path_else_the_default(monkeypatch):
     asked = []
     default_path = fir.default_path
 
@@ -862,15 +858,7 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
             taken.clear()
             fir.fir_full(x, w)
             fir.fir_full(x, w, path=path)
-            with fir.forcing(path):
-                fir.fir_full(x, w)
-                with fir.forcing("fft"):
-                    fir.fir_full(x, w, path=path)  # the named path before the forced
-                fir.fir_full(x, w)  # the outer forcing again
-            # the default first: no forcing left over
-            assert taken == [default] + [path] * 4, (dim, path)
-    with pytest.raises(KeyError), fir.forcing("fft"):
-        raise KeyError  # an exception inside still ends the forcing
+            assert taken == [default, path], (dim, path)
     fir.fir_full(x, w[:, 0, 0])
     assert taken[-1] == default_path(DEVICE.type, 1, 12)
     assert set(asked) == {DEVICE.type}  # the device type of x
@@ -889,8 +877,6 @@ def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
         taps = (4,) + shape[1:]
         why = f"no FIR path '{path}' for taps of shape {taps}; taps' dims: {dims}"
         refused(why, fir.fir_full, x, torch.randn(*shape), path=path)
-    paths = "toeplitz, toeplitz-strided, fft, fft-cuda"
-    refused(f"no FIR path 'fftw'; the paths are {paths}", fir.forcing("fftw").__enter__)
     why = "sequence length 4 exceeds the 3 taps (block_size l)"
     refused(why, fir.fir_full, x, torch.randn(3, 5))
     why = "an FFT over 0 positions: the sequence needs at least one"
