@@ -422,12 +422,6 @@ def print_table7(d=128, l=128):
 # ---------- sections length and generate: the cost as the context grows
 
 
-def paper_ops(counts, mixer, times):
-    """times Tables 3-6's mult + add + div + exp; None for a mixer they lack."""
-    c = counts.get(mixer)
-    return None if c is None else times * sum(c[k] for k in OPS)
-
-
 def per_thread_count(device, measure):
     """measure() -> rows, on one thread, then on the default threads (CUDA: these
     only); each row gains its threads after the mixer."""
@@ -455,12 +449,14 @@ def timed(rows, steps, rounds, device, ms, tokens=None, warmup=2):
     return list(rows.values())
 
 
-def counted(step, device, paper_ops_fwd, flops):
-    """Tables 3-6's count given, and one call of step, outside the rounds: its FLOPs
-    (column flops) and its peak."""
+def counted(step, device, counts, batch, flops):
+    """A batch's count: Tables 3-6's mult + add + div + exp (counts: one sequence's,
+    None for a mixer they lack), then from one call of step, outside the rounds, its
+    FLOPs (column flops) and its peak."""
+    ops = None if counts is None else batch * sum(counts[k] for k in OPS)
     with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
         peak = peak_bytes(step, device)
-    row = {"paper_ops_fwd": paper_ops_fwd, flops: counter.get_total_flops()}
+    row = {"paper_ops_fwd": ops, flops: counter.get_total_flops()}
     return row | {"peak_mib": None if peak is None else peak / 2**20}
 
 
@@ -479,7 +475,7 @@ def length_at(s, args, device, l, stopped):
         row["params"] = sum(p.numel() for p in module.parameters())
         step = functools.partial(forward_backward, module, x, g)
         try:
-            row |= counted(step, device, paper_ops(counts, m, b), "flops_fwd_bwd")
+            row |= counted(step, device, counts.get(m), b, "flops_fwd_bwd")
         except torch.OutOfMemoryError:
             row["stop"] = stopped[m] = "out of memory"
             continue
@@ -513,7 +509,7 @@ def generate_at(s, args, device, modules, t):
         module(torch.randn(B, t - 1, d, device=device), cache)  # the t - 1 before
         steps[m] = functools.partial(one_token, module, new, cache)
         rows[m] = dict(mixer=m, t=t, batch=B)
-        rows[m] |= counted(steps[m], device, paper_ops(counts, m, B), "flops_fwd")
+        rows[m] |= counted(steps[m], device, counts.get(m), B, "flops_fwd")
     return timed(rows, steps, s["length_rounds"], device, "ms_fwd", B)
 
 
