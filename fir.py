@@ -29,9 +29,6 @@ import torch.nn.functional as F
 
 # scalar taps: Toeplitz below this t (measured faster on the CPU), FFT from here on
 FFT_MIN_T_SCALAR = 1024
-# vector taps on CUDA: toeplitz-strided up to this t, else the FFT (0: never, until
-# bench.py section 1 on a GPU shows it faster at t = l = 128)
-CUDA_TOEPLITZ_MAX_T_VECTOR = 0
 # True: the FIR's GEMMs follow torch.backends.cuda.matmul.allow_tf32 (see TF32 above)
 ALLOW_TF32 = False
 # each path -> the w.dim()s it computes
@@ -41,40 +38,24 @@ PATHS = {
     "fft": (1, 2, 3),
     "fft-cuda": (3,),
 }
-_forced = None  # the path every fir_full call takes inside forcing()
 
 
 def default_path(device_type, taps_dim, t):
     """fir_full's path on this device type for taps of taps_dim axes (1 scalars, 2
     vectors, 3 matrices) over t positions; CPU and MPS take the paths measured on the
-    CPU."""
-    if device_type == "cuda":
-        if taps_dim == 3:
-            return "fft-cuda"
-        limit = FFT_MIN_T_SCALAR - 1 if taps_dim == 1 else CUDA_TOEPLITZ_MAX_T_VECTOR
-        return "toeplitz-strided" if t <= limit else "fft"
-    return "toeplitz" if taps_dim == 1 and t < FFT_MIN_T_SCALAR else "fft"
-
-
-@contextlib.contextmanager
-def forcing(path):
-    """Every fir_full call inside takes this path (bench.py times each path through the
-    mixers).
-    """
-    global _forced
-    if path not in PATHS:
-        raise ValueError(f"no FIR path {path!r}; the paths are {', '.join(PATHS)}")
-    before, _forced = _forced, path
-    try:
-        yield
-    finally:
-        _forced = before
+    CPU, CUDA its own for matrix taps and short scalar taps (no scatter in the
+    backward)."""
+    if device_type == "cuda" and taps_dim == 3:
+        return "fft-cuda"
+    if taps_dim == 1 and t < FFT_MIN_T_SCALAR:
+        return "toeplitz-strided" if device_type == "cuda" else "toeplitz"
+    return "fft"
 
 
 def fir_full(x, w, path=None):
     """The filter over the whole sequence: x (B, t, d), taps w (l, ...) with l >= t ->
-    (B, t, d), from the first t taps. path: one of PATHS, else forcing()'s, else
-    default_path's. toeplitz follows autocast; the other paths compute in float32 under
+    (B, t, d), from the first t taps. path: one of PATHS, else default_path's.
+    toeplitz follows autocast; the other paths compute in float32 under
     it (float64 stays float64) and return the input's dtype."""
     t = x.shape[1]
     if t > w.shape[0]:
@@ -82,7 +63,7 @@ def fir_full(x, w, path=None):
             f"sequence length {t} exceeds the {w.shape[0]} taps (block_size l)"
         )
     w = w[:t]
-    path = path or _forced or default_path(x.device.type, w.dim(), t)
+    path = path or default_path(x.device.type, w.dim(), t)
     if w.dim() not in PATHS.get(path, ()):
         raise ValueError(
             f"no FIR path {path!r} for taps of shape {tuple(w.shape)}; "
@@ -240,7 +221,7 @@ class FIRFFT(torch.autograd.Function):
             ctx.save_for_backward(X, W)
             with ieee_float32(x.device):
                 # Eq. (23) per frequency, (B, t, d)
-                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout)
+                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout=cuda_layout)
         W = torch.fft.rfft(w.t(), n=n, dim=-1)  # vectors (d, F) or scalars (F,)
         ctx.save_for_backward(X, W)
         y = torch.fft.irfft(X * W, n=n, dim=-1)[..., :t]  # Eq. (26), (28), (29)
@@ -249,7 +230,7 @@ class FIRFFT(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # g (B, t, d)
         X, W = ctx.saved_tensors
-        t, n = ctx.t, ctx.n
+        t, n, cuda_layout = ctx.t, ctx.n, ctx.cuda_layout
         G = torch.fft.rfft(g.transpose(1, 2), n=n, dim=-1)  # (B, d, F)
         dx = dw = None
         if W.dim() == 3:
@@ -257,16 +238,14 @@ class FIRFFT(torch.autograd.Function):
             # views (cuda_layout), or with the conj resolved: MKL's fast path
             W_H = W.mH
             X_H = X.mH
-            if not ctx.cuda_layout:
+            if not cuda_layout:
                 W_H, X_H = W_H.resolve_conj(), X_H.resolve_conj()
             with ieee_float32(g.device):
-                if ctx.needs_input_grad[0]:
-                    dx = irfft_fbd(
-                        torch.bmm(G, W_H), n, t, ctx.cuda_layout
-                    )  # (B, t, d)
+                if ctx.needs_input_grad[0]:  # (B, t, d)
+                    dx = irfft_fbd(torch.bmm(G, W_H), n, t, cuda_layout=cuda_layout)
                 if ctx.needs_input_grad[1]:
                     # summed over the batch, (d, t, d) -> (t, d, d)
-                    XG = irfft_fbd(torch.bmm(X_H, G), n, t, ctx.cuda_layout)
+                    XG = irfft_fbd(torch.bmm(X_H, G), n, t, cuda_layout=cuda_layout)
                     dw = XG.transpose(0, 1)
             return dx, dw, None
         if ctx.needs_input_grad[0]:

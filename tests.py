@@ -825,30 +825,22 @@ def test_every_path_and_the_last_row_equal_the_literal_sum_forward_and_backward(
         assert fir.fir_last_row(dev(x).float(), dev(w)).dtype == torch.float32
 
 
-# ---- which path runs: the device's default, a named path, a forced one
-def test_default_path_by_device_type_taps_and_length(monkeypatch):
+# ---- which path runs: the device's default, else a named path
+def test_default_path_by_device_type_taps_and_length():
     # (w.dim(), t) -> path
     cpu = {(1, 1023): "toeplitz", (1, 1024): "fft", (2, 1): "fft", (3, 1): "fft"}
     cuda = {(1, 1): "toeplitz-strided", (1, 1023): "toeplitz-strided", (1, 1024): "fft"}
-    cuda |= {(2, 1): "fft", (3, 1): "fft-cuda", (3, 1024): "fft-cuda"}
+    cuda |= {(2, 1): "fft", (2, 1023): "fft", (3, 1): "fft-cuda", (3, 1024): "fft-cuda"}
     for device_type, want in (("cpu", cpu), ("mps", cpu), ("cuda", cuda)):
         got = {key: fir.default_path(device_type, *key) for key in want}
         assert got == want, device_type
-    # once a GPU measures it faster
-    monkeypatch.setattr(fir, "CUDA_TOEPLITZ_MAX_T_VECTOR", 256)
-    got = [fir.default_path("cuda", 2, t) for t in (1, 256, 257)]
-    assert got == ["toeplitz-strided", "toeplitz-strided", "fft"]
 
 
-def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypatch):
+def record_fir_paths(monkeypatch):
+    """A list that gains the path of each fir_full call as it runs (spied where each
+    path begins)."""
     taken = []
-    asked = []
-    default_path = fir.default_path
     fft_apply = fir.FIRFFT.apply
-
-    def asking(device_type, *args):
-        asked.append(device_type)
-        return default_path(device_type, *args)
 
     def spy(name, f):
         def spied(*args):
@@ -861,11 +853,23 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
         name = "fft-cuda" if cuda_layout else "fft"
         return spy(name, fft_apply)(x, w, cuda_layout)
 
-    monkeypatch.setattr(fir, "default_path", asking)
     monkeypatch.setattr(fir, "toeplitz", spy("toeplitz", fir.toeplitz))
     strided = spy("toeplitz-strided", fir.ToeplitzStrided.apply)
     monkeypatch.setattr(fir.ToeplitzStrided, "apply", strided)
     monkeypatch.setattr(fir.FIRFFT, "apply", fft)
+    return taken
+
+
+def test_fir_full_takes_the_named_path_else_the_default(monkeypatch):
+    asked = []
+    default_path = fir.default_path
+
+    def asking(device_type, *args):
+        asked.append(device_type)
+        return default_path(device_type, *args)
+
+    monkeypatch.setattr(fir, "default_path", asking)
+    taken = record_fir_paths(monkeypatch)
     for dim, shape in TAPS.items():
         x, w = dev(torch.randn(2, 12, 5)), dev(torch.randn(*shape))
         default = default_path(DEVICE.type, dim, 12)
@@ -873,15 +877,7 @@ def test_fir_full_takes_the_named_path_else_the_forced_else_the_default(monkeypa
             taken.clear()
             fir.fir_full(x, w)
             fir.fir_full(x, w, path=path)
-            with fir.forcing(path):
-                fir.fir_full(x, w)
-                with fir.forcing("fft"):
-                    fir.fir_full(x, w, path=path)  # the named path before the forced
-                fir.fir_full(x, w)  # the outer forcing again
-            # the default first: no forcing left over
-            assert taken == [default] + [path] * 4, (dim, path)
-    with pytest.raises(KeyError), fir.forcing("fft"):
-        raise KeyError  # an exception inside still ends the forcing
+            assert taken == [default, path], (dim, path)
     fir.fir_full(x, w[:, 0, 0])
     assert taken[-1] == default_path(DEVICE.type, 1, 12)
     assert set(asked) == {DEVICE.type}  # the device type of x
@@ -900,8 +896,6 @@ def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
         taps = (4,) + shape[1:]
         why = f"no FIR path '{path}' for taps of shape {taps}; taps' dims: {dims}"
         refused(why, fir.fir_full, x, torch.randn(*shape), path=path)
-    paths = "toeplitz, toeplitz-strided, fft, fft-cuda"
-    refused(f"no FIR path 'fftw'; the paths are {paths}", fir.forcing("fftw").__enter__)
     why = "sequence length 4 exceeds the 3 taps (block_size l)"
     refused(why, fir.fir_full, x, torch.randn(3, 5))
     why = "an FFT over 0 positions: the sequence needs at least one"
@@ -1208,25 +1202,35 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
         cpu_paths = bench.sublayer_paths(module(m), 16, torch.device("cpu"))
         assert cpu_paths == [fir.default_path("cpu", dim, 16)]
     assert paths["sa"] == ["sdpa"] and len(paths["me"]) == 3 and len(paths["she"]) == 2
-    sublayer_paths, forcing = bench.sublayer_paths, fir.forcing  # the originals
-    forced = []
+    sublayer_paths, interleaved = bench.sublayer_paths, bench.interleaved
+    taken = record_fir_paths(monkeypatch)
+    ran = []  # (a timed step's key, the paths its FIRs took) per call
 
-    def force(path):
-        forced.append(path)
-        return forcing(path)
+    def watched(fns, *args, **kw):
+        def watch(key, fn):
+            def call():
+                taken.clear()
+                fn()
+                ran.append((key, tuple(taken)))
+
+            return call
+
+        return interleaved({k: watch(k, fn) for k, fn in fns.items()}, *args, **kw)
 
     # the CUDA paths, run here
     on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)
     monkeypatch.setattr(bench, "sublayer_paths", on_cuda)
-    monkeypatch.setattr(fir, "forcing", force)
+    monkeypatch.setattr(bench, "interleaved", watched)
     argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
     bench.main(argv + ["--device", str(DEVICE)])
     # the table: title, columns, ----, rows, notes
     out = capsys.readouterr().out.split("\n\n")[1]
     rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
     assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
-    # 3 warm-up rounds, 2 timed
-    assert sorted(forced) == sorted(p for _, p in rows[1:] for _ in range(3 + 2))
+    # each row's step, 3 warm-up rounds and 2 timed, its one FIR on the row's path
+    fir_of = lambda m, p: () if m == "sa" else (p,)
+    want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(3 + 2)]
+    assert sorted(ran) == sorted(want)
 
 
 def _read_csv(path):

@@ -20,7 +20,6 @@ hits all the mixers), the ratios to sa from the same run.
 """
 
 import argparse
-import contextlib
 import csv
 import ctypes
 import dataclasses
@@ -33,6 +32,7 @@ import signal
 import statistics
 import sys
 import time
+from unittest import mock
 
 # the project root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,10 +121,8 @@ def sublayer_paths(module, t, device):
         return ["sdpa" if isinstance(module, SelfAttention) else "matmul"]
     dim = taps[0].dim()
     default = fir.default_path(device.type, dim, t)
-    if device.type != "cuda":
-        return [default]
     others = [p for p, dims in fir.PATHS.items() if dim in dims and p != default]
-    return [default] + others
+    return [default] + (others if device.type == "cuda" else [])
 
 
 def storage_bytes(tensors, skip=()):
@@ -223,17 +221,16 @@ def section_sublayer(s, args, device):
     g = torch.randn(s["batch"], s["l"], s["d"], device=device)  # dL/dy
 
     def fwd_bwd(module, path):  # every FIR inside takes this path (sdpa, matmul: none)
-        with fir.forcing(path) if path in fir.PATHS else contextlib.nullcontext():
+        with mock.patch.object(fir, "default_path", lambda *_: path):
             forward_backward(module, x, g)
 
-    steps = {}  # (mixer, path) -> one forward+backward
+    rows, steps = {}, {}  # (mixer, path) -> its row, one forward+backward
     for m in args.mixers:
         module = sublayer(make_config(s, args, m)).to(device)
         for path in sublayer_paths(module, s["l"], device):
+            rows[m, path] = dict(mixer=m, path=path)
             steps[m, path] = functools.partial(fwd_bwd, module, path)
-    t = interleaved(steps, s["rounds"], device, warmup=3)
-    sa = t["sa", "sdpa"]
-    return [dict(mixer=m, path=p, ms=1e3 * t[m, p], vs_sa=t[m, p] / sa) for m, p in t]
+    return timed(rows, steps, s["rounds"], device, "ms", warmup=3)
 
 
 def measure_rates(device, dtypes, s):
@@ -304,10 +301,9 @@ def section_step(s, args, device):
             row["floor_ms"] = max(row["flop_ms"], row["byte_ms"])
             row["vs_floor"] = row["step_ms"] / row["floor_ms"]
         rows.append(row)
-    measured = []
-    for k, r in rates.items():
-        measured.append(f"{k} {r / 1e12:.3g} {'TB/s' if k == 'copy' else 'TFLOP/s'}")
-    s["rates"] = f"; rates measured: {', '.join(measured)}" if floor else ""
+    units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
+    measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
+    s["rates"] = f"; rates measured: {measured}" if floor else ""
     return rows
 
 
@@ -426,12 +422,6 @@ def print_table7(d=128, l=128):
 # ---------- sections length and generate: the cost as the context grows
 
 
-def paper_ops(counts, mixer, times):
-    """times Tables 3-6's mult + add + div + exp; None for a mixer they lack."""
-    c = counts.get(mixer)
-    return None if c is None else times * sum(c[k] for k in OPS)
-
-
 def per_thread_count(device, measure):
     """measure() -> rows, on one thread, then on the default threads (CUDA: these
     only); each row gains its threads after the mixer."""
@@ -446,21 +436,28 @@ def per_thread_count(device, measure):
     return rows
 
 
-def timed(rows, steps, s, device, ms, tokens):
-    """rows[m] gains column ms, ms_per_token and vs_sa (this time over sa's) from
-    interleaved rounds of steps[m]."""
-    t = interleaved(steps, s["length_rounds"], device) if steps else {}  # all stopped
-    for m, sec in t.items():
-        rows[m] |= {ms: 1e3 * sec, "ms_per_token": 1e3 * sec / tokens}
-        rows[m]["vs_sa"] = sec / t["sa"] if "sa" in t else None
+def timed(rows, steps, rounds, device, ms, tokens=None, warmup=2):
+    """rows[k] gains column ms, ms_per_token (given tokens) and vs_sa (this time over
+    sa's) from interleaved rounds of steps[k] (none: all stopped)."""
+    t = interleaved(steps, rounds, device, warmup) if steps else {}
+    sa = [sec for k, sec in t.items() if rows[k]["mixer"] == "sa"]
+    for k, sec in t.items():
+        rows[k][ms] = 1e3 * sec
+        if tokens:
+            rows[k]["ms_per_token"] = 1e3 * sec / tokens
+        rows[k]["vs_sa"] = sec / sa[0] if sa else None
     return list(rows.values())
 
 
-def counted_call(step, device):
-    """One call of step, outside the rounds: (its FLOPs, its peak bytes or None)."""
+def counted(step, device, counts, batch, flops):
+    """A batch's count: Tables 3-6's mult + add + div + exp (counts: one sequence's,
+    None for a mixer they lack), then from one call of step, outside the rounds, its
+    FLOPs (column flops) and its peak."""
+    ops = None if counts is None else batch * sum(counts[k] for k in OPS)
     with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
         peak = peak_bytes(step, device)
-    return counter.get_total_flops(), peak
+    row = {"paper_ops_fwd": ops, flops: counter.get_total_flops()}
+    return row | {"peak_mib": None if peak is None else peak / 2**20}
 
 
 def length_at(s, args, device, l, stopped):
@@ -478,14 +475,12 @@ def length_at(s, args, device, l, stopped):
         row["params"] = sum(p.numel() for p in module.parameters())
         step = functools.partial(forward_backward, module, x, g)
         try:
-            flops, peak = counted_call(step, device)
+            row |= counted(step, device, counts.get(m), b, "flops_fwd_bwd")
         except torch.OutOfMemoryError:
             row["stop"] = stopped[m] = "out of memory"
             continue
-        row |= dict(paper_ops_fwd=paper_ops(counts, m, b), flops_fwd_bwd=flops)
-        row["peak_mib"] = None if peak is None else peak / 2**20
         steps[m] = step
-    return timed(rows, steps, s, device, "ms_fwd_bwd", b * l)
+    return timed(rows, steps, s["length_rounds"], device, "ms_fwd_bwd", b * l)
 
 
 def section_length(s, args, device):
@@ -513,11 +508,9 @@ def generate_at(s, args, device, modules, t):
         cache = {}
         module(torch.randn(B, t - 1, d, device=device), cache)  # the t - 1 before
         steps[m] = functools.partial(one_token, module, new, cache)
-        flops, peak = counted_call(steps[m], device)
-        rows[m] = dict(mixer=m, t=t, batch=B, paper_ops_fwd=paper_ops(counts, m, B))
-        rows[m]["flops_fwd"] = flops
-        rows[m]["peak_mib"] = None if peak is None else peak / 2**20
-    return timed(rows, steps, s, device, "ms_fwd", B)
+        rows[m] = dict(mixer=m, t=t, batch=B)
+        rows[m] |= counted(steps[m], device, counts.get(m), B, "flops_fwd")
+    return timed(rows, steps, s["length_rounds"], device, "ms_fwd", B)
 
 
 def section_generate(s, args, device):
@@ -528,20 +521,14 @@ def section_generate(s, args, device):
     return per_thread_count(device, lambda: [r for t in s["lengths"] for r in at(t)])
 
 
-def crossings(rows, x):
-    """(threads, mixer) -> where its vs_sa crosses 1, each between two neighbouring
-    lengths x (l or t), interpolated in log-log; [] where it does not cross."""
-    ratios = {}
-    for r in rows:
-        if r["mixer"] != "sa" and r.get("vs_sa"):
-            ratios.setdefault((r["threads"], r["mixer"]), []).append((r[x], r["vs_sa"]))
-    found = {key: [] for key in ratios}
-    for key, points in ratios.items():
-        points.sort()
-        for (l1, r1), (l2, r2) in zip(points, points[1:]):
-            if (r1 < 1) != (r2 < 1):
-                f = math.log(r1) / (math.log(r1) - math.log(r2))  # r = 1 at this f
-                found[key].append(l1 * (l2 / l1) ** f)
+def crossings(points):
+    """Where the ratio r of (length, r) points in order crosses 1, each between two
+    neighbours, interpolated in log-log; [] where it does not cross."""
+    found = []
+    for (l1, r1), (l2, r2) in zip(points, points[1:]):
+        if (r1 < 1) != (r2 < 1):
+            f = math.log(r1) / (math.log(r1) - math.log(r2))  # r = 1 at this f
+            found.append(l1 * (l2 / l1) ** f)
     return found
 
 
@@ -575,31 +562,36 @@ def draw(path, out):
     threads = sorted({r["threads"] for r in rows})
     size = (6.4 * len(threads), 4.8)
     fig, axes = plot.plt.subplots(1, len(threads), figsize=size, squeeze=False)
-    lines = {}  # (threads, mixer) -> lengths, ms per token, colour
     for ax, k in zip(axes[0], threads):
+        ratios = {}  # mixer -> its (length, vs_sa) points, colour
         for m in dict.fromkeys(r["mixer"] for r in rows if r["threads"] == k):
             mine = [r for r in rows if (r["threads"], r["mixer"]) == (k, m)]
             ls, ms = [r[x] for r in mine], [r["ms_per_token"] for r in mine]
             color = plot.STYLE.get("sa-32" if m == "sa" else m)
             color = ax.plot(ls, ms, "o-", color=color, label=m)[0].get_color()
-            lines[k, m] = ls, ms, color
             for column, style in (("paper_ops_fwd", "--"), (DRAWN[x], ":")):
                 ops = [r[column] for r in mine]
                 if None not in ops:
                     ax.plot(ls, [ms[0] * n / ops[0] for n in ops], style, color=color)
+            points = sorted((r[x], r["vs_sa"]) for r in mine if r["vs_sa"])
+            if m == "sa":
+                log_sa = plot.np.log(ls), plot.np.log(ms)
+            elif points:
+                ratios[m] = points, color
+        for m, (points, color) in ratios.items():
+            at = crossings(points)
+            for v in at:  # on sa's line, interpolated in log-log
+                y = math.exp(plot.np.interp(math.log(v), *log_sa))
+                ax.plot(v, y, "x", color=color, ms=9, mew=2)
+                ax.annotate(
+                    f"{v:.0f}", (v, y), textcoords="offset points", xytext=(4, 4)
+                )
+            where = ", ".join(f"{v:.0f}" for v in at) or "none in range"
+            print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
         ax.set(xscale="log", yscale="log", xlabel=x, ylabel="ms per token")
         ax.set_title(f"threads: {k:.0f}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="small")
-    for (k, m), at in crossings(rows, x).items():
-        log_l, log_ms = map(plot.np.log, lines[k, "sa"][:2])
-        for v in at:  # on sa's line, interpolated in log-log
-            y = math.exp(plot.np.interp(math.log(v), log_l, log_ms))
-            ax = axes[0][threads.index(k)]
-            ax.plot(v, y, "x", color=lines[k, m][2], ms=9, mew=2)
-            ax.annotate(f"{v:.0f}", (v, y), textcoords="offset points", xytext=(4, 4))
-        where = ", ".join(f"{v:.0f}" for v in at) or "none in range"
-        print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
     title = "measured (solid); Tables 3-6 (dashed), FLOPs of the path run (dotted)"
     plot.save(fig, out, f"{os.path.basename(path)}: {title}")
 
