@@ -124,13 +124,6 @@ def seconds(text):
     return float(m[1]) * {"m": 60, "h": 3600}.get(m[2], 1)
 
 
-def dtype(text):
-    """An argparse type: the autocast dtype's name."""
-    if text not in ("float32", "bfloat16", "float16"):
-        raise argparse.ArgumentTypeError(f"{text!r}: use float32, bfloat16 or float16")
-    return text
-
-
 COUNT = bounded(int, 1)
 NATURAL = bounded(int, 0)
 NON_NEGATIVE = bounded(float, 0)
@@ -145,11 +138,12 @@ def build_parser(settings):
     p.error = lambda msg: fail(f"{msg} (see python train.py --help)")
     for name, (symbol, default, kind, text) in settings.items():
         about = f"{symbol}: {text} ({default})" if symbol else f"{text} ({default})"
+        how = dict(type=kind)  # a bool is on or off, a tuple the choices
         if kind is bool:
-            on_off = argparse.BooleanOptionalAction
-            p.add_argument(f"--{name}", action=on_off, default=default, help=about)
-        else:
-            p.add_argument(f"--{name}", type=kind, default=default, help=about)
+            how = dict(action=argparse.BooleanOptionalAction)
+        if isinstance(kind, tuple):
+            how = dict(choices=kind)
+        p.add_argument(f"--{name}", default=default, help=about, **how)
     out = "the run folder (default: out/<mixer>-<changed settings>)"
     p.add_argument("--out_dir", default="", help=out)
     one_of = p.add_mutually_exclusive_group()

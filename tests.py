@@ -2,7 +2,30 @@
 
 TEST_DEVICE=cuda (or cuda:N, mps) runs the model, FIR, generation and training tests on
 that device; the literal references stay on the CPU in float64. `-m device` selects the
-tests that only mean something on a GPU (they skip elsewhere)."""
+tests that only mean something on a GPU (they skip elsewhere).
+
+Where each equation and guarantee is checked (reference -> test, as `-k` words):
+  Eq. (3)-(22), the Transformer      literal_transformer -> section4_written_out
+  Eq. (10)-(17), self-attention      literal_sa -> mixer_forward_and_backward
+  Eq. (23)-(29), the Extractors      literal_fir -> mixer_forward, every_path
+  the Synthesizers' equations        literal_synth -> mixer_forward, synth_fixed_random
+  Eq. (2), generation and sampling   cached_generation, sliding_window, top_k_and_top_p
+  Section 6, the initialisation      initialisation_follows_section6
+  Tables 3-7, counts                 per_token_counts, paper_params -> tables_5_6, table7
+  fir.py's paths and precision       every_path, default_path, ieee_float32, tf32
+  AdamW with Table 1's settings      literal_adamw -> training_step_is_adamw
+  the batches, the same for all      batch_order, every_mixer_sees_the_same_batches
+  bit-exact resume after a stop      ctrl_c_checkpoints, kill_and_hangup, closed_stdout
+  the resume's and folder's rules    resume_keeps, resume_refuses, folder_holds, locked
+  files whole, one line for a fault  written_whole, says_what_stays, bad_flags, console
+  memory flat over a run             resident_memory
+  DDP: two processes train as one    ddp_with_two_processes, seed_plus_rank
+  CUDA's path, checked on the CPU    cuda_gets, clock_waits, capture_that_fails
+  on a GPU only (-m device)          captured_step_equals, fir_in_float32
+  the data pipeline                  strip, download, bpe, split, load_data, bad_input
+  sample.py                          sample_, a_mixer_of_your_own, end_to_end
+  the tools and results/             bench_, reproduce_, gpu_check, plot_, taps_, results
+"""
 
 import argparse
 import collections
@@ -104,6 +127,11 @@ def dev(obj):
 
 def cpu64(*tensors):
     return [t.detach().cpu().double() for t in tensors]
+
+
+def assert_close(a, b, what):
+    """a equals b to TOL; a failure says which tensor, by how much and where."""
+    torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
 def error_line(capsys, fn, *args, **kw):
@@ -312,7 +340,7 @@ def test_mixer_forward_and_backward_equal_literal_equations(name):
         ref = output_and_grads(m, x, g, functools.partial(literal_mixer, name))
         names = ["y", "x"] + [k for k, _ in m.named_parameters()]
         for what, a, b in zip(names, got, ref, strict=True):
-            assert torch.allclose(a, b, atol=TOL, rtol=0), (what, t)
+            assert_close(a, b, f"{name}'s {what} at t = {t}")
             moved[what] = moved.get(what, False) or bool(b.abs().max() > 0)
     assert all(moved.values()), moved  # every parameter has a gradient to compare
 
@@ -411,9 +439,9 @@ def test_transformer_equals_section4_written_out(name, mode):
     L.backward()
     got = cpu64(logits, logits.softmax(-1), loss)
     for what, a, b in zip(["logits", "Y_hat", "loss"], got, (Z, Y_hat, L)):
-        assert torch.allclose(a, b, atol=TOL, rtol=0), what
+        assert_close(a, b, what)
     for (what, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        assert torch.allclose(cpu64(p.grad)[0], p_ref.grad, atol=TOL, rtol=0), what
+        assert_close(cpu64(p.grad)[0], p_ref.grad, f"d loss / d {what}")
     assert model(dev(idx).long())[1] is None  # no targets, no loss
 
 
@@ -451,10 +479,11 @@ def test_initialisation_follows_section6(mixer):
             assert ks_distance_from_normal(p, std) < dkw, name
 
 
-# ---- parameter counts: Tables 3 and 4 (no biases, ERRATA) and the Synthesizer paper's
+# ---- parameter counts: Tables 3 and 4 (no biases: README's Notes on the paper, 7) and
+# the Synthesizer paper's
 # Table 1
 def paper_params(name, d, l):
-    """Tables 3 and 4 (ERRATA: no biases)."""
+    """Tables 3 and 4, without biases (Notes on the paper, 7)."""
     counts = {"sa": 4 * d * d, "she": l * d * d + 2 * d * d, "he": l * d + 3 * d * d}
     counts |= {"we": l * d + 2 * d * d, "me": l, "he-ext": l * d + d * d}
     return counts[name]
@@ -630,7 +659,7 @@ def test_cached_generation_equals_uncached(name, monkeypatch):
     monkeypatch.setattr(extractor, "fir_full", None)
     steps += [model(cached[:, i : i + 1], cache=cache)[0] for i in range(7, 12)]
     assert cache["t"] == 12
-    assert torch.allclose(torch.cat(steps, 1), full, atol=TOL, rtol=0)
+    assert_close(torch.cat(steps, 1), full, "cached rows")
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -794,9 +823,11 @@ def fir_and_grads(f, x, w, g, wrt=(0, 1)):
     return cpu64(y, *torch.autograd.grad(y, [(x, w)[i] for i in wrt], g))
 
 
-def close(got, want):
-    pairs = zip(got, want, strict=True)
-    return all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in pairs)
+def assert_all_close(got, want, what=""):
+    """Each tensor of got equals want's to TOL; a failure names which one (its number
+    in the list), the largest difference and where (torch.testing.assert_close)."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert_close(a, b, f"{what} [{i}]")
 
 
 @pytest.mark.parametrize("dim", [1, 2, 3], ids=["scalar", "vector", "matrix"])
@@ -809,18 +840,18 @@ def test_every_path_and_the_last_row_equal_the_literal_sum_forward_and_backward(
         x, g = torch.randn(2, 3, t, 5).double()
         w = torch.randn(*TAPS[dim]).double()
         ref = fir_and_grads(extractor.causal_fir_reference, x, w, g)
-        assert close(fir_and_grads(literal_fir, x, w, g), ref)
+        assert_all_close(fir_and_grads(literal_fir, x, w, g), ref, "literal")
         assert (ref[2][t:] == 0).all()  # the taps beyond t have no gradient
         for path in [p for p, dims in fir.PATHS.items() if dim in dims]:
             f = functools.partial(fir.fir_full, path=path)
-            assert close(fir_and_grads(f, dev(x), dev(w), dev(g)), ref), (path, t)
+            assert_all_close(fir_and_grads(f, dev(x), dev(w), dev(g)), ref, path)
             # float32 taps, cast to x's dtype
-            assert close(cpu64(f(dev(x), dev(w).float())), ref[:1]), (path, t)
+            assert_all_close(cpu64(f(dev(x), dev(w).float())), ref[:1], path)
             for i in (0, 1):  # the other input a constant
                 got = fir_and_grads(f, dev(x), dev(w), dev(g), wrt=(i,))
-                assert close(got, ref[:1] + ref[1 + i : 2 + i])
+                assert_all_close(got, ref[:1] + ref[1 + i : 2 + i], f"{path} {i}")
         last = fir.fir_last_row(dev(x), dev(w).float())
-        assert close(cpu64(last), [ref[0][:, -1]]), t
+        assert_all_close(cpu64(last), [ref[0][:, -1]], f"last row, t = {t}")
         # the taps cast to x's dtype
         assert fir.fir_last_row(dev(x).float(), dev(w)).dtype == torch.float32
 
@@ -1041,7 +1072,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch)
 
 def per_token_counts(d, t, n):
     """Tables 5-6 summed for one new token at t (h = d/n): SA adds Table 3's t - 1, SHE
-    d*d (ERRATA)."""
+    d*d (Notes on the paper, 5)."""
     h = d // n
     sa_mult = (3 * d * h + t * h + t * h) * n + d * d
     sa_add = (3 * (d - 1) * h + t * (h - 1) + (t - 1) * h + (t - 1)) * n + (d - 1) * d
@@ -2041,7 +2072,7 @@ BAD_FLAGS = {
     "--device cuda:99": "torch sees no such device",
     "--max_iters x": "argument --max_iters: 'x' is not a whole number",
     "--lr fast": "argument --lr: 'fast' is not a number",
-    "--dtype half": "argument --dtype: 'half': use float32, bfloat16 or float16",
+    "--dtype half": "argument --dtype: invalid choice: 'half'",
 }
 
 

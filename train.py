@@ -24,7 +24,7 @@ import torch
 
 import machinery
 from extractor import Config, Transformer
-from machinery import COUNT, FRACTION, NATURAL, NON_NEGATIVE, SEED, dtype
+from machinery import COUNT, FRACTION, NATURAL, NON_NEGATIVE, SEED
 
 # Every setting of a run: flag -> (Table 1's symbol, its value or our default, type,
 # what it is). A setting with a symbol names the run's folder when it is not Table
@@ -50,7 +50,7 @@ SETTINGS = {
     "grad_clip": ("clip", 0.0, NON_NEGATIVE, "clip gradients' norm to this; 0: off"),
     "seed": ("seed", 1337, SEED, "seed of the initialisation and of dropout"),
     "data_seed": ("dseed", 1337, NATURAL, "seed of the batch order"),
-    "dtype": ("", "float32", dtype, "autocast: float32 (none), bfloat16, float16"),
+    "dtype": ("", "float32", ("float32", "bfloat16", "float16"), "autocast's dtype"),
     "tf32": ("", True, bool, "CUDA: TF32 matmuls"),
     "eval_batches": ("", 20, NATURAL, "batches of each validation; 0: none"),
     "max_iters": ("", 60000, NATURAL, "batches to train on"),
@@ -70,26 +70,28 @@ MODEL_SETTINGS = dataclasses.fields(Config)[1:]  # all but vocab_size, the data'
 # ---- the batches ---------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def epoch_permutation(n_starts, data_seed, epoch):
-    """A permutation of 0..n_starts-1 seeded by (data_seed, epoch) alone."""
+    """A permutation of 0..n_starts-1 that depends on (data_seed, epoch) alone, so that
+    every mixer sees the same batches in the same order."""
     state = np.random.SeedSequence([data_seed, epoch]).generate_state(1, np.uint64)
     generator = torch.Generator().manual_seed(int(state[0]))
     return torch.randperm(n_starts, generator=generator)  # (n_starts,)
 
 
 def batch_starts(i, n_starts, batch_size, data_seed):
-    """Batch i's starts: slice i of its epoch's permutation (the rest skipped)."""
+    """Batch i's window starts, a slice of its epoch's permutation. The few starts left
+    over at an epoch's end are skipped, so that every batch is whole."""
     epoch, j = divmod(i, n_starts // batch_size)
     starts = epoch_permutation(n_starts, data_seed, epoch)
     return starts[j * batch_size : (j + 1) * batch_size]
 
 
 def get_batch(data, starts, block_size, device):
-    """Windows of l+1 tokens at this process's part of the starts: x their first l
-    tokens, y shifted by one."""
+    """This process's part of the windows of l + 1 tokens at `starts`: x holds their
+    first l tokens and y the same shifted by one, the tokens to predict."""
     mine = starts.chunk(machinery.WORLD)[machinery.RANK]  # (b / WORLD,)
     windows = [data[s : s + block_size + 1] for s in mine.tolist()]
     w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
-    pin = device.type == "cuda"  # pinned, the host need not wait for the copy
+    pin = device.type == "cuda"  # pinned, so that the host need not wait for the copy
     if pin:
         w = w.pin_memory()
     w = w.to(device, non_blocking=pin)
@@ -98,8 +100,9 @@ def get_batch(data, starts, block_size, device):
 
 # ---- the model, AdamW and the step ---------------------------------------------------
 def build_model(cfg, args, device):
-    """The Transformer, the same in every process, then a dropout stream each; AdamW,
-    fused on CUDA (the captured step makes it capturable)."""
+    """The Transformer drawn from --seed, the same in every process; then dropout is
+    seeded with seed + rank, so that each process draws its own masks. AdamW takes
+    Table 1's settings, fused on CUDA (the captured step makes it capturable)."""
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + machinery.RANK)
@@ -116,7 +119,8 @@ def build_model(cfg, args, device):
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: forward, the loss, backward, clipping if on, AdamW; the loss."""
+    """One batch: the forward pass and its loss, the backward pass, clipping if it is
+    on, and AdamW's step. The loss comes back unread, so that the GPU need not wait."""
     with ctx:
         _, loss = model(x, y)  # the mean cross-entropy of the batch, Eq. (3)
     # (only float16 scales its loss; else scale and unscale_ do nothing)
@@ -132,14 +136,16 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 # ---- the evaluation ------------------------------------------------------------------
 def validates(args, it):
-    """Whether batch `it` ends with a validation: every eval_interval, and the last."""
+    """Whether batch `it` ends with a validation: every eval_interval batches, and the
+    last batch."""
     at = it % args.eval_interval == 0 or it == args.max_iters
     return args.eval_batches > 0 and at
 
 
 @torch.no_grad()
 def evaluate(model, args, val_data, device, ctx):
-    """The mean loss, dropout off, over the same windows each time, spread evenly."""
+    """The mean loss over the same validation windows each time, spread evenly over
+    val.bin, with dropout off; the model is left in the mode it was in."""
     n = args.eval_batches * args.batch_size
     last = len(val_data) - args.block_size - 1
     starts = torch.from_numpy(np.linspace(0, last, n).round().astype(np.int64))
@@ -156,8 +162,8 @@ def evaluate(model, args, val_data, device, ctx):
 
 # ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, start_time):
-    """The data and the model, then batch, step, and at a log point evaluate, log,
-    checkpoint, stop."""
+    """Load the data and build the model; then batch, step, and at a log point
+    evaluate, log, checkpoint and stop if the run must."""
     model_settings = {f.name: getattr(args, f.name) for f in MODEL_SETTINGS}
     cfg = machinery.check_mixer(Config(**model_settings))  # before the data
     train_data, val_data, fingerprint = machinery.load_data(
