@@ -11,7 +11,7 @@ Where each equation and guarantee is checked (reference -> test, as `-k` words):
   the Synthesizers' equations        literal_synth -> mixer_forward, synth_fixed_random
   Eq. (2), generation and sampling   cached_generation, sliding_window, top_k_and_top_p
   Section 6, the initialisation      initialisation_follows_section6
-  Tables 3-7, counts                 per_token_counts, paper_params -> tables_5_6, table7
+  Tables 3-7, counts                 per_token_counts -> tables_5_6, table7
   fir.py's paths and precision       every_path, default_path, ieee_float32, tf32
   AdamW with Table 1's settings      literal_adamw -> training_step_is_adamw
   the batches, the same for all      batch_order, every_mixer_sees_the_same_batches
@@ -24,7 +24,7 @@ Where each equation and guarantee is checked (reference -> test, as `-k` words):
   on a GPU only (-m device)          captured_step_equals, fir_in_float32
   the data pipeline                  strip, download, bpe, split, load_data, bad_input
   sample.py                          sample_, a_mixer_of_your_own, end_to_end
-  the tools and results/             bench_, reproduce_, gpu_check, plot_, taps_, results
+  tools, results/                    bench_, reproduce_, gpu_check, plot_, taps_, results
 """
 
 import argparse
