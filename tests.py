@@ -24,7 +24,7 @@ Where each equation and guarantee is checked (reference -> test, as `-k` words):
   on a GPU only (-m device)          captured_step_equals, fir_in_float32
   the data pipeline                  strip, download, bpe, split, load_data, bad_input
   sample.py                          sample_, a_mixer_of_your_own, end_to_end
-  tools, results/                    bench_, reproduce_, gpu_check, plot_, taps_, results
+  tools, results/                    bench_, reproduce_, gpu_check, plot_, taps_, csvs
 """
 
 import argparse
