@@ -641,8 +641,8 @@ TABLES = {
         " paper_hours:.2f",
         "vs_sa: sa's step time over this one (above 1: faster); bytes: parameters,"
         " gradients, AdamW's moments, saved activations, logits\n"
-        "queued_ms, done_ms (CUDA, captured): per step of {queued} queued without"
-        " waiting, the host's time to queue them and the time until the GPU ran them\n"
+        "queued_ms: per step of {queued} captured steps queued without waiting (CUDA),"
+        " the host's time to queue them; done_ms: the time until the GPU ran them\n"
         "floor_ms: the larger of flop_ms and byte_ms, at the rates measured;"
         f" paper_hours: the paper's {PAPER_BATCHES} batches at step_ms",
     ),
