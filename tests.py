@@ -2652,18 +2652,21 @@ def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
 @on_cuda
 @pytest.mark.device
 @pytest.mark.parametrize(
-    "mixer, sizes",
-    [(m, {}) for m in PAPER] + [("sa", dict(l=128, d=128, n_head=1, batch=64))],
-    ids=[*PAPER, "sa-1-table1"],  # batch x heads 64 < 256: atomics unless deterministic
+    "mixer, sizes",  # sa-1: batch x heads 64 < 256, atomics unless deterministic
+    [(m, {}) for m in PAPER]
+    + [(m, dict(l=128, d=128, n_head=1, batch=64)) for m in ("sa", "she", "me")]
+    + [("sa", dict(l=128, d=128, n_head=32, batch=64))],
+    ids=[*PAPER, "sa-1-table1", "she-table1", "me-table1", "sa-32-table1"],
 )
 def test_captured_step_equals_the_eager_step_bit_for_bit(mixer, sizes):
     """3 eager warm-up steps, the capture, 5 replays, with dropout and clipping on, in
     float32 and bf16: the same losses, parameters and AdamW moments to the bit, and the
     CUDA generator where the eager steps leave it (so a checkpoint's RNG state continues
-    the run); also at Table 1's shape for 1-head attention."""
+    the run); also at Table 1's shapes (l = d = 128, batch 64; 2 layers)."""
     torch.manual_seed(0)
     batch, l = sizes.pop("batch", 4), sizes.get("l", 16)
-    batches = torch.randint(0, 50, (9, batch, l + 1)).to(DEVICE)
+    data = torch.randint(0, 50, (9, batch, l + 1)).to(DEVICE)
+    batches = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in data]
     for dtype in ("float32", "bfloat16"):
         ends = []
         for captured in (False, True):
@@ -2674,17 +2677,38 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer, sizes):
                 train.train_step, model, opt, scaler, ctx, grad_clip=0.5
             )
             step = machinery.CapturedStep(step, opt) if captured else step
-            loss = torch.stack(
-                [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
-            )
-            moments = [
-                s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")
-            ]
+            loss = torch.stack([step(x, y) for x, y in batches])
+            moments = [t for state in opt.state.values() for t in state.values()]
             rng = torch.cuda.get_rng_state(DEVICE)
             ends.append((loss, list(model.parameters()) + moments, rng))
         (loss_e, tensors_e, rng_e), (loss_g, tensors_g, rng_g) = ends
         assert torch.equal(loss_g, loss_e) and torch.equal(rng_g, rng_e), dtype
         assert all(torch.equal(a, b) for a, b in zip(tensors_g, tensors_e)), dtype
+
+
+@on_cuda
+@pytest.mark.device
+def test_a_capture_cuda_fails_stops_in_one_line_and_eager_steps_run_after_it():
+    """A step reading its loss (.item(): CUDA refuses a sync in a capture), in a process
+    of its own: one line naming the step's error, exit 1; eager steps run after it."""
+    code = f"""import functools, torch, machinery, train
+cuda = torch.device({str(DEVICE)!r})
+args = machinery.build_parser(train.SETTINGS).parse_args([])  # train.py's AdamW
+model, opt = train.build_model(train.Config(50, 16, 16, 32, 2, 4), args, cuda)
+ctx, scaler = machinery.precision(cuda, "float32")
+eager = functools.partial(train.train_step, model, opt, scaler, ctx)
+x = torch.randint(0, 50, (4, 16), device=cuda)
+step = machinery.CapturedStep(lambda x, y: eager(x, y).item(), opt)
+try:
+    for _ in range(4):  # 3 eager warm-up calls, then the recording
+        step(x, x)
+finally:  # (the step's dropout, then one of its own)
+    eager(x, x).item(), torch.nn.functional.dropout(x.float(), 0.5).sum().item()
+    print("ran after it")"""
+    rc, out, err = run_script("-c", code)
+    assert (rc, out, err.count("\n")) == (1, "ran after it\n", 1), (rc, out, err)
+    assert err.startswith("error: the step cannot be captured in a CUDA graph (")
+    assert "previous error" not in err, err  # (capture_end's, after the step's)
 
 
 # ---- CUDA's decisions, checked on the CPU (fir.py's: its default-path and ieee tests)
@@ -2788,6 +2812,11 @@ def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
     seen.clear()
     machinery.StepClock(torch.device("cpu")).now()
     assert seen == ["clock"]
+    seen.clear()  # bench.queued: k steps between two waits, the host's clock read first
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: seen.append("wait"))
+    monkeypatch.setattr(time, "perf_counter", lambda: seen.append("clock") or len(seen))
+    assert bench.queued(lambda: seen.append("step"), 2) == (3 / 2, 5 / 2)
+    assert seen == ["wait", "clock", "step", "step", "clock", "wait", "clock"]
     monkeypatch.undo()
     old = "CUDA initialization: The NVIDIA driver on your system is too old (11040)"
 
@@ -3425,68 +3454,38 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     assert table[-1].startswith("FAILED")
 
 
-# ======== experiments/gpu_check.py: the short GPU job, known to start here ========
-def test_gpu_check_refuses_without_cuda_and_stops_a_stage_with_its_children_in_time(
-    tmp_path, capsys, monkeypatch
-):
-    import gpu_check
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "out"
-    err = error_line(capsys, gpu_check.main, [str(out)])
-    assert err == "error: no CUDA device here: pass --dry-run to try it on the CPU"
-    assert not out.exists()
-    # a stage past its limit: its child and the child's own child (reproduce.py's
-    # train.py runs) stopped, what it wrote kept
-    sleep = "import time; time.sleep(60)"
-    code = "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', "
-    code += f"{sleep!r}]).pid); {sleep}"
-    path = tmp_path / "stage.txt"
-    cmd = [sys.executable, "-c", code]
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    assert gpu_check.run_stage(cmd, str(path), "w", 3, env) == "timed out (3 s)"
-    lines = path.read_text().splitlines()
-    assert lines[0] == f"$ {shlex.join(cmd)}"
-    child = int(lines[1])
-    time.sleep(0.5)  # (the kernel's SIGKILL arrives)
-    try:  # gone, or a zombie no one reaps
-        assert open(f"/proc/{child}/stat").read().split()[2] == "Z"
-    except FileNotFoundError:
-        pass
-
-
+# ======== experiments/gpu_check.sh: the short GPU job, known to start here ========
 @pytest.mark.slow
 def test_gpu_check_dry_run_reports_each_stage_a_broken_one_failed_the_later_ones_run(
     data, tmp_path
 ):
+    """The GPU job on the CPU (--dry-run), its device tests broken: each stage in the
+    table, that one failed, the later ones run, 7 files; without CUDA one line."""
+    script = ["bash", "experiments/gpu_check.sh", f"--data_dir={data}"]
+    env = os.environ | dict(PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    job = lambda *argv, **more: subprocess.run(  # more: its environment's
+        [*script, *argv], cwd=ROOT, capture_output=True, text=True, env=env | more
+    )
     out = tmp_path / "out"
-    env = os.environ | {"GPU_CHECK_FAIL": "capture_failure", "OMP_NUM_THREADS": "1"}
-    argv = ["experiments/gpu_check.py", "--dry-run", str(out), f"--data_dir={data}"]
-    rc, stdout, _ = run_script(*argv, env=env)
-    table = stdout.splitlines()[-8:]  # the last lines: a row a stage
-    assert rc == 1 and table[0].split() == ["stage", "seconds", "limit", "status"]
-    status = {row.split()[0]: " ".join(row.split()[3:]) for row in table[1:]}
-    stages = ["versions", "device_tests", "steps", "capture_failure", "check", "bench"]
-    assert list(status) == stages + ["length"]
-    assert status.pop("capture_failure") == "failed (exit 1)"
-    assert status.pop("length") in ("ok", "skipped (bench.py has no section length)")
-    assert set(status.values()) == {"ok"}, status
-    files = "bench_cpu.json bench_cpu.txt capture_failure.txt check.txt"
-    files += " device_tests.txt steps.txt summary.txt"
-    assert sorted(os.listdir(out)) == files.split()  # (the device returns 8 at most)
+    r = job(str(out), "--dry-run", GPU_CHECK_FAIL="device_tests")
+    table = r.stdout.splitlines()[-6:]  # the last lines: a row a stage
+    assert r.returncode == 1 and table[0].split() == ["stage", "status", "seconds"]
+    status = {row.split()[0]: " ".join(row.split()[1:-1]) for row in table[1:]}
+    assert status.pop("device_tests") == "failed (exit 1)"
+    assert status == dict.fromkeys(["versions", "check", "bench", "length"], "ok")
+    files = "bench_cpu.json bench_cpu.txt check-cpu.txt device_tests.txt"
+    files += " generate_cpu.csv reproduce.txt summary.txt"  # (the device returns 8)
+    assert sorted(os.listdir(out)) == files.split()
     read = lambda name: (out / name).read_text()
     assert read("summary.txt").endswith("\n".join(table) + "\n")
-    assert "torch " in read("summary.txt").splitlines()[1]  # the versions
-    assert "fails on purpose" in read("capture_failure.txt")
-    assert " skipped" in read("device_tests.txt")  # (TEST_DEVICE=cpu: all of them)
-    assert "failed" not in read("device_tests.txt")
-    steps = read("steps.txt")
-    for model in ("sa-1", "sa-32", "she", "me"):
-        assert f"\n{model}: loss " in steps
-    assert steps.count("eager again against eager: bit for bit") == 4
-    assert "\npassed: every 10-batch window" in read("check.txt")
-    assert "computed: {'device': 'cpu'" in read("check.txt")  # (its run's console)
-    assert set(json.loads(read("bench_cpu.json"))["sections"]) >= {"step"}
+    assert " torch 2." in read("summary.txt")  # the versions
+    assert read("device_tests.txt") == "$ false\n"
+    assert read("check-cpu.txt").startswith("device cpu, torch ")
+    assert "computed: {'device': 'cpu'" in read("reproduce.txt")  # (its run's console)
+    assert "\n--- length_cpu.csv\nmixer,threads,l,batch," in read("bench_cpu.txt")
+    r = job(str(tmp_path / "gpu"), CUDA_VISIBLE_DEVICES="")
+    err = "error: no CUDA device here: pass --dry-run to try it on the CPU\n"
+    assert (r.returncode, r.stderr) == (1, err) and not (tmp_path / "gpu").exists()
 
 
 # ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========

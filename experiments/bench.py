@@ -24,6 +24,7 @@ import csv
 import ctypes
 import dataclasses
 import functools
+import gc
 import io
 import json
 import math
@@ -78,6 +79,18 @@ def interleaved(fns, rounds, device, warmup=2):
             if r >= 0:
                 times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def queued(step, k):
+    """CUDA: seconds per step for the host to queue k steps without waiting for the
+    GPU, and until the GPU has run them (the first less: the host runs ahead)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        step()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / k, (time.perf_counter() - t0) / k
 
 
 def make_config(s, args, mixer):
@@ -286,13 +299,17 @@ def section_step(s, args, device):
                 why = f"{type(e).__name__}: {str(e).strip()[:80]}"
                 print(f"  {m} {v} fails, no row: {why}", flush=True)
                 del steps[m, v]
-    t = interleaved(steps, s["step_rounds"] * (5 if cuda else 1), device)
+    rounds = s["queued"] = s["step_rounds"] * (5 if cuda else 1)
+    t = interleaved(steps, rounds, device)
+    lead = {k: queued(steps[k], rounds) for k in steps if cuda and "captured" in k[1]}
     rows = []
     for (m, v), sec in sorted(t.items(), key=lambda kv: list(VARIANTS).index(kv[0][1])):
         row = dict(mixer=m, variant=v, params=params[m], step_ms=1e3 * sec)
         row["tokens_per_s"] = s["batch"] * s["l"] / sec
         row["vs_sa"] = t["sa", v] / sec if ("sa", v) in t else None
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
+        if (m, v) in lead:
+            row["queued_ms"], row["done_ms"] = (1e3 * sec for sec in lead[m, v])
         if floor:  # its FLOPs and bytes at the rates measured, overlapped at best
             flops, moved = counts[m, VARIANTS[v]]
             rate, copy = rates[VARIANTS[v]], rates["copy"]
@@ -313,15 +330,18 @@ def section_memory(s, args, device):
     budget = 2**30 * (args.gpu_gib - 1)
     rows = []
     for m in args.mixers:
-        state, saved, peak = memory_at_batch(s, args, m, B, device)
+        state, saved, peak, reserved = memory_at_batch(s, args, m, B, device)
         peak_half = memory_at_batch(s, args, m, half, device)[2]
         row = dict(mixer=m, state_mib=state / MiB, saved_mib=saved / MiB)
+        if reserved is not None:  # CUDA: what the card must hold
+            row["reserved_mib"] = reserved / MiB
         if peak is not None:  # None where the high-water mark cannot be reset (MPS)
             # on the line through both: the activations grow with B
             per_seq = (peak - peak_half) / (B - half)
             row |= dict(peak_mib=peak / MiB, peak_half_mib=peak_half / MiB)
             row["per_seq_mib"] = per_seq / MiB
-            row["fits"] = "yes" if peak <= budget else "no"
+            held = peak if reserved is None else reserved
+            row["fits"] = "yes" if held <= budget else "no"
             if per_seq > 0:
                 row["max_batch"] = max(0, B + math.floor((budget - peak) / per_seq))
         rows.append(row)
@@ -329,13 +349,19 @@ def section_memory(s, args, device):
 
 
 def memory_at_batch(s, args, mixer, batch, device):
-    """Bytes of (parameters and AdamW's moments, saved activations, peak) at `batch`."""
+    """Bytes of (parameters and AdamW's moments, saved activations, peak, on CUDA the
+    peak reserved: the allocator's cache emptied first, all of it this model's)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
     model, opt, make_step = new_model(s, args, mixer, batch, device)
     step = make_step("float32")
     saved = saved_for_backward(step, model.parameters())
     peak = peak_bytes(step, device)
+    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     state = state_bytes(model, opt)
-    return state, saved, None if peak is None else peak + state
+    return state, saved, None if peak is None else peak + state, reserved
 
 
 # ---------- Tables 3-7's operation counts in closed form; the tests check their sums
@@ -610,22 +636,25 @@ TABLES = {
     "step": (
         "Training step (train.train_step), m = {n_layer}, l = d = {d}, batch {batch};"
         " median of {step_rounds} rounds{rates}",
-        "mixer variant params:si step_ms:.2f tokens_per_s:.0f vs_sa:.2f flops:si"
-        " bytes:si flop_ms:.3f byte_ms:.3f floor_ms:.3f vs_floor:.1f paper_hours:.2f",
+        "mixer variant params:si step_ms:.2f queued_ms:.2f done_ms:.2f tokens_per_s:.0f"
+        " vs_sa:.2f flops:si bytes:si flop_ms:.3f byte_ms:.3f floor_ms:.3f vs_floor:.1f"
+        " paper_hours:.2f",
         "vs_sa: sa's step time over this one (above 1: faster); bytes: parameters,"
         " gradients, AdamW's moments, saved activations, logits\n"
+        "queued_ms: per step of {queued} captured steps queued without waiting (CUDA),"
+        " the host's time to queue them; done_ms: the time until the GPU ran them\n"
         "floor_ms: the larger of flop_ms and byte_ms, at the rates measured;"
         f" paper_hours: the paper's {PAPER_BATCHES} batches at step_ms",
     ),
     "memory": (
         "Memory of one training step (train.train_step), m = {n_layer}, l = d = {d},"
         " batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?",
-        "mixer state_mib:.1f saved_mib:.1f peak_mib:.0f peak_half_mib:.0f"
-        " per_seq_mib:.2f fits max_batch",
+        "mixer state_mib:.1f saved_mib:.1f peak_mib:.0f reserved_mib:.0f"
+        " peak_half_mib:.0f per_seq_mib:.2f fits max_batch",
         "state: parameters and AdamW's moments; saved: the activations saved for"
-        " backward; peak: with the state (CPU: VmHWM)\n"
-        "fits: peak <= {gpu_gib:g} GiB less 1 (left to CUDA); max_batch: on the line"
-        " through peak and peak_half (batch {half})",
+        " backward; peak: with the state (CPU: VmHWM); reserved: CUDA's peak reserved\n"
+        "fits: peak (CUDA: reserved) <= {gpu_gib:g} GiB less 1 (left to CUDA);"
+        " max_batch: on the line through peak and peak_half (batch {half})",
     ),
     "length": (
         "Sublayer forward+backward against l, d = {d}, b l = {tokens} tokens (sa:"
