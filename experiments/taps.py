@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from machinery import fail  # noqa: E402
-from plot import cli, label, output_path, paper_rank, plt, save  # noqa: E402
+from plot import cli, fail, label, output_path, paper_rank, plt, save  # noqa: E402
 from sample import load_model  # noqa: E402
 from synthesizer import _syn_softmax  # noqa: E402
 
@@ -107,10 +106,9 @@ def val_windows(data_dir, l, n=256, sha256=None):
     if not os.path.isfile(path):
         fail(f"{path} not found; pass --data_dir, the folder with the run's val.bin")
     with open(path, "rb") as f:
-        if sha256 and hashlib.sha256(f.read()).hexdigest() != sha256:
-            fail(
-                f"{path} is not the run's val.bin (sha256 differs); pass its --data_dir"
-            )
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if sha256 and digest != sha256:
+        fail(f"{path} is not the run's val.bin (sha256 differs); pass its --data_dir")
     val = np.memmap(path, dtype=np.uint16, mode="r")
     starts = np.linspace(0, len(val) - l - 1, n).round().astype(np.int64)
     return np.stack([val[s : s + l] for s in starts]).astype(np.int64)  # (n, l)
@@ -125,9 +123,8 @@ def plot_taps(run_dirs, path, data_dir=None):
         windows = None
         if cfg.mixer == "sa":
             folder = data_dir or ckpt["args"]["data_dir"]
-            sha256 = ckpt.get("data", {}).get("val_sha256")
-            windows = val_windows(folder, cfg.block_size, sha256=sha256)
-            windows = torch.from_numpy(windows)
+            sha = ckpt.get("data", {}).get("val_sha256")
+            windows = torch.from_numpy(val_windows(folder, cfg.block_size, sha256=sha))
         profile = tap_profile(model, windows)
         ylabel = YLABEL.get(cfg.mixer, r"$\|w_k\|_2$")
         if hasattr(model.layers[0].mixer, "logits"):
