@@ -163,10 +163,8 @@ def check_corpus(runs):
     corpora = {(s.get("vocab_size"), s["data"].get("train_sha256")) for s in settings}
     shas = {sha for _, sha in corpora if sha}
     if len({v for v, _ in corpora}) > 1 or len(shas) > 1:
-        names = []
-        for v, sha in corpora:
-            names.append(f"vocabulary {v}" + (f", train.bin {sha[:12]}" if sha else ""))
-        data = "; ".join(sorted(names))
+        train = lambda sha: f", train.bin {sha[:12]}" if sha else ""
+        data = "; ".join(sorted(f"vocabulary {v}{train(sha)}" for v, sha in corpora))
         fail(f"the runs were trained on other data ({data}); pass runs of one corpus")
 
 
@@ -330,10 +328,8 @@ def read_rows(path, header, what):
     if not rows or list(rows[0]) != header:
         columns = ",".join(header)
         fail(f"{path} is not a CSV that {what} wrote: its header must be {columns}")
-
-    def parse(k, v):  # the mixer's name, an empty val_loss, and numbers
-        return v if k == "mixer" or v == "" else json.loads(v)
-
+    # the mixer's name, an empty val_loss, and numbers
+    parse = lambda k, v: v if k == "mixer" or v == "" else json.loads(v)
     try:
         return [{k: parse(k, v) for k, v in r.items()} for r in rows]
     except ValueError:
@@ -346,8 +342,7 @@ def seed_rows(runs, until, earlier):
     rows = []
     for r in runs:
         s = r["settings"]
-        first = {"mixer": label(s), "seed": s.get("seed", "")}
-        first["data_seed"] = s.get("data_seed", "")
+        first = {"mixer": label(s)} | {k: s.get(k, "") for k in ("seed", "data_seed")}
         rows.append(run_row(first, cut(r["log"], n), [1000]))
     given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
     for e in earlier:
@@ -361,7 +356,8 @@ def seed_rows(runs, until, earlier):
 
 
 def by_batch(columns):
-    """{run: {batch: value}} as CSV rows: a batch a row, a run a column ("": none)."""
+    """{run: (batches, values)} as CSV rows, a batch a row ("" where a run has none)."""
+    columns = {n: dict(zip(batches, v)) for n, (batches, v) in columns.items()}
     rows = []
     for b in sorted({int(b) for column in columns.values() for b in column}):
         values = {n: repr(float(c[b])) if b in c else "" for n, c in columns.items()}
@@ -392,11 +388,8 @@ def write_results(runs, folder, window, seed_table, paper_ppl=None):
     """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
     run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl);
     returns their paths."""
-    medians, vals = {}, {}
-    for r in runs:
-        log = r["log"]
-        medians[r["name"]] = dict(zip(*window_medians(log["train_loss"], window)))
-        vals[r["name"]] = dict(zip(log["val_iter"], log["val_loss"]))
+    medians = {r["name"]: window_medians(r["log"]["train_loss"], window) for r in runs}
+    vals = {r["name"]: (r["log"]["val_iter"], r["log"]["val_loss"]) for r in runs}
     tables = {"medians.csv": by_batch(medians), "val_loss.csv": by_batch(vals)}
     tables["summary.csv"] = [summary_row(r) for r in runs]
     if seed_table:
@@ -470,8 +463,7 @@ def plot_logs(args):
         fail("--seeds adds rows to seeds.csv, written by --results DIR without --sweep")
     if args.paper_ppl and (not args.results or args.sweep):
         fail("--paper_ppl writes gaps.csv, with --results DIR without --sweep")
-    one_figure = args.raw or args.sweep
-    output = output_path(args.output, args.runs, "loss.png", one_figure)
+    output = output_path(args.output, args.runs, "loss.png", args.raw or args.sweep)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
     runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
     seeds = read_runs([p for p in args.seeds if not p.endswith(".csv")])

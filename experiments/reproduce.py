@@ -11,12 +11,9 @@ results/README.md's "Redrawing" does.
     python experiments/reproduce.py --time_limit 14m  # the six; again: it goes on
     python experiments/reproduce.py sa-32 she         # Figure 9's two
 
---check trains each model for 100 batches and compares every 10-batch window's mean
-training cost with the committed CPU runs of results/logs/table1-cpu: within 0.05, or it
-fails (results/gpu/check.txt; on another kind of device or for fewer models
-check-cpu.txt, check-me.txt, which keep the six's). The children are train.py
-processes; Ctrl-C or kill stops them at a checkpoint, and so does kill -9 of this script
-on Linux."""
+--check: each model's first 100 batches against the committed CPU runs
+(results/logs/table1-cpu), every 10-batch window's mean cost within 0.05. Ctrl-C, kill
+and (on Linux) kill -9 of this script stop its train.py children at a checkpoint."""
 
 import argparse
 import contextlib
@@ -31,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from plot import atomic_write, fail, read_log
+from plot import atomic_write, fail, read, read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
@@ -140,12 +137,10 @@ def check(names, args, flags, fits):
     card = ""
     if args.device.startswith("cuda"):
         card = f" ({torch.cuda.get_device_name(args.device)})"
+    lines = [f"device {args.device}{card}, torch {torch.__version__}"]
+    minus = f"mean training cost here minus on the CPU, windows of {WINDOW} batches"
     ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
-    lines = [
-        f"device {args.device}{card}, torch {torch.__version__}",
-        f"mean training cost here minus on the CPU, windows of {WINDOW} batches",
-        f"{'run':6s} {ends}   worst",
-    ]
+    lines += [minus, f"{'run':6s} {ends}   worst"]
     worst = 0
     for name in names:
         here = window_means(os.path.join(work, name))
@@ -168,8 +163,7 @@ def check(names, args, flags, fits):
 
 def length_and_device(run_dir):
     """A run's last batch and the kind of device it trained on (cuda, cpu, mps)."""
-    with open(os.path.join(run_dir, "run.json")) as f:
-        run = json.load(f)
+    run = read(os.path.join(run_dir, "run.json"), json.load)
     device = run.get("computed", {}).get("device") or run["args"]["device"]
     return int(read_log(run_dir)["iter"][-1]), device.split(":")[0]
 

@@ -61,12 +61,10 @@ def attention_by_distance(model, windows, chunk=32):
     """{layer: (t,) mean of A[i, i - k + 1] over heads, i >= k - 1 and the windows
     (N, t)}, from each mixer's input (the layer-normed residual stream), by a hook."""
     t = windows.shape[1]
-    sums = {layer.mixer: torch.zeros(t, dtype=torch.float64) for layer in model.layers}
+    sums = {L.mixer: torch.zeros(t, t, dtype=torch.float64) for L in model.layers}
 
     def add(mixer, args, out):  # args[0]: the mixer's input (B, t, d)
-        # (t, t), summed over windows and heads
-        a = attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
-        sums[mixer] += diagonal_sums(a)
+        sums[mixer] += attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
 
     hooks = [mixer.register_forward_hook(add) for mixer in sums]
     with torch.no_grad():
@@ -74,9 +72,8 @@ def attention_by_distance(model, windows, chunk=32):
             model.eval()(x)
     for h in hooks:
         h.remove()
-    # (t,) weights summed at each distance k - 1 = back
-    count = len(windows) * model.cfg.n_head * (t - torch.arange(t))
-    return {i: (s / count).numpy() for i, s in enumerate(sums.values(), 1)}
+    n = len(windows) * model.cfg.n_head  # the (t, t) matrices each layer's sum holds
+    return {i: mean_by_distance(s, n) for i, s in enumerate(sums.values(), 1)}
 
 
 def random_by_distance(mixer):
@@ -85,12 +82,14 @@ def random_by_distance(mixer):
     l = mixer.l
     with torch.no_grad():
         a = _syn_softmax(mixer.logits(0, l).double(), 0).sum(dim=0)  # (l, l)
-    return (diagonal_sums(a) / (mixer.n * (l - torch.arange(l)))).numpy()
+    return mean_by_distance(a, mixer.n)
 
 
-def diagonal_sums(a):
-    """(t,) the sums of a (t, t)'s diagonals a[i, i - back], back = 0..t-1."""
-    return torch.stack([a.diagonal(-back).sum() for back in range(len(a))])
+def mean_by_distance(a, n):
+    """(t,) the mean of a[i, i - back] over i and the n matrices summed in a."""
+    t = len(a)
+    sums = torch.stack([a.diagonal(-back).sum() for back in range(t)])
+    return (sums / (n * (t - torch.arange(t)))).numpy()
 
 
 def uniform_by_distance(t):
