@@ -328,7 +328,6 @@ def read_rows(path, header, what):
     if not rows or list(rows[0]) != header:
         columns = ",".join(header)
         fail(f"{path} is not a CSV that {what} wrote: its header must be {columns}")
-    # the mixer's name, an empty val_loss, and numbers
     parse = lambda k, v: v if k == "mixer" or v == "" else json.loads(v)
     try:
         return [{k: parse(k, v) for k, v in r.items()} for r in rows]
@@ -459,10 +458,8 @@ def plot_logs(args):
     for flag, n in (("--window", args.window), ("--batches", args.batches)):
         if n is not None and n < 1:
             fail(f"{flag} must be at least 1, got {n}")
-    if args.seeds and (not args.results or args.sweep):
-        fail("--seeds adds rows to seeds.csv, written by --results DIR without --sweep")
-    if args.paper_ppl and (not args.results or args.sweep):
-        fail("--paper_ppl writes gaps.csv, with --results DIR without --sweep")
+    if (args.seeds or args.paper_ppl) and (not args.results or args.sweep):
+        fail("--seeds and --paper_ppl write CSVs of --results DIR: pass it, no --sweep")
     output = output_path(args.output, args.runs, "loss.png", args.raw or args.sweep)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
     runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
