@@ -3603,7 +3603,11 @@ def test_plot_gaps_csv_sets_each_runs_gap_to_sa_32_beside_the_papers(
     no_sa = argv[1:] + ["--paper_ppl", str(tmp_path / "ppl.csv")]
     assert "the gaps are to sa-32: give its run" in error_line(capsys, plot.main, no_sa)
     no_csv = argv + ["--paper_ppl", str(tmp_path / "no.csv")]
-    assert "no.csv not found; give a CSV" in error_line(capsys, plot.main, no_csv)
+    err = error_line(capsys, plot.main, no_csv)
+    assert "no.csv: No such file or directory; give --paper_ppl a CSV" in err
+    (tmp_path / "no.csv").write_text("run,ppl\nsa-32,40\n")  # not its columns
+    err = error_line(capsys, plot.main, no_csv)
+    assert "no.csv is damaged (KeyError: 'lm1b_ppl')" in err
 
 
 def test_plot_one_run_without_o_draws_its_chart_in_its_folder(

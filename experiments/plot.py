@@ -29,11 +29,8 @@ import shlex
 import sys
 import zlib
 
-# the project root
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
@@ -45,10 +42,12 @@ STYLE |= {"we": "tab:green", "me": "tab:blue", "he-ext": "tab:purple"}
 SYMBOLS = {"n_layer": "m", "block_size": "l"}  # the paper's, in titles and sweep CSVs
 EXTRACTORS = ("she", "we", "he", "me", "he-ext")  # (no heads)
 SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
-UNREADABLE = (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, csv.Error)
+# what reading a cut, hand-edited or foreign file raises (KeyError: run.json's keys)
+DAMAGED = (EOFError, gzip.BadGzipFile, zlib.error, csv.Error, ValueError, KeyError)
+DAMAGED += (TypeError,)
 
 
-# (this file and those that import it stay free of torch: machinery.py's twins)
+# (not machinery.py's: this file and those that import it stay free of torch)
 def fail(msg):
     """Bad input: one line on stderr, what is wrong and what to do; exit 1, no trace."""
     print(f"error: {msg}", file=sys.stderr, flush=True)
@@ -56,7 +55,9 @@ def fail(msg):
 
 
 def atomic_write(path, data):
-    """data (bytes or str) whole at path or none of it: a temporary file, renamed."""
+    """data (bytes or str) whole at path or none of it: a temporary file, renamed;
+    path's folder made if it is missing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -69,9 +70,17 @@ def atomic_write(path, data):
             os.remove(tmp)
 
 
-def damaged(path, e):
-    why = f"{type(e).__name__}: {e}"
-    fail(f"{path} is damaged ({why}); restore it or leave this run out")
+def read(path, parse, hint="pass folders written by train.py"):
+    """parse(the file at path open as text, a .gz unzipped); one line if it cannot."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", newline="") as f:
+            return parse(f)
+    except DAMAGED as e:
+        why = f"{type(e).__name__}: {e}"
+        fail(f"{path} is damaged ({why}); restore it or leave it out")
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}; {hint}")
 
 
 def read_log(run_dir):
@@ -79,16 +88,9 @@ def read_log(run_dir):
     path = os.path.join(run_dir, "log.csv")
     if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
         path += ".gz"  # a finished run's log as results/logs/ keeps it
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", newline="") as f:
-            rows = list(csv.DictReader(f))
-    except UNREADABLE as e:  # cut, or not a log
-        damaged(path, e)
-    except OSError as e:
-        fail(f"cannot read {path}: {e.strerror}; pass folders written by train.py")
     good = []
-    for row in rows:  # left out: a half-written last row, or not train.py's log
+    for row in read(path, lambda f: list(csv.DictReader(f))):
+        # left out: a half-written last row, or not train.py's log
         with contextlib.suppress(KeyError, TypeError, ValueError):
             numbers = [float(row[c]) for c in ("iter", "train_loss", "tokens_per_s")]
             good.append(numbers + [float(row["val_loss"] or "nan")])
@@ -116,16 +118,7 @@ def read_runs(run_dirs, until=None):
         fail(f"{same} are one run folder; pass each run once")
     runs = []
     for d in run_dirs:
-        path = os.path.join(d, "run.json")
-        try:
-            with open(path) as f:
-                run = json.load(f)
-            more = {"params": run.get("params", {}), "data": run.get("data") or {}}
-            settings = run["args"] | run["config"] | more
-        except OSError as e:
-            fail(f"cannot read {path}: {e.strerror}; pass folders written by train.py")
-        except (ValueError, KeyError, TypeError) as e:  # a cut or hand-edited file
-            damaged(path, e)
+        settings = read(os.path.join(d, "run.json"), run_settings)
         log = cut(read_log(d), until or np.inf)
         runs.append({"dir": d, "settings": settings, "log": log})
     names = [label(r["settings"]) for r in runs]
@@ -136,6 +129,13 @@ def read_runs(run_dirs, until=None):
     for r, name in zip(runs, names):
         r["name"] = name
     return sorted(runs, key=lambda r: paper_rank(r["name"]))
+
+
+def run_settings(f):
+    """run.json's settings: train.py's flags, the model's, parameters and data."""
+    run = json.load(f)
+    more = {"params": run.get("params", {}), "data": run.get("data") or {}}
+    return run["args"] | run["config"] | more
 
 
 def label(settings):
@@ -159,16 +159,12 @@ def paper_rank(name):
 def check_corpus(runs):
     """One corpus for all runs (a cost over other tokens is another quantity): one
     vocabulary, and one train.bin (sha256) among the runs whose run.json records it."""
-    corpora = set()
-    for r in runs:
-        s = r["settings"]
-        corpora.add((s.get("vocab_size"), s["data"].get("train_sha256")))
+    settings = [r["settings"] for r in runs]
+    corpora = {(s.get("vocab_size"), s["data"].get("train_sha256")) for s in settings}
     shas = {sha for _, sha in corpora if sha}
     if len({v for v, _ in corpora}) > 1 or len(shas) > 1:
-        names = []
-        for v, sha in corpora:
-            names.append(f"vocabulary {v}" + (f", train.bin {sha[:12]}" if sha else ""))
-        data = "; ".join(sorted(names))
+        train = lambda sha: f", train.bin {sha[:12]}" if sha else ""
+        data = "; ".join(sorted(f"vocabulary {v}{train(sha)}" for v, sha in corpora))
         fail(f"the runs were trained on other data ({data}); pass runs of one corpus")
 
 
@@ -201,9 +197,7 @@ def plot_run(run, path, window):
 def plot_runs(runs, path, window, raw=False):
     """Several runs overlaid: window medians (Figures 7-8), beside them each run's gap
     to sa-32's where sa-32 is among them; or raw, every batch at its number (Fig. 9)."""
-    ref = None
-    if not raw and len(runs) > 1:
-        ref = {r["name"]: r for r in runs}.get("sa-32")
+    ref = None if raw else {r["name"]: r for r in runs}.get("sa-32")
     size = (15, 5) if ref else (8, 5)
     fig, axes = plt.subplots(1, 2 if ref else 1, figsize=size, squeeze=False)
     ax = axes[0][0]
@@ -218,15 +212,15 @@ def plot_runs(runs, path, window, raw=False):
     finish(ax, "training cost of every batch" if raw else medians)
     if ref:
         ax = axes[0][1]
-        ax.axhline(0, color=STYLE.get(ref["name"], "black"), lw=1, label=ref["name"])
+        ax.axhline(0, color=STYLE["sa-32"], lw=1, label="sa-32")
         ref_med = window_medians(ref["log"]["train_loss"], window)[1]
         for r in [r for r in runs if r is not ref]:
             ends, med = window_medians(r["log"]["train_loss"], window)
             n = min(len(med), len(ref_med))  # the windows both runs have
             gap = med[:n] - ref_med[:n]
             ax.plot(ends[:n], gap, marker="o", ms=3, label=r["name"], **line(r))
-        ax.set(ylabel=f"median cost minus {ref['name']}'s (nats)")
-        finish(ax, f"gap to {ref['name']}, window by window")
+        ax.set(ylabel="median cost minus sa-32's (nats)")
+        finish(ax, "gap to sa-32, window by window")
     save(fig, path, setting_title(runs))
 
 
@@ -301,7 +295,6 @@ def save(fig, path, title=None):
         fig.suptitle(title)
     fig.tight_layout()
     metadata = {"Software": None} if fmt == "png" else None  # no version stamp
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     image = io.BytesIO()
     fig.savefig(image, format=fmt, dpi=120, bbox_inches="tight", metadata=metadata)
     atomic_write(path, image.getvalue())
@@ -330,17 +323,12 @@ def summary_row(run):
 
 def read_rows(path, header, what):
     """The rows of a CSV that `what` wrote, its numbers as numbers to the last digit."""
-    if not os.path.isfile(path):
-        fail(f"{path} not found; pass run folders, or a CSV that {what} wrote")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    hint = f"pass run folders, or a CSV that {what} wrote"
+    rows = read(path, lambda f: list(csv.DictReader(f)), hint)
     if not rows or list(rows[0]) != header:
         columns = ",".join(header)
         fail(f"{path} is not a CSV that {what} wrote: its header must be {columns}")
-
-    def parse(k, v):  # the mixer's name, an empty val_loss, and numbers
-        return v if k == "mixer" or v == "" else json.loads(v)
-
+    parse = lambda k, v: v if k == "mixer" or v == "" else json.loads(v)
     try:
         return [{k: parse(k, v) for k, v in r.items()} for r in rows]
     except ValueError:
@@ -353,8 +341,7 @@ def seed_rows(runs, until, earlier):
     rows = []
     for r in runs:
         s = r["settings"]
-        first = {"mixer": label(s), "seed": s.get("seed", "")}
-        first["data_seed"] = s.get("data_seed", "")
+        first = {"mixer": label(s)} | {k: s.get(k, "") for k in ("seed", "data_seed")}
         rows.append(run_row(first, cut(r["log"], n), [1000]))
     given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
     for e in earlier:
@@ -363,15 +350,13 @@ def seed_rows(runs, until, earlier):
             fail(f"seeds.csv: {e['mixer']} has {at} batches; pass --batches {at}")
         if (e["mixer"], e["seed"], e["data_seed"]) not in given:
             rows.append(e)
-    return sorted(rows, key=seed_order)
-
-
-def seed_order(row):
-    return paper_rank(row["mixer"]), str(row["seed"]), str(row["data_seed"])
+    order = lambda r: (paper_rank(r["mixer"]), str(r["seed"]), str(r["data_seed"]))
+    return sorted(rows, key=order)
 
 
 def by_batch(columns):
-    """{run: {batch: value}} as CSV rows: a batch a row, a run a column ("": none)."""
+    """{run: (batches, values)} as CSV rows, a batch a row ("" where a run has none)."""
+    columns = {n: dict(zip(batches, v)) for n, (batches, v) in columns.items()}
     rows = []
     for b in sorted({int(b) for column in columns.values() for b in column}):
         values = {n: repr(float(c[b])) if b in c else "" for n, c in columns.items()}
@@ -383,10 +368,8 @@ def gap_rows(runs, path):
     """gaps.csv: each run's median of the last 2000 batches and last validation loss,
     their gaps to sa-32's, and a paper's gap in nats, ln(ppl / sa-32's ppl), from
     `path`'s run and lm1b_ppl columns (--paper_ppl)."""
-    if not os.path.isfile(path):
-        fail(f"--paper_ppl {path} not found; give a CSV with run and lm1b_ppl columns")
-    with open(path, newline="") as f:
-        ppl = {r["run"]: float(r["lm1b_ppl"]) for r in csv.DictReader(f)}
+    parse = lambda f: {r["run"]: float(r["lm1b_ppl"]) for r in csv.DictReader(f)}
+    ppl = read(path, parse, "give --paper_ppl a CSV with run and lm1b_ppl columns")
     rows = [run_row({"run": r["name"]}, r["log"], [2000]) for r in runs]
     names = [r["run"] for r in rows]
     if "sa-32" not in names or "sa-32" not in ppl:
@@ -395,9 +378,8 @@ def gap_rows(runs, path):
     for r in rows:
         r["gap_median"] = r["median_last_2000"] - base["median_last_2000"]
         r["gap_val"] = r["val_loss"] - base["val_loss"]
-        r["paper_gap"] = (
-            math.log(ppl[r["run"]] / ppl["sa-32"]) if r["run"] in ppl else ""
-        )
+        paper = ppl.get(r["run"])
+        r["paper_gap"] = math.log(paper / ppl["sa-32"]) if paper else ""
     return rows
 
 
@@ -405,11 +387,8 @@ def write_results(runs, folder, window, seed_table, paper_ppl=None):
     """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
     run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl);
     returns their paths."""
-    medians, vals = {}, {}
-    for r in runs:
-        log = r["log"]
-        medians[r["name"]] = dict(zip(*window_medians(log["train_loss"], window)))
-        vals[r["name"]] = dict(zip(log["val_iter"], log["val_loss"]))
+    medians = {r["name"]: window_medians(r["log"]["train_loss"], window) for r in runs}
+    vals = {r["name"]: (r["log"]["val_iter"], r["log"]["val_loss"]) for r in runs}
     tables = {"medians.csv": by_batch(medians), "val_loss.csv": by_batch(vals)}
     tables["summary.csv"] = [summary_row(r) for r in runs]
     if seed_table:
@@ -421,30 +400,11 @@ def write_results(runs, folder, window, seed_table, paper_ppl=None):
 
 def write_csv(path, rows):
     """rows: dicts, their keys the header. Returns path."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     buf = io.StringIO()
     lines = [list(rows[0])] + [list(r.values()) for r in rows]
     csv.writer(buf, lineterminator="\n").writerows(lines)
     atomic_write(path, buf.getvalue())
     return path
-
-
-def build_parser():
-    intro, examples = __doc__.strip().split("\n\n", 1)
-    raw = argparse.RawDescriptionHelpFormatter  # the examples as written
-    p = argparse.ArgumentParser(description=intro, epilog=examples, formatter_class=raw)
-    p.add_argument("runs", nargs="+", help="run folders; with --sweep also its CSVs")
-    p.add_argument("-o", "--output", help="image file (.png, .pdf, .svg, ...)")
-    p.add_argument("--window", type=int, help="batches per median (2000, or 1/30 run)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--raw", action="store_true", help="every batch (Figure 9)")
-    mode.add_argument("--sweep", metavar="KEY", help="last window against KEY")
-    p.add_argument("--results", metavar="DIR", help="write the CSVs here")
-    p.add_argument("--seeds", nargs="+", default=[], help="runs or CSV for seeds.csv")
-    p.add_argument("--batches", type=int, help="use the first N batches of each run")
-    p.add_argument("--paper_ppl", metavar="CSV", help="gaps.csv: beside a paper's gaps")
-    p.error = lambda msg: fail(f"{msg} (see --help)")
-    return p
 
 
 def output_path(output, inputs, own, one_figure=False):
@@ -498,12 +458,9 @@ def plot_logs(args):
     for flag, n in (("--window", args.window), ("--batches", args.batches)):
         if n is not None and n < 1:
             fail(f"{flag} must be at least 1, got {n}")
-    if args.seeds and (not args.results or args.sweep):
-        fail("--seeds adds rows to seeds.csv, written by --results DIR without --sweep")
-    if args.paper_ppl and (not args.results or args.sweep):
-        fail("--paper_ppl writes gaps.csv, with --results DIR without --sweep")
-    one_figure = args.raw or args.sweep
-    output = output_path(args.output, args.runs, "loss.png", one_figure)
+    if (args.seeds or args.paper_ppl) and (not args.results or args.sweep):
+        fail("--seeds and --paper_ppl write CSVs of --results DIR: pass it, no --sweep")
+    output = output_path(args.output, args.runs, "loss.png", args.raw or args.sweep)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
     runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
     seeds = read_runs([p for p in args.seeds if not p.endswith(".csv")])
@@ -544,7 +501,21 @@ def cli(work, hint):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    intro, examples = __doc__.strip().split("\n\n", 1)
+    raw = argparse.RawDescriptionHelpFormatter  # the examples as written
+    p = argparse.ArgumentParser(description=intro, epilog=examples, formatter_class=raw)
+    p.add_argument("runs", nargs="+", help="run folders; with --sweep also its CSVs")
+    p.add_argument("-o", "--output", help="image file (.png, .pdf, .svg, ...)")
+    p.add_argument("--window", type=int, help="batches per median (2000, or 1/30 run)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true", help="every batch (Figure 9)")
+    mode.add_argument("--sweep", metavar="KEY", help="last window against KEY")
+    p.add_argument("--results", metavar="DIR", help="write the CSVs here")
+    p.add_argument("--seeds", nargs="+", default=[], help="runs or CSV for seeds.csv")
+    p.add_argument("--batches", type=int, help="use the first N batches of each run")
+    p.add_argument("--paper_ppl", metavar="CSV", help="gaps.csv: beside a paper's gaps")
+    p.error = lambda msg: fail(f"{msg} (see --help)")
+    args = p.parse_args(argv)
     return cli(lambda: plot_logs(args), "pick another -o or --results")
 
 

@@ -11,12 +11,9 @@ results/README.md's "Redrawing" does.
     python experiments/reproduce.py --time_limit 14m  # the six; again: it goes on
     python experiments/reproduce.py sa-32 she         # Figure 9's two
 
---check trains each model for 100 batches and compares every 10-batch window's mean
-training cost with the committed CPU runs of results/logs/table1-cpu: within 0.05, or it
-fails (results/gpu/check.txt; on another kind of device or for fewer models
-check-cpu.txt, check-me.txt, which keep the six's). The children are train.py
-processes; Ctrl-C or kill stops them at a checkpoint, and so does kill -9 of this script
-on Linux."""
+--check: each model's first 100 batches against the committed CPU runs
+(results/logs/table1-cpu), every 10-batch window's mean cost within 0.05. Ctrl-C, kill
+and (on Linux) kill -9 of this script stop its train.py children at a checkpoint."""
 
 import argparse
 import contextlib
@@ -31,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from plot import atomic_write, fail, read_log
+from plot import atomic_write, fail, read, read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
@@ -73,10 +70,7 @@ def train_all(names, flags, work, fits):
     """train.py for each run in turn, started once fits(the running runs and it) or
     none runs; their exit codes. A stop of this script stops each at a checkpoint."""
     procs = {}
-
-    def running():
-        return [n for n, p in procs.items() if p.poll() is None]
-
+    running = lambda: [n for n, p in procs.items() if p.poll() is None]
     try:
         for name in names:
             while running() and not fits(running() + [name]):
@@ -128,14 +122,13 @@ def check_file(names, args):
     return os.path.join(args.results, "gpu", "-".join(parts) + ".txt")
 
 
-def check(names, args, fits):
+def check(names, args, flags, fits):
     """Each model's first 100 batches here against its committed CPU run: a table."""
     import torch  # (main imported it)
 
     work = os.path.join(args.work, "check")
     shutil.rmtree(work, ignore_errors=True)  # the check trains anew
-    flags = ["--max_iters=100", "--log_interval=10"]
-    flags += [f"--device={args.device}", f"--data_dir={args.data_dir}"]
+    flags = flags + ["--max_iters=100", "--log_interval=10"]
     codes = train_all(names, flags, work, fits)
     for name, code in zip(names, codes):
         if code != 0:
@@ -144,12 +137,10 @@ def check(names, args, fits):
     card = ""
     if args.device.startswith("cuda"):
         card = f" ({torch.cuda.get_device_name(args.device)})"
+    lines = [f"device {args.device}{card}, torch {torch.__version__}"]
+    minus = f"mean training cost here minus on the CPU, windows of {WINDOW} batches"
     ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
-    lines = [
-        f"device {args.device}{card}, torch {torch.__version__}",
-        f"mean training cost here minus on the CPU, windows of {WINDOW} batches",
-        f"{'run':6s} {ends}   worst",
-    ]
+    lines += [minus, f"{'run':6s} {ends}   worst"]
     worst = 0
     for name in names:
         here = window_means(os.path.join(work, name))
@@ -165,7 +156,6 @@ def check(names, args, fits):
     within = f"every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
     lines.append(f"{verdict}: {within} (worst {worst:.4f})")
     text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.join(args.results, "gpu"), exist_ok=True)
     atomic_write(check_file(names, args), text)
     print(text, end="")
     return 0 if verdict == "passed" else 1
@@ -173,8 +163,7 @@ def check(names, args, fits):
 
 def length_and_device(run_dir):
     """A run's last batch and the kind of device it trained on (cuda, cpu, mps)."""
-    with open(os.path.join(run_dir, "run.json")) as f:
-        run = json.load(f)
+    run = read(os.path.join(run_dir, "run.json"), json.load)
     device = run.get("computed", {}).get("device") or run["args"]["device"]
     return int(read_log(run_dir)["iter"][-1]), device.split(":")[0]
 
@@ -195,7 +184,6 @@ def keep(name, code, args):
             why = f"{batches} batches on {device} against {old_batches} on {old_device}"
             print(f"{name}: not copied, {why} in {dst} (--replace copies it)")
             return False
-    os.makedirs(dst, exist_ok=True)
     with open(os.path.join(src, "log.csv"), "rb") as f:
         atomic_write(os.path.join(dst, "log.csv.gz"), gzip.compress(f.read(), mtime=0))
     with open(os.path.join(src, "run.json"), "rb") as f:
@@ -209,14 +197,14 @@ def redraw(results):
     logs = os.path.join(results, "logs", "table1")
     figures = os.path.join(results, "table1")
     runs = [os.path.join(logs, n) for n in RUNS if os.path.isdir(os.path.join(logs, n))]
+    out = lambda name: ["-o", os.path.join(figures, name)]
     commands = [
-        runs + ["--window", "2000", "--results", figures],
-        runs + ["--window", "500", "-o", os.path.join(figures, "fig8.png")],
+        runs + ["--window", "2000", "--results", figures, *out("fig8_w2000.png")],
+        runs + ["--window", "500", *out("fig8.png")],
     ]
-    commands[0] += ["-o", os.path.join(figures, "fig8_w2000.png")]
     pair = [r for r in runs if os.path.basename(r) in ("sa-32", "she")]
     if len(pair) == 2:  # Figure 9
-        commands.append(pair + ["--raw", "-o", os.path.join(figures, "fig9.png")])
+        commands.append(pair + ["--raw", *out("fig9.png")])
     codes = [subprocess.run(PLOT + argv).returncode for argv in commands]
     return not any(codes)
 
@@ -251,13 +239,13 @@ def main(argv=None):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
     fits = room(args)
+    flags = [f"--device={args.device}", f"--data_dir={args.data_dir}"]
     # SIGTERM as Ctrl-C: `finally` stops the children
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.check:
-            return check(args.runs, args, fits)
-        flags = [f"--time_limit={args.time_limit}", f"--device={args.device}"]
-        flags.append(f"--data_dir={args.data_dir}")
+            return check(args.runs, args, flags, fits)
+        flags.append(f"--time_limit={args.time_limit}")
         codes = train_all(args.runs, flags, args.work, fits)
     except KeyboardInterrupt:
         stopped = f"stopped: each run at its last checkpoint in {args.work}"

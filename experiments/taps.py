@@ -20,8 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from machinery import fail  # noqa: E402
-from plot import cli, label, output_path, paper_rank, plt, save  # noqa: E402
+from plot import cli, fail, label, output_path, paper_rank, plt, save  # noqa: E402
 from sample import load_model  # noqa: E402
 from synthesizer import _syn_softmax  # noqa: E402
 
@@ -62,12 +61,10 @@ def attention_by_distance(model, windows, chunk=32):
     """{layer: (t,) mean of A[i, i - k + 1] over heads, i >= k - 1 and the windows
     (N, t)}, from each mixer's input (the layer-normed residual stream), by a hook."""
     t = windows.shape[1]
-    sums = {layer.mixer: torch.zeros(t, dtype=torch.float64) for layer in model.layers}
+    sums = {L.mixer: torch.zeros(t, t, dtype=torch.float64) for L in model.layers}
 
     def add(mixer, args, out):  # args[0]: the mixer's input (B, t, d)
-        # (t, t), summed over windows and heads
-        a = attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
-        sums[mixer] += diagonal_sums(a)
+        sums[mixer] += attention_weights(mixer, args[0]).double().sum(dim=(0, 1))
 
     hooks = [mixer.register_forward_hook(add) for mixer in sums]
     with torch.no_grad():
@@ -75,9 +72,8 @@ def attention_by_distance(model, windows, chunk=32):
             model.eval()(x)
     for h in hooks:
         h.remove()
-    # (t,) weights summed at each distance k - 1 = back
-    count = len(windows) * model.cfg.n_head * (t - torch.arange(t))
-    return {i: (s / count).numpy() for i, s in enumerate(sums.values(), 1)}
+    n = len(windows) * model.cfg.n_head  # the (t, t) matrices each layer's sum holds
+    return {i: mean_by_distance(s, n) for i, s in enumerate(sums.values(), 1)}
 
 
 def random_by_distance(mixer):
@@ -86,12 +82,14 @@ def random_by_distance(mixer):
     l = mixer.l
     with torch.no_grad():
         a = _syn_softmax(mixer.logits(0, l).double(), 0).sum(dim=0)  # (l, l)
-    return (diagonal_sums(a) / (mixer.n * (l - torch.arange(l)))).numpy()
+    return mean_by_distance(a, mixer.n)
 
 
-def diagonal_sums(a):
-    """(t,) the sums of a (t, t)'s diagonals a[i, i - back], back = 0..t-1."""
-    return torch.stack([a.diagonal(-back).sum() for back in range(len(a))])
+def mean_by_distance(a, n):
+    """(t,) the mean of a[i, i - back] over i and the n matrices summed in a."""
+    t = len(a)
+    sums = torch.stack([a.diagonal(-back).sum() for back in range(t)])
+    return (sums / (n * (t - torch.arange(t)))).numpy()
 
 
 def uniform_by_distance(t):
@@ -107,10 +105,9 @@ def val_windows(data_dir, l, n=256, sha256=None):
     if not os.path.isfile(path):
         fail(f"{path} not found; pass --data_dir, the folder with the run's val.bin")
     with open(path, "rb") as f:
-        if sha256 and hashlib.sha256(f.read()).hexdigest() != sha256:
-            fail(
-                f"{path} is not the run's val.bin (sha256 differs); pass its --data_dir"
-            )
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if sha256 and digest != sha256:
+        fail(f"{path} is not the run's val.bin (sha256 differs); pass its --data_dir")
     val = np.memmap(path, dtype=np.uint16, mode="r")
     starts = np.linspace(0, len(val) - l - 1, n).round().astype(np.int64)
     return np.stack([val[s : s + l] for s in starts]).astype(np.int64)  # (n, l)
@@ -125,9 +122,8 @@ def plot_taps(run_dirs, path, data_dir=None):
         windows = None
         if cfg.mixer == "sa":
             folder = data_dir or ckpt["args"]["data_dir"]
-            sha256 = ckpt.get("data", {}).get("val_sha256")
-            windows = val_windows(folder, cfg.block_size, sha256=sha256)
-            windows = torch.from_numpy(windows)
+            sha = ckpt.get("data", {}).get("val_sha256")
+            windows = torch.from_numpy(val_windows(folder, cfg.block_size, sha256=sha))
         profile = tap_profile(model, windows)
         ylabel = YLABEL.get(cfg.mixer, r"$\|w_k\|_2$")
         if hasattr(model.layers[0].mixer, "logits"):
