@@ -1258,9 +1258,9 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     out = capsys.readouterr().out.split("\n\n")[1]
     rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
     assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
-    # each row's step, 3 warm-up rounds and 2 timed, its one FIR on the row's path
+    # each row's step, 2 warm-up rounds and 2 timed, its one FIR on the row's path
     fir_of = lambda m, p: () if m == "sa" else (p,)
-    want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(3 + 2)]
+    want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(2 + 2)]
     assert sorted(ran) == sorted(want)
 
 
@@ -1282,19 +1282,19 @@ def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
     mixers, d, n = ["sa", "me", "she", "he", "we"], 32, 32  # --quick: d = 32, 32 heads
     counts = {1, threads} if kind == "cpu" else {threads}
     ops = lambda c: c["mult"] + c["add"] + c["div"] + c["exp"]
-    for rows, x, ms in ((length, "l", "ms_fwd_bwd"), (generate, "t", "ms_fwd")):
+    for rows, x in ((length, "l"), (generate, "t")):
         # a row per thread count, length and mixer, in this order, each timed
         keys = [(int(r["threads"]), int(r[x]), r["mixer"]) for r in rows]
         lengths = [8, 16, 32]  # --quick's
         assert keys == [
             (k, l, m) for k in sorted(counts) for l in lengths for m in mixers
         ]
-        assert all(float(r[ms]) > 0 and not r.get("stop") for r in rows)
-        sa = {(r["threads"], r[x]): float(r[ms]) for r in rows if r["mixer"] == "sa"}
+        assert all(float(r["ms"]) > 0 and not r.get("stop") for r in rows)
+        sa = {(r["threads"], r[x]): float(r["ms"]) for r in rows if r["mixer"] == "sa"}
         for r in rows:
-            ratio = float(r[ms]) / sa[r["threads"], r[x]]
+            ratio = float(r["ms"]) / sa[r["threads"], r[x]]
             assert math.isclose(float(r["vs_sa"]), ratio, rel_tol=1e-12), r
-            per_token = float(r[ms]) / int(r["tokens" if x == "l" else "batch"])
+            per_token = float(r["ms"]) / int(r["tokens" if x == "l" else "batch"])
             assert math.isclose(float(r["ms_per_token"]), per_token, rel_tol=1e-12), r
     for r in length:  # b l = 64 tokens; Tables 3-4: Tables 5-6 summed over t
         l, b, m = int(r["l"]), int(r["batch"]), r["mixer"]
@@ -1307,11 +1307,11 @@ def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
         assert int(r["paper_ops_fwd"]) == 4 * ops(per_token_counts(d, t, n)[m]), r
     # the FLOPs of what runs: sa's four d x d maps (backward twice the forward's) and
     # SDPA's two t x t GEMMs, five in its backward; ME's Toeplitz GEMM, two in backward
-    flops = {(r["mixer"], int(r["l"])): int(r["flops_fwd_bwd"]) for r in length}
+    flops = {(r["mixer"], int(r["l"])): int(r["flops"]) for r in length}
     for l, b in ((8, 8), (16, 4), (32, 2)):
         assert flops["sa", l] == 24 * b * l * d * d + 14 * b * l * l * d, l
         assert flops["me", l] == 6 * b * l * l * d, l
-    flops = {(r["mixer"], int(r["t"])): int(r["flops_fwd"]) for r in generate}
+    flops = {(r["mixer"], int(r["t"])): int(r["flops"]) for r in generate}
     for t in (8, 16, 32):  # one token: sa's maps, q k^T and a v over t; ME's row of t
         assert flops["sa", t] == 8 * 4 * d * d + 4 * 4 * t * d, t
         assert flops["me", t] == 2 * 4 * t * d, t
@@ -1353,7 +1353,7 @@ def test_bench_length_stops_a_mixer_out_of_memory_and_goes_on(tmp_path, monkeypa
     argv = ["--quick", "--sections", "length", "--mixers", "me,we"]
     bench.main(argv + ["--csv", str(tmp_path), "--device", "cpu"])
     rows = _read_csv(tmp_path / "length_cpu.csv")
-    got = [(r["mixer"], r["l"], bool(r["ms_fwd_bwd"]), r["stop"]) for r in rows]
+    got = [(r["mixer"], r["l"], bool(r["ms"]), r["stop"]) for r in rows]
     want = [("sa", "8", True, ""), ("me", "8", True, ""), ("we", "8", True, "")]
     want += [("sa", "16", True, ""), ("me", "16", False, "out of memory")]
     want += [("we", "16", True, ""), ("sa", "32", True, ""), ("we", "32", True, "")]
@@ -1366,7 +1366,7 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
 ):
     path = tmp_path / "length.csv"
     path.write_text(  # he: 0.5 of sa's time at l = 64, twice it at 128
-        "mixer,threads,l,ms_per_token,vs_sa,paper_ops_fwd,flops_fwd_bwd,stop\n"
+        "mixer,threads,l,ms_per_token,vs_sa,paper_ops_fwd,flops,stop\n"
         "sa,1,64,1.0,1.0,7,9,\nhe,1,64,0.5,0.5,100,10,\nme,1,64,0.1,0.1,1,,\n"
         "sa,1,128,4.0,1.0,21,36,\nhe,1,128,8.0,2.0,400,80,\nme,1,128,0.2,0.1,2,,\n"
         "me,1,256,,,,,out of memory\n"

@@ -222,28 +222,19 @@ def completed_flops():
     return counts
 
 
-def forward_backward(module, x, g):
-    """module's forward on x and backward from dL/dy = g; the gradients then freed."""
-    module(x).backward(g)
+def forward_backward(module, x, g, path):
+    """module's forward on x, every FIR inside on path (sdpa, matmul: none), and its
+    backward from dL/dy = g; the gradients then freed."""
+    with mock.patch.object(fir, "default_path", lambda *_: path):
+        module(x).backward(g)
     module.zero_grad(set_to_none=True)
     x.grad = None
 
 
 def section_sublayer(s, args, device):
-    x = torch.randn(s["batch"], s["l"], s["d"], device=device, requires_grad=True)
-    g = torch.randn(s["batch"], s["l"], s["d"], device=device)  # dL/dy
-
-    def fwd_bwd(module, path):  # every FIR inside takes this path (sdpa, matmul: none)
-        with mock.patch.object(fir, "default_path", lambda *_: path):
-            forward_backward(module, x, g)
-
-    rows, steps = {}, {}  # (mixer, path) -> its row, one forward+backward
-    for m in args.mixers:
-        module = sublayer(make_config(s, args, m)).to(device)
-        for path in sublayer_paths(module, s["l"], device):
-            rows[m, path] = dict(mixer=m, path=path)
-            steps[m, path] = functools.partial(fwd_bwd, module, path)
-    return timed(rows, steps, s["rounds"], device, "ms", warmup=3)
+    """The length section's rows at Table 1's l and batch, on CUDA every FIR path."""
+    l, b, rounds = s["l"], s["batch"], s["rounds"]
+    return length_at(s, args, device, l, b, rounds, {}, every_path=True)
 
 
 def measure_rates(device, dtypes, s):
@@ -462,57 +453,61 @@ def per_thread_count(device, measure):
     return rows
 
 
-def timed(rows, steps, rounds, device, ms, tokens=None, warmup=2):
-    """rows[k] gains column ms, ms_per_token (given tokens) and vs_sa (this time over
-    sa's) from interleaved rounds of steps[k] (none: all stopped)."""
-    t = interleaved(steps, rounds, device, warmup) if steps else {}
+def timed(rows, steps, rounds, device, tokens):
+    """rows[k] gains ms, ms_per_token and vs_sa (this time over sa's) from interleaved
+    rounds of steps[k] (none: all stopped)."""
+    t = interleaved(steps, rounds, device) if steps else {}
     sa = [sec for k, sec in t.items() if rows[k]["mixer"] == "sa"]
     for k, sec in t.items():
-        rows[k][ms] = 1e3 * sec
-        if tokens:
-            rows[k]["ms_per_token"] = 1e3 * sec / tokens
+        rows[k] |= dict(ms=1e3 * sec, ms_per_token=1e3 * sec / tokens)
         rows[k]["vs_sa"] = sec / sa[0] if sa else None
     return list(rows.values())
 
 
-def counted(step, device, counts, batch, flops):
+def counted(step, device, counts, batch):
     """A batch's count: Tables 3-6's mult + add + div + exp (counts: one sequence's,
-    None for a mixer they lack), then from one call of step, outside the rounds, its
-    FLOPs (column flops) and its peak."""
+    None for a mixer they lack), then from one call of step, outside the rounds (a
+    warm-up too), its FLOPs and its peak."""
     ops = None if counts is None else batch * sum(counts[k] for k in OPS)
     with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
         peak = peak_bytes(step, device)
-    row = {"paper_ops_fwd": ops, flops: counter.get_total_flops()}
+    row = dict(paper_ops_fwd=ops, flops=counter.get_total_flops())
     return row | {"peak_mib": None if peak is None else peak / 2**20}
 
 
-def length_at(s, args, device, l, stopped):
-    """Each mixer at length l, b = tokens // l, but those out of memory at a shorter l
-    (in stopped; the CPU's allocations do not fail: Linux ends the process instead)."""
-    b, d = s["tokens"] // l, s["d"]
+def length_at(s, args, device, l, b, rounds, stopped, every_path=False):
+    """Each mixer's forward+backward at length l, batch b, on its default path (on
+    CUDA with every_path each FIR path), but those out of memory at a shorter l (in
+    stopped; the CPU's allocations do not fail: Linux ends the process instead)."""
+    d = s["d"]
     x = torch.randn(b, l, d, device=device, requires_grad=True)
     g = torch.randn(b, l, d, device=device)  # dL/dy
     counts = complexity_training(d, l, args.n_head)
-    rows, steps = {}, {}
+    rows, steps = {}, {}  # (mixer, path) -> its row, one forward+backward
     for m in [m for m in args.mixers if m not in stopped]:
         module = sublayer(make_config(s | dict(l=l), args, m)).to(device)
-        row = rows[m] = dict(mixer=m, l=l, batch=b, tokens=b * l)
-        row["path"] = sublayer_paths(module, l, device)[0]
-        row["params"] = sum(p.numel() for p in module.parameters())
-        step = functools.partial(forward_backward, module, x, g)
-        try:
-            row |= counted(step, device, counts.get(m), b, "flops_fwd_bwd")
-        except torch.OutOfMemoryError:
-            row["stop"] = stopped[m] = "out of memory"
-            continue
-        steps[m] = step
-    return timed(rows, steps, s["length_rounds"], device, "ms_fwd_bwd", b * l)
+        paths = sublayer_paths(module, l, device)
+        for path in paths if every_path else paths[:1]:
+            row = rows[m, path] = dict(mixer=m, l=l, batch=b, tokens=b * l, path=path)
+            row["params"] = sum(p.numel() for p in module.parameters())
+            step = functools.partial(forward_backward, module, x, g, path)
+            try:
+                row |= counted(step, device, counts.get(m), b)
+            except torch.OutOfMemoryError:
+                row["stop"] = stopped[m] = "out of memory"
+                continue
+            steps[m, path] = step
+    return timed(rows, steps, rounds, device, b * l)
 
 
 def section_length(s, args, device):
     def measure():
         stopped = {}  # the mixers out of memory, left out at every longer l
-        return [r for l in s["lengths"] for r in length_at(s, args, device, l, stopped)]
+        rows = []
+        for l in s["lengths"]:  # b l = tokens
+            b = s["tokens"] // l
+            rows += length_at(s, args, device, l, b, s["length_rounds"], stopped)
+        return rows
 
     return per_thread_count(device, measure)
 
@@ -535,8 +530,8 @@ def generate_at(s, args, device, modules, t):
         module(torch.randn(B, t - 1, d, device=device), cache)  # the t - 1 before
         steps[m] = functools.partial(one_token, module, new, cache)
         rows[m] = dict(mixer=m, t=t, batch=B)
-        rows[m] |= counted(steps[m], device, counts.get(m), B, "flops_fwd")
-    return timed(rows, steps, s["length_rounds"], device, "ms_fwd", B)
+        rows[m] |= counted(steps[m], device, counts.get(m), B)
+    return timed(rows, steps, s["length_rounds"], device, B)
 
 
 def section_generate(s, args, device):
@@ -558,9 +553,6 @@ def crossings(points):
     return found
 
 
-DRAWN = {"l": "flops_fwd_bwd", "t": "flops_fwd"}  # length column -> the FLOPs column
-
-
 def read_bench_csv(path):
     """A length or generate CSV's rows, its numbers as floats ("": None), and its
     length column, l or t."""
@@ -568,7 +560,7 @@ def read_bench_csv(path):
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
         x = "l" if "l" in rows[0] else "t"
-        numbers = (x, "threads", "ms_per_token", "vs_sa", "paper_ops_fwd", DRAWN[x])
+        numbers = (x, "threads", "ms_per_token", "vs_sa", "paper_ops_fwd", "flops")
         for r in rows:
             r |= {k: float(r[k]) if r[k] else None for k in numbers}
     except (OSError, ValueError, csv.Error, IndexError, KeyError) as e:
@@ -595,7 +587,7 @@ def draw(path, out):
             ls, ms = [r[x] for r in mine], [r["ms_per_token"] for r in mine]
             color = plot.STYLE.get("sa-32" if m == "sa" else m)
             color = ax.plot(ls, ms, "o-", color=color, label=m)[0].get_color()
-            for column, style in (("paper_ops_fwd", "--"), (DRAWN[x], ":")):
+            for column, style in (("paper_ops_fwd", "--"), ("flops", ":")):
                 ops = [r[column] for r in mine]
                 if None not in ops:
                     ax.plot(ls, [ms[0] * n / ops[0] for n in ops], style, color=color)
@@ -629,7 +621,8 @@ TABLES = {
     "sublayer": (
         "Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads);"
         " median of {rounds} rounds",
-        "mixer path ms:.3f vs_sa:.3f",
+        "mixer path params:si ms:.3f vs_sa:.3f paper_ops_fwd:si flops:si peak_mib:.0f"
+        " stop",
         "path: what causal_fir computes (fir.py; on CUDA each path, the default first);"
         " vs_sa: this time over sa's (below 1: faster)",
     ),
@@ -659,17 +652,17 @@ TABLES = {
     "length": (
         "Sublayer forward+backward against l, d = {d}, b l = {tokens} tokens (sa:"
         " {n_head} heads); median of {length_rounds} rounds",
-        "mixer threads l batch path params:si ms_fwd_bwd:.2f ms_per_token:.3g"
-        " vs_sa:.3f paper_ops_fwd:si flops_fwd_bwd:si peak_mib:.0f stop",
-        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops_fwd_bwd: the"
+        "mixer threads l batch path params:si ms:.2f ms_per_token:.3g"
+        " vs_sa:.3f paper_ops_fwd:si flops:si peak_mib:.0f stop",
+        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops: the"
         " path's forward+backward (as --table7 counts); vs_sa: this time over sa's",
     ),
     "generate": (
         "One new token with the cache at position t (t - 1 cached), window l ="
         " {window}, batch {batch}; median of {length_rounds} rounds",
-        "mixer threads t batch ms_fwd:.3f ms_per_token:.3g vs_sa:.3f"
-        " paper_ops_fwd:si flops_fwd:si peak_mib:.0f",
-        "paper_ops_fwd: Tables 5-6's sum times the batch; flops_fwd: as --table7"
+        "mixer threads t batch ms:.3f ms_per_token:.3g vs_sa:.3f"
+        " paper_ops_fwd:si flops:si peak_mib:.0f",
+        "paper_ops_fwd: Tables 5-6's sum times the batch; flops: as --table7"
         " counts; peak_mib: the first call's",
     ),
 }
