@@ -1399,9 +1399,9 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
         ("-", [[64, 0.5], [128, 8.0]]),
         ("--", [[64, 0.5], [128, 2.0]]),
         (":", [[64, 0.5], [128, 4.0]]),
+        ("None", [[pytest.approx(cross), pytest.approx(2.0)]]),  # on sa's line
         ("-", [[64, 0.1], [128, 0.2]]),
         ("--", [[64, 0.1], [128, 0.2]]),
-        ("None", [[pytest.approx(cross), pytest.approx(2.0)]]),  # on sa's line
     ]
     bad = tmp_path / "bad.csv"
     bad.write_text("mixer,threads,l\nsa,1,64\n")  # no ms_per_token

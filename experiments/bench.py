@@ -542,14 +542,14 @@ def section_generate(s, args, device):
     return per_thread_count(device, lambda: [r for t in s["lengths"] for r in at(t)])
 
 
-def crossings(points):
-    """Where the ratio r of (length, r) points in order crosses 1, each between two
-    neighbours, interpolated in log-log; [] where it does not cross."""
+def crossings(rows, x):
+    """Where vs_sa crosses 1 in one mixer's rows by length x: (x, ms_per_token) between
+    two neighbours, interpolated in log-log (where sa's line meets the mixer's)."""
     found = []
-    for (l1, r1), (l2, r2) in zip(points, points[1:]):
-        if (r1 < 1) != (r2 < 1):
-            f = math.log(r1) / (math.log(r1) - math.log(r2))  # r = 1 at this f
-            found.append(l1 * (l2 / l1) ** f)
+    for a, b in zip(rows, rows[1:]):
+        if (a["vs_sa"] < 1) != (b["vs_sa"] < 1):
+            f = math.log(a["vs_sa"]) / math.log(a["vs_sa"] / b["vs_sa"])  # 1 at this f
+            found.append([a[k] * (b[k] / a[k]) ** f for k in (x, "ms_per_token")])
     return found
 
 
@@ -581,7 +581,6 @@ def draw(path, out):
     size = (6.4 * len(threads), 4.8)
     fig, axes = plot.plt.subplots(1, len(threads), figsize=size, squeeze=False)
     for ax, k in zip(axes[0], threads):
-        ratios = {}  # mixer -> its (length, vs_sa) points, colour
         for m in dict.fromkeys(r["mixer"] for r in rows if r["threads"] == k):
             mine = [r for r in rows if (r["threads"], r["mixer"]) == (k, m)]
             ls, ms = [r[x] for r in mine], [r["ms_per_token"] for r in mine]
@@ -591,25 +590,17 @@ def draw(path, out):
                 ops = [r[column] for r in mine]
                 if None not in ops:
                     ax.plot(ls, [ms[0] * n / ops[0] for n in ops], style, color=color)
-            points = sorted((r[x], r["vs_sa"]) for r in mine if r["vs_sa"])
-            if m == "sa":
-                log_sa = plot.np.log(ls), plot.np.log(ms)
-            elif points:
-                ratios[m] = points, color
-        for m, (points, color) in ratios.items():
-            at = crossings(points)
-            for v in at:  # on sa's line, interpolated in log-log
-                y = math.exp(plot.np.interp(math.log(v), *log_sa))
+            at = crossings([r for r in mine if r["vs_sa"]], x)
+            for v, y in at:
                 ax.plot(v, y, "x", color=color, ms=9, mew=2)
                 ax.annotate(
                     f"{v:.0f}", (v, y), textcoords="offset points", xytext=(4, 4)
                 )
-            where = ", ".join(f"{v:.0f}" for v in at) or "none in range"
-            print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
+            where = ", ".join(f"{v:.0f}" for v, _ in at) or "none in range"
+            if m != "sa":
+                print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
         ax.set(xscale="log", yscale="log", xlabel=x, ylabel="ms per token")
-        ax.set_title(f"threads: {k:.0f}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize="small")
+        plot.finish(ax, f"threads: {k:.0f}")
     title = "measured (solid); Tables 3-6 (dashed), FLOPs of the path run (dotted)"
     plot.save(fig, out, f"{os.path.basename(path)}: {title}")
 
