@@ -1165,9 +1165,10 @@ def test_bench_quick_prints_a_row_per_mixer_and_each_rows_arithmetic(tmp_path, c
         assert printed == [format(r[key], spec) for r in res[name]], name
         assert list(dict.fromkeys(mixers)) == ["sa", "me", "he"], name
     close = lambda got, want: math.isclose(got, want, rel_tol=1e-12)
-    sa_ms = res["sublayer"][0]["ms"]  # sa's row comes first
+    sa_ms = {r["threads"]: r["ms"] for r in res["sublayer"] if r["mixer"] == "sa"}
     sa_step = {r["variant"]: r["step_ms"] for r in res["step"] if r["mixer"] == "sa"}
-    assert all(close(r["vs_sa"], r["ms"] / sa_ms) for r in res["sublayer"])
+    for r in res["sublayer"]:  # over sa's on the same threads
+        assert close(r["vs_sa"], r["ms"] / sa_ms[r["threads"]]), r
     for r in res["step"]:  # --quick's batch of 4 x 32 = 128 tokens
         ms, sa = r["step_ms"], sa_step[r["variant"]]
         assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]), r
@@ -1254,10 +1255,12 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     monkeypatch.setattr(bench, "interleaved", watched)
     argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
     bench.main(argv + ["--device", str(DEVICE)])
-    # the table: title, columns, ----, rows, notes
+    # the table: title, columns, ----, rows (mixer threads l batch path ...), notes
     out = capsys.readouterr().out.split("\n\n")[1]
-    rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
-    assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
+    rows = [ln.split()[:5] for ln in out.splitlines()[3:] if ln[0] != " "]
+    rows = [[mixer, path] for mixer, *_, path in rows]
+    runs = len({1, torch.get_num_threads()}) if DEVICE.type == "cpu" else 1
+    assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]] * runs
     # each row's step, 2 warm-up rounds and 2 timed, its one FIR on the row's path
     fir_of = lambda m, p: () if m == "sa" else (p,)
     want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(2 + 2)]
@@ -1285,10 +1288,8 @@ def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
     for rows, x in ((length, "l"), (generate, "t")):
         # a row per thread count, length and mixer, in this order, each timed
         keys = [(int(r["threads"]), int(r[x]), r["mixer"]) for r in rows]
-        lengths = [8, 16, 32]  # --quick's
-        assert keys == [
-            (k, l, m) for k in sorted(counts) for l in lengths for m in mixers
-        ]
+        want = [(k, l, m) for k in sorted(counts) for l in (8, 16, 32) for m in mixers]
+        assert keys == want  # --quick's lengths
         assert all(float(r["ms"]) > 0 and not r.get("stop") for r in rows)
         sa = {(r["threads"], r[x]): float(r["ms"]) for r in rows if r["mixer"] == "sa"}
         for r in rows:

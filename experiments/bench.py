@@ -8,15 +8,15 @@ The token mixers against attention on this device, and the paper's operation cou
     python experiments/bench.py --sections length,generate --csv results  # minutes
     python experiments/bench.py --draw results/length_cpu.csv   # its figure, .png
 
-Sections: sublayer, a mixer's forward+backward (on CUDA each FIR path: fir.py's CUDA
-defaults come from it); step, train.py's training step of Table 1's model (on CUDA in a
-CUDA graph, eager, bf16 of both), on CUDA or with --floor beside its floor: its FLOPs
-and the bytes it must move at the rates measured in the run; memory, a step's peak and
-the largest batch that fits a --gpu_gib GPU; by name only, length, the sublayer's
-forward+backward at l = 32 .. 4096 (b l fixed), and generate, one new token with the
-cache at t = 32 .. 4096, on one and on the default threads, beside Tables 3-6's counts
-and the FLOPs run. Times: medians of interleaved rounds after warm-up (a noisy moment
-hits all the mixers), the ratios to sa from the same run.
+Sections: sublayer, a mixer's forward+backward at Table 1's l and batch (on CUDA each
+FIR path: fir.py's CUDA defaults come from it), and by name only length, the same at
+l = 32 .. 4096 (b l fixed), and generate, one new token with the cache at t = 32 ..
+4096: each on one and on the default threads, beside Tables 3-6's counts and the FLOPs
+run; step, train.py's training step of Table 1's model (on CUDA in a CUDA graph, eager,
+bf16 of both), on CUDA or with --floor beside its floor: its FLOPs and the bytes it
+must move at the rates measured in the run; memory, a step's peak and the largest batch
+that fits a --gpu_gib GPU. Times: medians of interleaved rounds after warm-up (a noisy
+moment hits all the mixers), the ratios to sa from the same run.
 """
 
 import argparse
@@ -47,15 +47,16 @@ import train  # noqa: E402
 from extractor import MIXERS, SYNTHESIZERS, Config, SelfAttention, Transformer  # noqa: E402
 from machinery import atomic_write, fail  # noqa: E402
 
-# Table 1's shapes (d, l, batch, u, c, m); rounds of timing (section step: 5x on CUDA);
-# the GEMM's n and the copy's MiB that measure the floor's rates (CPU: <= 2048, 256)
+# Table 1's shapes (d, l, batch, u, c, m); section step's rounds (5x on CUDA), the
+# GEMM's n and the copy's MiB that measure the floor's rates (CPU: <= 2048, 256)
 SIZES = dict(d=128, l=128, batch=64, vocab=5000, hidden=512, n_layer=18)
-SIZES |= dict(rounds=15, step_rounds=4, gemm_n=8192, copy_mib=1024)
+SIZES |= dict(step_rounds=4, gemm_n=8192, copy_mib=1024)
 QUICK = dict(d=32, l=32, batch=4, vocab=300, hidden=128, n_layer=1)  # --quick
-QUICK |= dict(rounds=2, step_rounds=1, gemm_n=256, copy_mib=16)
-# sections length and generate: the lengths l (and t), tokens per batch (length), rounds
-SIZES |= dict(lengths=[2**k for k in range(5, 13)], tokens=8192, length_rounds=7)
-QUICK |= dict(lengths=[8, 16, 32], tokens=64, length_rounds=2)
+QUICK |= dict(step_rounds=1, gemm_n=256, copy_mib=16)
+# sections sublayer (l alone), length and generate: the lengths l (and t), tokens per
+# batch (sublayer, length: at Table 1's l its batch), rounds of timing
+SIZES |= dict(lengths=[2**k for k in range(5, 13)], tokens=8192, rounds=7)
+QUICK |= dict(lengths=[8, 16, 32], tokens=64, rounds=2)
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
 # section step: variant -> autocast dtype; CUDA runs all four, the CPU eager; the
 # captured ones in a CUDA graph, as train.py does on CUDA (machinery.CapturedStep)
@@ -232,9 +233,9 @@ def forward_backward(module, x, g, path):
 
 
 def section_sublayer(s, args, device):
-    """The length section's rows at Table 1's l and batch, on CUDA every FIR path."""
-    l, b, rounds = s["l"], s["batch"], s["rounds"]
-    return length_at(s, args, device, l, b, rounds, {}, every_path=True)
+    """The length section at Table 1's l alone (tokens / l: its batch), on CUDA every
+    FIR path: fir.py's CUDA defaults come from it."""
+    return section_length(s | dict(lengths=[s["l"]]), args, device, every_path=True)
 
 
 def measure_rates(device, dtypes, s):
@@ -475,11 +476,11 @@ def counted(step, device, counts, batch):
     return row | {"peak_mib": None if peak is None else peak / 2**20}
 
 
-def length_at(s, args, device, l, b, rounds, stopped, every_path=False):
-    """Each mixer's forward+backward at length l, batch b, on its default path (on
-    CUDA with every_path each FIR path), but those out of memory at a shorter l (in
+def length_at(s, args, device, l, stopped, every_path):
+    """Each mixer's forward+backward at length l, b = tokens // l, on its default path
+    (on CUDA with every_path each FIR path), but those out of memory at a shorter l (in
     stopped; the CPU's allocations do not fail: Linux ends the process instead)."""
-    d = s["d"]
+    b, d = s["tokens"] // l, s["d"]
     x = torch.randn(b, l, d, device=device, requires_grad=True)
     g = torch.randn(b, l, d, device=device)  # dL/dy
     counts = complexity_training(d, l, args.n_head)
@@ -497,17 +498,14 @@ def length_at(s, args, device, l, b, rounds, stopped, every_path=False):
                 row["stop"] = stopped[m] = "out of memory"
                 continue
             steps[m, path] = step
-    return timed(rows, steps, rounds, device, b * l)
+    return timed(rows, steps, s["rounds"], device, b * l)
 
 
-def section_length(s, args, device):
+def section_length(s, args, device, every_path=False):
     def measure():
         stopped = {}  # the mixers out of memory, left out at every longer l
-        rows = []
-        for l in s["lengths"]:  # b l = tokens
-            b = s["tokens"] // l
-            rows += length_at(s, args, device, l, b, s["length_rounds"], stopped)
-        return rows
+        at = lambda l: length_at(s, args, device, l, stopped, every_path)
+        return [r for l in s["lengths"] for r in at(l)]
 
     return per_thread_count(device, measure)
 
@@ -531,7 +529,7 @@ def generate_at(s, args, device, modules, t):
         steps[m] = functools.partial(one_token, module, new, cache)
         rows[m] = dict(mixer=m, t=t, batch=B)
         rows[m] |= counted(steps[m], device, counts.get(m), B)
-    return timed(rows, steps, s["length_rounds"], device, B)
+    return timed(rows, steps, s["rounds"], device, B)
 
 
 def section_generate(s, args, device):
@@ -609,14 +607,6 @@ SECTIONS = dict(sublayer=section_sublayer, step=section_step, memory=section_mem
 SECTIONS |= dict(length=section_length, generate=section_generate)
 # section: title, columns (a row's key:format), notes; {...} filled from the settings
 TABLES = {
-    "sublayer": (
-        "Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads);"
-        " median of {rounds} rounds",
-        "mixer path params:si ms:.3f vs_sa:.3f paper_ops_fwd:si flops:si peak_mib:.0f"
-        " stop",
-        "path: what causal_fir computes (fir.py; on CUDA each path, the default first);"
-        " vs_sa: this time over sa's (below 1: faster)",
-    ),
     "step": (
         "Training step (train.train_step), m = {n_layer}, l = d = {d}, batch {batch};"
         " median of {step_rounds} rounds{rates}",
@@ -641,22 +631,25 @@ TABLES = {
         " max_batch: on the line through peak and peak_half (batch {half})",
     ),
     "length": (
-        "Sublayer forward+backward against l, d = {d}, b l = {tokens} tokens (sa:"
-        " {n_head} heads); median of {length_rounds} rounds",
-        "mixer threads l batch path params:si ms:.2f ms_per_token:.3g"
-        " vs_sa:.3f paper_ops_fwd:si flops:si peak_mib:.0f stop",
-        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops: the"
-        " path's forward+backward (as --table7 counts); vs_sa: this time over sa's",
+        "Sublayer forward+backward, d = {d}, b l = {tokens} tokens (sa: {n_head}"
+        " heads); median of {rounds} rounds",
+        "mixer threads l batch path params:si ms:.3f ms_per_token:.3g vs_sa:.3f"
+        " paper_ops_fwd:si flops:si peak_mib:.0f stop",
+        "path: what causal_fir computes (fir.py; section sublayer on CUDA: each path,"
+        " the default first); vs_sa: this time over sa's (below 1: faster)\n"
+        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops: the path's"
+        " forward+backward (as --table7 counts)",
     ),
     "generate": (
         "One new token with the cache at position t (t - 1 cached), window l ="
-        " {window}, batch {batch}; median of {length_rounds} rounds",
+        " {window}, batch {batch}; median of {rounds} rounds",
         "mixer threads t batch ms:.3f ms_per_token:.3g vs_sa:.3f"
         " paper_ops_fwd:si flops:si peak_mib:.0f",
         "paper_ops_fwd: Tables 5-6's sum times the batch; flops: as --table7"
         " counts; peak_mib: the first call's",
     ),
 }
+TABLES["sublayer"] = TABLES["length"]  # the length section at one l
 
 
 def cell(value, spec):
