@@ -625,10 +625,9 @@ TABLES = {
         " batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?",
         "mixer state_mib:.1f saved_mib:.1f peak_mib:.0f reserved_mib:.0f"
         " peak_half_mib:.0f per_seq_mib:.2f fits max_batch",
-        "state: parameters and AdamW's moments; saved: the activations saved for"
-        " backward; peak: with the state (CPU: VmHWM); reserved: CUDA's peak reserved\n"
-        "fits: peak (CUDA: reserved) <= {gpu_gib:g} GiB less 1 (left to CUDA);"
-        " max_batch: on the line through peak and peak_half (batch {half})",
+        "state: parameters and AdamW's moments; peak: with the state (CPU: VmHWM);"
+        " fits: peak (CUDA: reserved) <= {gpu_gib:g} GiB less 1 (left to CUDA)\n"
+        "max_batch: on the line through peak and peak_half (batch {half})",
     ),
     "length": (
         "Sublayer forward+backward, d = {d}, b l = {tokens} tokens (sa: {n_head}"
@@ -645,8 +644,7 @@ TABLES = {
         " {window}, batch {batch}; median of {rounds} rounds",
         "mixer threads t batch ms:.3f ms_per_token:.3g vs_sa:.3f"
         " paper_ops_fwd:si flops:si peak_mib:.0f",
-        "paper_ops_fwd: Tables 5-6's sum times the batch; flops: as --table7"
-        " counts; peak_mib: the first call's",
+        "paper_ops_fwd: Tables 5-6's sum times the batch; peak_mib: the first call's",
     ),
 }
 TABLES["sublayer"] = TABLES["length"]  # the length section at one l
@@ -717,9 +715,9 @@ def parse_args(argv):
     if args.mixers.strip() == "all":
         names = [*MIXERS, *SYNTHESIZERS]
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
-    s = QUICK if args.quick else SIZES
+    args.sizes = QUICK if args.quick else SIZES
     for m in args.mixers:  # an unknown name, --n_head not dividing d: one line
-        machinery.check_mixer(make_config(s, args, m))
+        machinery.check_mixer(make_config(args.sizes, args, m))
     if args.gpu_gib <= 1:
         fail(f"--gpu_gib must be above 1 (1 GiB is left to CUDA), got {args.gpu_gib}")
     if args.csv and not os.path.isdir(args.csv):
@@ -734,8 +732,7 @@ def main(argv=None):
     if args.draw:
         return draw(args.draw, args.out or os.path.splitext(args.draw)[0] + ".png")
     device = machinery.pick_device(args.device)
-    s = QUICK if args.quick else SIZES
-    s = s | dict(n_head=args.n_head, gpu_gib=args.gpu_gib)
+    s = args.sizes | dict(n_head=args.n_head, gpu_gib=args.gpu_gib)
     machinery.precision(device, "float32")  # TF32 matmuls on CUDA, as train.py
     threads = torch.get_num_threads()
     info = dict(device=str(device), threads=threads, torch=torch.__version__)
