@@ -1389,11 +1389,10 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
     )
     with open(tmp_path / "length.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    lines = drawn[0]
     # measured, then the tables' counts (dashed) and the FLOPs (dotted), each scaled
-    # to the first point; ME has no FLOPs column, no dotted line
+    # to the first point, then its crossings; ME has no FLOPs column, no dotted line
     cross = 64 * 2**0.5  # log 0.5 to log 2: halfway, in log l too
-    assert lines == [
+    assert drawn[0] == [
         ("-", [[64, 1.0], [128, 4.0]]),
         ("--", [[64, 1.0], [128, 3.0]]),
         (":", [[64, 1.0], [128, 4.0]]),
