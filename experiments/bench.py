@@ -223,21 +223,6 @@ def completed_flops():
     return counts
 
 
-def forward_backward(module, x, g, path):
-    """module's forward on x, every FIR inside on path (sdpa, matmul: none), and its
-    backward from dL/dy = g; the gradients then freed."""
-    with mock.patch.object(fir, "default_path", lambda *_: path):
-        module(x).backward(g)
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-
-
-def section_sublayer(s, args, device):
-    """The length section at Table 1's l alone (tokens / l: its batch), on CUDA every
-    FIR path: fir.py's CUDA defaults come from it."""
-    return section_length(s | dict(lengths=[s["l"]]), args, device, every_path=True)
-
-
 def measure_rates(device, dtypes, s):
     """Now: FLOP/s of an n x n GEMM in each dtype (float32 under the TF32 setting in
     effect) and bytes/s of a large copy (each byte read once and written once)."""
@@ -437,7 +422,7 @@ def print_table7(d=128, l=128):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
-# ---------- sections length and generate: the cost as the context grows
+# ---------- sections sublayer, length and generate: the cost as the context grows
 
 
 def per_thread_count(device, measure):
@@ -508,6 +493,21 @@ def section_length(s, args, device, every_path=False):
         return [r for l in s["lengths"] for r in at(l)]
 
     return per_thread_count(device, measure)
+
+
+def forward_backward(module, x, g, path):
+    """module's forward on x, every FIR inside on path (sdpa, matmul: none), and its
+    backward from dL/dy = g; the gradients then freed."""
+    with mock.patch.object(fir, "default_path", lambda *_: path):
+        module(x).backward(g)
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def section_sublayer(s, args, device):
+    """The length section at Table 1's l alone (tokens / l: its batch), on CUDA every
+    FIR path: fir.py's CUDA defaults come from it."""
+    return section_length(s | dict(lengths=[s["l"]]), args, device, every_path=True)
 
 
 def one_token(module, x, cache):
