@@ -1165,9 +1165,10 @@ def test_bench_quick_prints_a_row_per_mixer_and_each_rows_arithmetic(tmp_path, c
         assert printed == [format(r[key], spec) for r in res[name]], name
         assert list(dict.fromkeys(mixers)) == ["sa", "me", "he"], name
     close = lambda got, want: math.isclose(got, want, rel_tol=1e-12)
-    sa_ms = res["sublayer"][0]["ms"]  # sa's row comes first
+    sa_ms = {r["threads"]: r["ms"] for r in res["sublayer"] if r["mixer"] == "sa"}
     sa_step = {r["variant"]: r["step_ms"] for r in res["step"] if r["mixer"] == "sa"}
-    assert all(close(r["vs_sa"], r["ms"] / sa_ms) for r in res["sublayer"])
+    for r in res["sublayer"]:  # over sa's on the same threads
+        assert close(r["vs_sa"], r["ms"] / sa_ms[r["threads"]]), r
     for r in res["step"]:  # --quick's batch of 4 x 32 = 128 tokens
         ms, sa = r["step_ms"], sa_step[r["variant"]]
         assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]), r
@@ -1254,13 +1255,15 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     monkeypatch.setattr(bench, "interleaved", watched)
     argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
     bench.main(argv + ["--device", str(DEVICE)])
-    # the table: title, columns, ----, rows, notes
+    # the table: title, columns, ----, rows (mixer threads l batch path ...), notes
     out = capsys.readouterr().out.split("\n\n")[1]
-    rows = [ln.split()[:2] for ln in out.splitlines()[3:] if ln[0] != " "]
-    assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]]
-    # each row's step, 3 warm-up rounds and 2 timed, its one FIR on the row's path
+    rows = [ln.split()[:5] for ln in out.splitlines()[3:] if ln[0] != " "]
+    rows = [[mixer, path] for mixer, *_, path in rows]
+    runs = len({1, torch.get_num_threads()}) if DEVICE.type == "cpu" else 1
+    assert rows == [[m, p] for m in ("sa", "me", "she") for p in paths[m]] * runs
+    # each row's step, 2 warm-up rounds and 2 timed, its one FIR on the row's path
     fir_of = lambda m, p: () if m == "sa" else (p,)
-    want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(3 + 2)]
+    want = [((m, p), fir_of(m, p)) for m, p in rows for _ in range(2 + 2)]
     assert sorted(ran) == sorted(want)
 
 
@@ -1282,19 +1285,17 @@ def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
     mixers, d, n = ["sa", "me", "she", "he", "we"], 32, 32  # --quick: d = 32, 32 heads
     counts = {1, threads} if kind == "cpu" else {threads}
     ops = lambda c: c["mult"] + c["add"] + c["div"] + c["exp"]
-    for rows, x, ms in ((length, "l", "ms_fwd_bwd"), (generate, "t", "ms_fwd")):
+    for rows, x in ((length, "l"), (generate, "t")):
         # a row per thread count, length and mixer, in this order, each timed
         keys = [(int(r["threads"]), int(r[x]), r["mixer"]) for r in rows]
-        lengths = [8, 16, 32]  # --quick's
-        assert keys == [
-            (k, l, m) for k in sorted(counts) for l in lengths for m in mixers
-        ]
-        assert all(float(r[ms]) > 0 and not r.get("stop") for r in rows)
-        sa = {(r["threads"], r[x]): float(r[ms]) for r in rows if r["mixer"] == "sa"}
+        want = [(k, l, m) for k in sorted(counts) for l in (8, 16, 32) for m in mixers]
+        assert keys == want  # --quick's lengths
+        assert all(float(r["ms"]) > 0 and not r.get("stop") for r in rows)
+        sa = {(r["threads"], r[x]): float(r["ms"]) for r in rows if r["mixer"] == "sa"}
         for r in rows:
-            ratio = float(r[ms]) / sa[r["threads"], r[x]]
+            ratio = float(r["ms"]) / sa[r["threads"], r[x]]
             assert math.isclose(float(r["vs_sa"]), ratio, rel_tol=1e-12), r
-            per_token = float(r[ms]) / int(r["tokens" if x == "l" else "batch"])
+            per_token = float(r["ms"]) / int(r["tokens" if x == "l" else "batch"])
             assert math.isclose(float(r["ms_per_token"]), per_token, rel_tol=1e-12), r
     for r in length:  # b l = 64 tokens; Tables 3-4: Tables 5-6 summed over t
         l, b, m = int(r["l"]), int(r["batch"]), r["mixer"]
@@ -1307,11 +1308,11 @@ def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
         assert int(r["paper_ops_fwd"]) == 4 * ops(per_token_counts(d, t, n)[m]), r
     # the FLOPs of what runs: sa's four d x d maps (backward twice the forward's) and
     # SDPA's two t x t GEMMs, five in its backward; ME's Toeplitz GEMM, two in backward
-    flops = {(r["mixer"], int(r["l"])): int(r["flops_fwd_bwd"]) for r in length}
+    flops = {(r["mixer"], int(r["l"])): int(r["flops"]) for r in length}
     for l, b in ((8, 8), (16, 4), (32, 2)):
         assert flops["sa", l] == 24 * b * l * d * d + 14 * b * l * l * d, l
         assert flops["me", l] == 6 * b * l * l * d, l
-    flops = {(r["mixer"], int(r["t"])): int(r["flops_fwd"]) for r in generate}
+    flops = {(r["mixer"], int(r["t"])): int(r["flops"]) for r in generate}
     for t in (8, 16, 32):  # one token: sa's maps, q k^T and a v over t; ME's row of t
         assert flops["sa", t] == 8 * 4 * d * d + 4 * 4 * t * d, t
         assert flops["me", t] == 2 * 4 * t * d, t
@@ -1353,7 +1354,7 @@ def test_bench_length_stops_a_mixer_out_of_memory_and_goes_on(tmp_path, monkeypa
     argv = ["--quick", "--sections", "length", "--mixers", "me,we"]
     bench.main(argv + ["--csv", str(tmp_path), "--device", "cpu"])
     rows = _read_csv(tmp_path / "length_cpu.csv")
-    got = [(r["mixer"], r["l"], bool(r["ms_fwd_bwd"]), r["stop"]) for r in rows]
+    got = [(r["mixer"], r["l"], bool(r["ms"]), r["stop"]) for r in rows]
     want = [("sa", "8", True, ""), ("me", "8", True, ""), ("we", "8", True, "")]
     want += [("sa", "16", True, ""), ("me", "16", False, "out of memory")]
     want += [("we", "16", True, ""), ("sa", "32", True, ""), ("we", "32", True, "")]
@@ -1366,7 +1367,7 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
 ):
     path = tmp_path / "length.csv"
     path.write_text(  # he: 0.5 of sa's time at l = 64, twice it at 128
-        "mixer,threads,l,ms_per_token,vs_sa,paper_ops_fwd,flops_fwd_bwd,stop\n"
+        "mixer,threads,l,ms_per_token,vs_sa,paper_ops_fwd,flops,stop\n"
         "sa,1,64,1.0,1.0,7,9,\nhe,1,64,0.5,0.5,100,10,\nme,1,64,0.1,0.1,1,,\n"
         "sa,1,128,4.0,1.0,21,36,\nhe,1,128,8.0,2.0,400,80,\nme,1,128,0.2,0.1,2,,\n"
         "me,1,256,,,,,out of memory\n"
@@ -1388,20 +1389,19 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
     )
     with open(tmp_path / "length.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    lines = drawn[0]
     # measured, then the tables' counts (dashed) and the FLOPs (dotted), each scaled
-    # to the first point; ME has no FLOPs column, no dotted line
+    # to the first point, then its crossings; ME has no FLOPs column, no dotted line
     cross = 64 * 2**0.5  # log 0.5 to log 2: halfway, in log l too
-    assert lines == [
+    assert drawn[0] == [
         ("-", [[64, 1.0], [128, 4.0]]),
         ("--", [[64, 1.0], [128, 3.0]]),
         (":", [[64, 1.0], [128, 4.0]]),
         ("-", [[64, 0.5], [128, 8.0]]),
         ("--", [[64, 0.5], [128, 2.0]]),
         (":", [[64, 0.5], [128, 4.0]]),
+        ("None", [[pytest.approx(cross), pytest.approx(2.0)]]),  # on sa's line
         ("-", [[64, 0.1], [128, 0.2]]),
         ("--", [[64, 0.1], [128, 0.2]]),
-        ("None", [[pytest.approx(cross), pytest.approx(2.0)]]),  # on sa's line
     ]
     bad = tmp_path / "bad.csv"
     bad.write_text("mixer,threads,l\nsa,1,64\n")  # no ms_per_token

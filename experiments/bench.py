@@ -8,15 +8,15 @@ The token mixers against attention on this device, and the paper's operation cou
     python experiments/bench.py --sections length,generate --csv results  # minutes
     python experiments/bench.py --draw results/length_cpu.csv   # its figure, .png
 
-Sections: sublayer, a mixer's forward+backward (on CUDA each FIR path: fir.py's CUDA
-defaults come from it); step, train.py's training step of Table 1's model (on CUDA in a
-CUDA graph, eager, bf16 of both), on CUDA or with --floor beside its floor: its FLOPs
-and the bytes it must move at the rates measured in the run; memory, a step's peak and
-the largest batch that fits a --gpu_gib GPU; by name only, length, the sublayer's
-forward+backward at l = 32 .. 4096 (b l fixed), and generate, one new token with the
-cache at t = 32 .. 4096, on one and on the default threads, beside Tables 3-6's counts
-and the FLOPs run. Times: medians of interleaved rounds after warm-up (a noisy moment
-hits all the mixers), the ratios to sa from the same run.
+Sections: sublayer, a mixer's forward+backward at Table 1's l and batch (on CUDA each
+FIR path: fir.py's CUDA defaults come from it), and by name only length, the same at
+l = 32 .. 4096 (b l fixed), and generate, one new token with the cache at t = 32 ..
+4096: each on one and on the default threads, beside Tables 3-6's counts and the FLOPs
+run; step, train.py's training step of Table 1's model (on CUDA in a CUDA graph, eager,
+bf16 of both), on CUDA or with --floor beside its floor: its FLOPs and the bytes it
+must move at the rates measured in the run; memory, a step's peak and the largest batch
+that fits a --gpu_gib GPU. Times: medians of interleaved rounds after warm-up (a noisy
+moment hits all the mixers), the ratios to sa from the same run.
 """
 
 import argparse
@@ -47,15 +47,16 @@ import train  # noqa: E402
 from extractor import MIXERS, SYNTHESIZERS, Config, SelfAttention, Transformer  # noqa: E402
 from machinery import atomic_write, fail  # noqa: E402
 
-# Table 1's shapes (d, l, batch, u, c, m); rounds of timing (section step: 5x on CUDA);
-# the GEMM's n and the copy's MiB that measure the floor's rates (CPU: <= 2048, 256)
+# Table 1's shapes (d, l, batch, u, c, m); section step's rounds (5x on CUDA), the
+# GEMM's n and the copy's MiB that measure the floor's rates (CPU: <= 2048, 256)
 SIZES = dict(d=128, l=128, batch=64, vocab=5000, hidden=512, n_layer=18)
-SIZES |= dict(rounds=15, step_rounds=4, gemm_n=8192, copy_mib=1024)
+SIZES |= dict(step_rounds=4, gemm_n=8192, copy_mib=1024)
 QUICK = dict(d=32, l=32, batch=4, vocab=300, hidden=128, n_layer=1)  # --quick
-QUICK |= dict(rounds=2, step_rounds=1, gemm_n=256, copy_mib=16)
-# sections length and generate: the lengths l (and t), tokens per batch (length), rounds
-SIZES |= dict(lengths=[2**k for k in range(5, 13)], tokens=8192, length_rounds=7)
-QUICK |= dict(lengths=[8, 16, 32], tokens=64, length_rounds=2)
+QUICK |= dict(step_rounds=1, gemm_n=256, copy_mib=16)
+# sections sublayer (l alone), length and generate: the lengths l (and t), tokens per
+# batch (sublayer, length: at Table 1's l its batch), rounds of timing
+SIZES |= dict(lengths=[2**k for k in range(5, 13)], tokens=8192, rounds=7)
+QUICK |= dict(lengths=[8, 16, 32], tokens=64, rounds=2)
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
 # section step: variant -> autocast dtype; CUDA runs all four, the CPU eager; the
 # captured ones in a CUDA graph, as train.py does on CUDA (machinery.CapturedStep)
@@ -220,30 +221,6 @@ def completed_flops():
     for f in counts.values():
         f._get_raw = True  # called with the op's arguments and output, not their shapes
     return counts
-
-
-def forward_backward(module, x, g):
-    """module's forward on x and backward from dL/dy = g; the gradients then freed."""
-    module(x).backward(g)
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-
-
-def section_sublayer(s, args, device):
-    x = torch.randn(s["batch"], s["l"], s["d"], device=device, requires_grad=True)
-    g = torch.randn(s["batch"], s["l"], s["d"], device=device)  # dL/dy
-
-    def fwd_bwd(module, path):  # every FIR inside takes this path (sdpa, matmul: none)
-        with mock.patch.object(fir, "default_path", lambda *_: path):
-            forward_backward(module, x, g)
-
-    rows, steps = {}, {}  # (mixer, path) -> its row, one forward+backward
-    for m in args.mixers:
-        module = sublayer(make_config(s, args, m)).to(device)
-        for path in sublayer_paths(module, s["l"], device):
-            rows[m, path] = dict(mixer=m, path=path)
-            steps[m, path] = functools.partial(fwd_bwd, module, path)
-    return timed(rows, steps, s["rounds"], device, "ms", warmup=3)
 
 
 def measure_rates(device, dtypes, s):
@@ -445,7 +422,7 @@ def print_table7(d=128, l=128):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
-# ---------- sections length and generate: the cost as the context grows
+# ---------- sections sublayer, length and generate: the cost as the context grows
 
 
 def per_thread_count(device, measure):
@@ -462,59 +439,75 @@ def per_thread_count(device, measure):
     return rows
 
 
-def timed(rows, steps, rounds, device, ms, tokens=None, warmup=2):
-    """rows[k] gains column ms, ms_per_token (given tokens) and vs_sa (this time over
-    sa's) from interleaved rounds of steps[k] (none: all stopped)."""
-    t = interleaved(steps, rounds, device, warmup) if steps else {}
+def timed(rows, steps, rounds, device, tokens):
+    """rows[k] gains ms, ms_per_token and vs_sa (this time over sa's) from interleaved
+    rounds of steps[k] (none: all stopped)."""
+    t = interleaved(steps, rounds, device) if steps else {}
     sa = [sec for k, sec in t.items() if rows[k]["mixer"] == "sa"]
     for k, sec in t.items():
-        rows[k][ms] = 1e3 * sec
-        if tokens:
-            rows[k]["ms_per_token"] = 1e3 * sec / tokens
+        rows[k] |= dict(ms=1e3 * sec, ms_per_token=1e3 * sec / tokens)
         rows[k]["vs_sa"] = sec / sa[0] if sa else None
     return list(rows.values())
 
 
-def counted(step, device, counts, batch, flops):
+def counted(step, device, counts, batch):
     """A batch's count: Tables 3-6's mult + add + div + exp (counts: one sequence's,
-    None for a mixer they lack), then from one call of step, outside the rounds, its
-    FLOPs (column flops) and its peak."""
+    None for a mixer they lack), then from one call of step, outside the rounds (a
+    warm-up too), its FLOPs and its peak."""
     ops = None if counts is None else batch * sum(counts[k] for k in OPS)
     with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
         peak = peak_bytes(step, device)
-    row = {"paper_ops_fwd": ops, flops: counter.get_total_flops()}
+    row = dict(paper_ops_fwd=ops, flops=counter.get_total_flops())
     return row | {"peak_mib": None if peak is None else peak / 2**20}
 
 
-def length_at(s, args, device, l, stopped):
-    """Each mixer at length l, b = tokens // l, but those out of memory at a shorter l
-    (in stopped; the CPU's allocations do not fail: Linux ends the process instead)."""
+def length_at(s, args, device, l, stopped, every_path):
+    """Each mixer's forward+backward at length l, b = tokens // l, on its default path
+    (on CUDA with every_path each FIR path), but those out of memory at a shorter l (in
+    stopped; the CPU's allocations do not fail: Linux ends the process instead)."""
     b, d = s["tokens"] // l, s["d"]
     x = torch.randn(b, l, d, device=device, requires_grad=True)
     g = torch.randn(b, l, d, device=device)  # dL/dy
     counts = complexity_training(d, l, args.n_head)
-    rows, steps = {}, {}
+    rows, steps = {}, {}  # (mixer, path) -> its row, one forward+backward
     for m in [m for m in args.mixers if m not in stopped]:
         module = sublayer(make_config(s | dict(l=l), args, m)).to(device)
-        row = rows[m] = dict(mixer=m, l=l, batch=b, tokens=b * l)
-        row["path"] = sublayer_paths(module, l, device)[0]
-        row["params"] = sum(p.numel() for p in module.parameters())
-        step = functools.partial(forward_backward, module, x, g)
-        try:
-            row |= counted(step, device, counts.get(m), b, "flops_fwd_bwd")
-        except torch.OutOfMemoryError:
-            row["stop"] = stopped[m] = "out of memory"
-            continue
-        steps[m] = step
-    return timed(rows, steps, s["length_rounds"], device, "ms_fwd_bwd", b * l)
+        paths = sublayer_paths(module, l, device)
+        for path in paths if every_path else paths[:1]:
+            row = rows[m, path] = dict(mixer=m, l=l, batch=b, tokens=b * l, path=path)
+            row["params"] = sum(p.numel() for p in module.parameters())
+            step = functools.partial(forward_backward, module, x, g, path)
+            try:
+                row |= counted(step, device, counts.get(m), b)
+            except torch.OutOfMemoryError:
+                row["stop"] = stopped[m] = "out of memory"
+                continue
+            steps[m, path] = step
+    return timed(rows, steps, s["rounds"], device, b * l)
 
 
-def section_length(s, args, device):
+def section_length(s, args, device, every_path=False):
     def measure():
         stopped = {}  # the mixers out of memory, left out at every longer l
-        return [r for l in s["lengths"] for r in length_at(s, args, device, l, stopped)]
+        at = lambda l: length_at(s, args, device, l, stopped, every_path)
+        return [r for l in s["lengths"] for r in at(l)]
 
     return per_thread_count(device, measure)
+
+
+def forward_backward(module, x, g, path):
+    """module's forward on x, every FIR inside on path (sdpa, matmul: none), and its
+    backward from dL/dy = g; the gradients then freed."""
+    with mock.patch.object(fir, "default_path", lambda *_: path):
+        module(x).backward(g)
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def section_sublayer(s, args, device):
+    """The length section at Table 1's l alone (tokens / l: its batch), on CUDA every
+    FIR path: fir.py's CUDA defaults come from it."""
+    return section_length(s | dict(lengths=[s["l"]]), args, device, every_path=True)
 
 
 def one_token(module, x, cache):
@@ -535,8 +528,8 @@ def generate_at(s, args, device, modules, t):
         module(torch.randn(B, t - 1, d, device=device), cache)  # the t - 1 before
         steps[m] = functools.partial(one_token, module, new, cache)
         rows[m] = dict(mixer=m, t=t, batch=B)
-        rows[m] |= counted(steps[m], device, counts.get(m), B, "flops_fwd")
-    return timed(rows, steps, s["length_rounds"], device, "ms_fwd", B)
+        rows[m] |= counted(steps[m], device, counts.get(m), B)
+    return timed(rows, steps, s["rounds"], device, B)
 
 
 def section_generate(s, args, device):
@@ -547,18 +540,15 @@ def section_generate(s, args, device):
     return per_thread_count(device, lambda: [r for t in s["lengths"] for r in at(t)])
 
 
-def crossings(points):
-    """Where the ratio r of (length, r) points in order crosses 1, each between two
-    neighbours, interpolated in log-log; [] where it does not cross."""
+def crossings(rows, x):
+    """Where vs_sa crosses 1 in one mixer's rows by length x: (x, ms_per_token) between
+    two neighbours, interpolated in log-log (where sa's line meets the mixer's)."""
     found = []
-    for (l1, r1), (l2, r2) in zip(points, points[1:]):
-        if (r1 < 1) != (r2 < 1):
-            f = math.log(r1) / (math.log(r1) - math.log(r2))  # r = 1 at this f
-            found.append(l1 * (l2 / l1) ** f)
+    for a, b in zip(rows, rows[1:]):
+        if (a["vs_sa"] < 1) != (b["vs_sa"] < 1):
+            f = math.log(a["vs_sa"]) / math.log(a["vs_sa"] / b["vs_sa"])  # 1 at this f
+            found.append([a[k] * (b[k] / a[k]) ** f for k in (x, "ms_per_token")])
     return found
-
-
-DRAWN = {"l": "flops_fwd_bwd", "t": "flops_fwd"}  # length column -> the FLOPs column
 
 
 def read_bench_csv(path):
@@ -568,7 +558,7 @@ def read_bench_csv(path):
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
         x = "l" if "l" in rows[0] else "t"
-        numbers = (x, "threads", "ms_per_token", "vs_sa", "paper_ops_fwd", DRAWN[x])
+        numbers = (x, "threads", "ms_per_token", "vs_sa", "paper_ops_fwd", "flops")
         for r in rows:
             r |= {k: float(r[k]) if r[k] else None for k in numbers}
     except (OSError, ValueError, csv.Error, IndexError, KeyError) as e:
@@ -589,35 +579,26 @@ def draw(path, out):
     size = (6.4 * len(threads), 4.8)
     fig, axes = plot.plt.subplots(1, len(threads), figsize=size, squeeze=False)
     for ax, k in zip(axes[0], threads):
-        ratios = {}  # mixer -> its (length, vs_sa) points, colour
         for m in dict.fromkeys(r["mixer"] for r in rows if r["threads"] == k):
             mine = [r for r in rows if (r["threads"], r["mixer"]) == (k, m)]
             ls, ms = [r[x] for r in mine], [r["ms_per_token"] for r in mine]
             color = plot.STYLE.get("sa-32" if m == "sa" else m)
             color = ax.plot(ls, ms, "o-", color=color, label=m)[0].get_color()
-            for column, style in (("paper_ops_fwd", "--"), (DRAWN[x], ":")):
+            for column, style in (("paper_ops_fwd", "--"), ("flops", ":")):
                 ops = [r[column] for r in mine]
                 if None not in ops:
                     ax.plot(ls, [ms[0] * n / ops[0] for n in ops], style, color=color)
-            points = sorted((r[x], r["vs_sa"]) for r in mine if r["vs_sa"])
-            if m == "sa":
-                log_sa = plot.np.log(ls), plot.np.log(ms)
-            elif points:
-                ratios[m] = points, color
-        for m, (points, color) in ratios.items():
-            at = crossings(points)
-            for v in at:  # on sa's line, interpolated in log-log
-                y = math.exp(plot.np.interp(math.log(v), *log_sa))
+            at = crossings([r for r in mine if r["vs_sa"]], x)
+            for v, y in at:
                 ax.plot(v, y, "x", color=color, ms=9, mew=2)
                 ax.annotate(
                     f"{v:.0f}", (v, y), textcoords="offset points", xytext=(4, 4)
                 )
-            where = ", ".join(f"{v:.0f}" for v in at) or "none in range"
-            print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
+            where = ", ".join(f"{v:.0f}" for v, _ in at) or "none in range"
+            if m != "sa":
+                print(f"{m}, threads {k:.0f}: vs_sa crosses 1 at {x} = {where}")
         ax.set(xscale="log", yscale="log", xlabel=x, ylabel="ms per token")
-        ax.set_title(f"threads: {k:.0f}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize="small")
+        plot.finish(ax, f"threads: {k:.0f}")
     title = "measured (solid); Tables 3-6 (dashed), FLOPs of the path run (dotted)"
     plot.save(fig, out, f"{os.path.basename(path)}: {title}")
 
@@ -626,13 +607,6 @@ SECTIONS = dict(sublayer=section_sublayer, step=section_step, memory=section_mem
 SECTIONS |= dict(length=section_length, generate=section_generate)
 # section: title, columns (a row's key:format), notes; {...} filled from the settings
 TABLES = {
-    "sublayer": (
-        "Sublayer forward+backward, d = l = {d}, batch {batch} (sa: {n_head} heads);"
-        " median of {rounds} rounds",
-        "mixer path ms:.3f vs_sa:.3f",
-        "path: what causal_fir computes (fir.py; on CUDA each path, the default first);"
-        " vs_sa: this time over sa's (below 1: faster)",
-    ),
     "step": (
         "Training step (train.train_step), m = {n_layer}, l = d = {d}, batch {batch};"
         " median of {step_rounds} rounds{rates}",
@@ -651,28 +625,29 @@ TABLES = {
         " batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?",
         "mixer state_mib:.1f saved_mib:.1f peak_mib:.0f reserved_mib:.0f"
         " peak_half_mib:.0f per_seq_mib:.2f fits max_batch",
-        "state: parameters and AdamW's moments; saved: the activations saved for"
-        " backward; peak: with the state (CPU: VmHWM); reserved: CUDA's peak reserved\n"
-        "fits: peak (CUDA: reserved) <= {gpu_gib:g} GiB less 1 (left to CUDA);"
-        " max_batch: on the line through peak and peak_half (batch {half})",
+        "state: parameters and AdamW's moments; peak: with the state (CPU: VmHWM);"
+        " fits: peak (CUDA: reserved) <= {gpu_gib:g} GiB less 1 (left to CUDA)\n"
+        "max_batch: on the line through peak and peak_half (batch {half})",
     ),
     "length": (
-        "Sublayer forward+backward against l, d = {d}, b l = {tokens} tokens (sa:"
-        " {n_head} heads); median of {length_rounds} rounds",
-        "mixer threads l batch path params:si ms_fwd_bwd:.2f ms_per_token:.3g"
-        " vs_sa:.3f paper_ops_fwd:si flops_fwd_bwd:si peak_mib:.0f stop",
-        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops_fwd_bwd: the"
-        " path's forward+backward (as --table7 counts); vs_sa: this time over sa's",
+        "Sublayer forward+backward, d = {d}, b l = {tokens} tokens (sa: {n_head}"
+        " heads); median of {rounds} rounds",
+        "mixer threads l batch path params:si ms:.3f ms_per_token:.3g vs_sa:.3f"
+        " paper_ops_fwd:si flops:si peak_mib:.0f stop",
+        "path: what causal_fir computes (fir.py; section sublayer on CUDA: each path,"
+        " the default first); vs_sa: this time over sa's (below 1: faster)\n"
+        "paper_ops_fwd: Tables 3-4's sum, the batch's forward; flops: the path's"
+        " forward+backward (as --table7 counts)",
     ),
     "generate": (
         "One new token with the cache at position t (t - 1 cached), window l ="
-        " {window}, batch {batch}; median of {length_rounds} rounds",
-        "mixer threads t batch ms_fwd:.3f ms_per_token:.3g vs_sa:.3f"
-        " paper_ops_fwd:si flops_fwd:si peak_mib:.0f",
-        "paper_ops_fwd: Tables 5-6's sum times the batch; flops_fwd: as --table7"
-        " counts; peak_mib: the first call's",
+        " {window}, batch {batch}; median of {rounds} rounds",
+        "mixer threads t batch ms:.3f ms_per_token:.3g vs_sa:.3f"
+        " paper_ops_fwd:si flops:si peak_mib:.0f",
+        "paper_ops_fwd: Tables 5-6's sum times the batch; peak_mib: the first call's",
     ),
 }
+TABLES["sublayer"] = TABLES["length"]  # the length section at one l
 
 
 def cell(value, spec):
@@ -740,9 +715,9 @@ def parse_args(argv):
     if args.mixers.strip() == "all":
         names = [*MIXERS, *SYNTHESIZERS]
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
-    s = QUICK if args.quick else SIZES
+    args.sizes = QUICK if args.quick else SIZES
     for m in args.mixers:  # an unknown name, --n_head not dividing d: one line
-        machinery.check_mixer(make_config(s, args, m))
+        machinery.check_mixer(make_config(args.sizes, args, m))
     if args.gpu_gib <= 1:
         fail(f"--gpu_gib must be above 1 (1 GiB is left to CUDA), got {args.gpu_gib}")
     if args.csv and not os.path.isdir(args.csv):
@@ -757,8 +732,7 @@ def main(argv=None):
     if args.draw:
         return draw(args.draw, args.out or os.path.splitext(args.draw)[0] + ".png")
     device = machinery.pick_device(args.device)
-    s = QUICK if args.quick else SIZES
-    s = s | dict(n_head=args.n_head, gpu_gib=args.gpu_gib)
+    s = args.sizes | dict(n_head=args.n_head, gpu_gib=args.gpu_gib)
     machinery.precision(device, "float32")  # TF32 matmuls on CUDA, as train.py
     threads = torch.get_num_threads()
     info = dict(device=str(device), threads=threads, torch=torch.__version__)
