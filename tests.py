@@ -71,12 +71,12 @@ import synthesizer
 import train
 from extractor import MIXERS, SYNTHESIZERS, Config, Transformer, find_mixer
 
-ROOT = os.path.dirname(
-    os.path.abspath(__file__)
-)  # the scripts run here in subprocesses
+# the scripts run here in subprocesses
+ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import bench  # noqa: E402
 import plot  # noqa: E402
+import reproduce  # noqa: E402
 import taps  # noqa: E402
 
 
@@ -3107,8 +3107,6 @@ def _tree(folder):
 def test_reproduce_without_cuda_says_so_and_touches_nothing(
     tmp_path, capsys, monkeypatch
 ):
-    import reproduce
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     results, work = tmp_path / "results", tmp_path / "work"
     _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
@@ -3122,8 +3120,6 @@ def test_reproduce_without_cuda_says_so_and_touches_nothing(
 def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
     tmp_path, capsys, monkeypatch
 ):
-    import reproduce
-
     results, work = tmp_path / "results", tmp_path / "work"
     committed = results / "logs" / "table1" / "me"
     _fake_run(committed, 40, "cuda:0")
@@ -3184,8 +3180,6 @@ def children(monkeypatch):
     leaves a 100-batch run on cuda:0 and its `console` text, and trains until the
     script's next one-second sleep ends the oldest running one (exit: `codes`, else 0;
     `stop`: that sleep is a Ctrl-C). `started`: the runs running as each started."""
-    import reproduce
-
     rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False)
     rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
 
@@ -3237,8 +3231,6 @@ def children(monkeypatch):
 def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
     tmp_path, children
 ):
-    import reproduce
-
     def at_once(free, *flags):
         """The runs running as each started, on a GPU of `free` GiB free."""
         children.free, children.started, children.preexec = free, [], []
@@ -3263,8 +3255,6 @@ def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
 def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
     tmp_path, capsys, children
 ):
-    import reproduce
-
     children.free, children.stop = 8, True  # Ctrl-C (or kill) as the pool waits
     argv = [f"--work={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
     assert reproduce.main(argv) == 130
@@ -3280,8 +3270,6 @@ def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
 def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
     tmp_path, capsys, children
 ):
-    import reproduce
-
     work, results = tmp_path / "work", tmp_path / "results"
     argv = [f"--work={work}", f"--results={results}"]
     children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
@@ -3303,8 +3291,6 @@ def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
 
 
 def test_reproduce_copies_no_run_stopped_by_a_signal(tmp_path, capsys, children):
-    import reproduce
-
     results = tmp_path / "results"
     stopped = {"sa-1": 128 + signal.SIGINT, "sa-32": 128 + signal.SIGTERM}
     children.codes = stopped | {"she": 128 + signal.SIGHUP, "he": -signal.SIGKILL}
@@ -3317,8 +3303,6 @@ def test_reproduce_copies_no_run_stopped_by_a_signal(tmp_path, capsys, children)
 
 
 def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
-    import reproduce
-
     results = tmp_path / "results"
     argv = ["me", f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for shift, rc in ((0.04, 0), (-0.04, 0), (0.1, 1), (-0.1, 1)):
@@ -3333,8 +3317,6 @@ def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
 def test_reproduce_check_names_its_device_and_keeps_the_six_models_file(
     tmp_path, children
 ):
-    import reproduce
-
     results = tmp_path / "results"
     argv = [f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for name in reproduce.RUNS:  # as the runs here (children)
@@ -3357,8 +3339,6 @@ def test_reproduce_check_names_its_device_and_keeps_the_six_models_file(
 def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
     tmp_path, capsys, children
 ):
-    import reproduce
-
     work = tmp_path / "work"
     argv = [f"--work={work}", f"--results={tmp_path / 'results'}", "--device=cpu"]
     for bad in ("14x", "m", "40 m", "-5m", "1h30m", "2d"):
@@ -3380,8 +3360,6 @@ def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
 
 @pytest.mark.slow
 def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
-    import reproduce
-
     logs = os.path.join(ROOT, "results", "logs", "table1")
     for name in os.listdir(logs):  # the committed logs, into a results/ of its own
         os.makedirs(tmp_path / "logs" / "table1" / name)
@@ -3401,8 +3379,6 @@ def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
 def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     data, tmp_path, monkeypatch
 ):
-    import reproduce
-
     results, work = tmp_path / "results", str(tmp_path / "work")
     argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
     argv.append("--device=cpu")
