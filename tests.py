@@ -420,10 +420,8 @@ def test_transformer_equals_section4_written_out(name, mode):
     whole model, in evaluation and in training with the dropout masks the model drew
     applied to the literal model."""
     torch.manual_seed(1)
-    sizes = dict(vocab_size=11, block_size=8, n_embd=8, n_hidden=12, n_layer=2)
-    ref = scrambled(
-        Transformer(Config(**sizes, n_head=2, dropout=0.3, mixer=name)), 0.4
-    )
+    cfg = Config(11, 8, 8, 12, 2, 2, 0.3, name)  # u, l, d, c, m, n, p, the mixer
+    ref = scrambled(Transformer(cfg), 0.4)
     model = dev(ref).train(mode == "train")
     t = 8 if mode == "eval" else 6
     idx, targets = torch.randint(0, 11, (2, t)), torch.randint(0, 11, (2, t))
@@ -480,8 +478,7 @@ def test_initialisation_follows_section6(mixer):
 
 
 # ---- parameter counts: Tables 3 and 4 (no biases: README's Notes on the paper, 7) and
-# the Synthesizer paper's
-# Table 1
+# the Synthesizer paper's Table 1
 def paper_params(name, d, l):
     """Tables 3 and 4, without biases (Notes on the paper, 7)."""
     counts = {"sa": 4 * d * d, "she": l * d * d + 2 * d * d, "he": l * d + 3 * d * d}
@@ -520,12 +517,9 @@ def test_parameter_counts_equal_formulas(d, l, n, a, b):
 @pytest.mark.parametrize("name", ALL)
 def test_whole_model_parameter_count(name):
     u, l, d, c, m = 97, 16, 24, 40, 3
-    sizes = dict(vocab_size=u, block_size=l, n_embd=d, n_hidden=c, n_layer=m)
-    model = Transformer(Config(**sizes, n_head=4, mixer=name))
-    if name in PAPER:
-        mixer = paper_params(name, d, l)
-    else:
-        mixer = synth_params(name, d, l, 4, 4, 4)
+    model = Transformer(Config(u, l, d, c, m, 4, mixer=name))  # n = a = b = 4
+    paper = name in PAPER
+    mixer = paper_params(name, d, l) if paper else synth_params(name, d, l, 4, 4, 4)
     want = {
         "embeddings": u * d + l * d,  # Eq. (4), (5)
         "mixers": m * mixer,
@@ -611,26 +605,18 @@ def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
     assert type(model.layers[0].mixer) is Mean
     assert model(torch.zeros(1, 6).long())[0].shape == (1, 6, 9)
     choices = ", ".join(ALL) + ", or module.Class (a mixer class of yours)"
-    nope = " (module 'my_mixers' has no attribute 'Nope')"
-    cases = [("xx", ""), ("he.ext", " (No module named 'he')")]
-    cases += [("math.pi", " (math.pi is 3.141592653589793, not an nn.Module class)")]
-    cases += [("my_mixers.Nope", nope)]
-    cases += [
-        (
-            "my_mixers.NOT_A_CLASS",
-            " (my_mixers.NOT_A_CLASS is 3, not an nn.Module class)",
-        )
-    ]
-    ordered = "<class 'collections.OrderedDict'>"  # a class, but not a module's
-    cases += [
-        (
-            "collections.OrderedDict",
-            f" (collections.OrderedDict is {ordered}, not an nn.Module class)",
-        )
-    ]
     relative = "the 'package' argument is required to perform a relative import for"
-    cases += [(".my_mixers.Mean", f" ({relative} '.my_mixers')")]
-    for bad, why in cases:
+    module, ordered = ", not an nn.Module class)", "collections.OrderedDict"
+    cases = {  # a name: why it is not a mixer, shown after it
+        "xx": "",
+        "he.ext": " (No module named 'he')",
+        "math.pi": f" (math.pi is 3.141592653589793{module}",
+        "my_mixers.Nope": " (module 'my_mixers' has no attribute 'Nope')",
+        "my_mixers.NOT_A_CLASS": f" (my_mixers.NOT_A_CLASS is 3{module}",
+        ordered: f" ({ordered} is <class '{ordered}'>{module}",  # not a module's class
+        ".my_mixers.Mean": f" ({relative} '.my_mixers')",
+    }
+    for bad, why in cases.items():
         says = f"unknown mixer {bad!r}{why}; choose one of: {choices}"
         refused(says, find_mixer, bad)
 
@@ -766,10 +752,8 @@ def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
     l = 128
     # a running mean's mean row entropy
     uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)
-    for name, low, high in (
-        ("random-fixed", 0, uniform - 0.4),
-        ("random", uniform - 0.01, uniform),
-    ):
+    bands = {"random-fixed": (0, uniform - 0.4), "random": (uniform - 0.01, uniform)}
+    for name, (low, high) in bands.items():
         mixer = find_mixer(name)(Config(n_embd=64, block_size=l, n_head=4, mixer=name))
         P = synthesizer._syn_softmax(mixer.logits(0, l), 0)  # (n, l, l)
         entropy = -(P * P.clamp_min(1e-30).log()).sum(-1)[:, 8:].mean()
@@ -781,12 +765,9 @@ def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
     R0 = mixer.R.clone()
     assert not mixer.R.requires_grad and mixer.R.grad is None
     assert mixer.W_V.weight.grad.abs().max() > 0
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    buf.seek(0)
     other = tiny_model("random-fixed", l=8, d=16, vocab=40, seed=1)
     assert not torch.equal(other.layers[0].mixer.R, R0)  # R is drawn from the seed
-    other.load_state_dict(torch.load(buf, weights_only=True))
+    other.load_state_dict(model.state_dict())  # what a checkpoint holds
     assert torch.equal(other.layers[0].mixer.R, R0)
 
 
@@ -803,9 +784,8 @@ def test_training_under_bfloat16_autocast(name):
     loss.backward()
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
     assert abs(loss - loss32) < 0.05
-    assert all(
-        p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters()
-    )
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.abs().max() > 0 for g in grads)
 
 
 # ======== the FIR's fast paths (fir.py): each against the literal sum, forward and
