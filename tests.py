@@ -898,12 +898,8 @@ def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
     dims = "{'toeplitz': (1,), 'toeplitz-strided': (1, 2), 'fft': (1, 2, 3), "
     dims += "'fft-cuda': (3,)}"
     x = torch.randn(1, 4, 5)
-    wrong = [
-        ("fft-cuda", (4, 5)),
-        ("toeplitz", (6, 5)),
-        ("toeplitz-strided", (4, 5, 5)),
-    ]
-    for path, shape in wrong + [("fftw", (4,))]:
+    wrong = {"fft-cuda": (4, 5), "toeplitz": (6, 5), "toeplitz-strided": (4, 5, 5)}
+    for path, shape in [*wrong.items(), ("fftw", (4,))]:
         taps = (4,) + shape[1:]
         why = f"no FIR path '{path}' for taps of shape {taps}; taps' dims: {dims}"
         refused(why, fir.fir_full, x, torch.randn(*shape), path=path)
@@ -1006,15 +1002,12 @@ def tf32_rounded(a):
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-@pytest.mark.parametrize(
-    "name,path",
-    [
-        ("she", "fft"),
-        ("she", "fft-cuda"),
-        ("we", "toeplitz-strided"),
-        ("me", "toeplitz-strided"),
-    ],
-)
+# the paths that multiply in bmm, each with an Extractor whose taps it takes
+FIR_GEMMS = [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided")]
+FIR_GEMMS.append(("me", "toeplitz-strided"))
+
+
+@pytest.mark.parametrize("name,path", FIR_GEMMS)
 def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
     """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a
     10-bit mantissa (as cuBLAS feeds the tensor cores) and ieee_float32 takes the CPU
@@ -1552,15 +1545,8 @@ def fake_book(seed):
     return "\n".join(line + end for line, end in zip(lines, ends)) + "\n"
 
 
-BOOKS = [
-    (9001, "Mossy Dell"),
-    (9002, "Brass Kite"),
-    (9003, "Oddly Far"),
-    (9004, "Quince Hall"),
-    (9005, "Lark Rise"),
-    (9006, "Tin Fern"),
-    (9007, "N\u00fcrnberg Stove"),
-]
+TITLES = "Mossy Dell, Brass Kite, Oddly Far, Quince Hall, Lark Rise, Tin Fern"
+BOOKS = list(enumerate([*TITLES.split(", "), "N\u00fcrnberg Stove"], start=9001))
 BODIES = {i: fake_book(i) for i, _ in BOOKS}
 # their files
 RAW = {i: gutenberg_file(*f, BODIES[i], t).encode() for f, (i, t) in zip(FORMS, BOOKS)}
@@ -1756,10 +1742,8 @@ def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
     n = len(val)
     # windows of l + 1 = n tokens: just enough
     assert len(machinery.load_data(data, n - 1, 1)[1]) == n
-    assert (
-        f"val.bin: {n} tokens, fewer than a batch needs (l + 1 = {n + 1}): use a "
-        "smaller --block_size" in err(data, n, 1)
-    )
+    short = f"val.bin: {n} tokens, fewer than a batch needs (l + 1 = {n + 1})"
+    assert f"{short}: use a smaller --block_size" in err(data, n, 1)
     n = len(train)
     batch = f"fewer than a batch needs (b + l = {n + 1}): use a smaller --batch_size"
     assert f"train.bin: {n} tokens, {batch} or --block_size" in err(data, 1, n)
