@@ -2155,14 +2155,10 @@ def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     here = make_data(tmp_path / "data")  # (the fixture's data)
     assert run(tmp_path, here, "--max_iters=5", "--lr=0.003", "--mixer=mine.Mean") == 0
     resume = ["--out_dir", out, "--resume", "--max_iters", "10"]
-    for flag, says in (
-        ("--dtype=bfloat16", "trained with --dtype float32"),
-        ("--lr=0.001", "--lr 0.003"),
-        (
-            f"--data_dir={make_data(tmp_path / 'other', seed=1)}",
-            "trained on other data",
-        ),
-    ):
+    other = make_data(tmp_path / "other", seed=1)
+    cases = {"--lr=0.001": "--lr 0.003", f"--data_dir={other}": "trained on other data"}
+    cases["--dtype=bfloat16"] = "trained with --dtype float32"  # flag: what it says
+    for flag, says in cases.items():
         assert says in error_line(capsys, train.main, resume + [flag])
     os.rename(here, moved)
     said = error_line(capsys, train.main, resume)
@@ -2183,9 +2179,8 @@ def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     rows = log_rows(out)
     os.remove(os.path.join(out, "log.csv"))  # a finished run's log lost
     assert train.main(["--out_dir", out, "--resume"]) == 0
-    assert (
-        f"{out}/log.csv was lost: written again from ckpt.pt" in capsys.readouterr().out
-    )
+    said = capsys.readouterr().out
+    assert f"{out}/log.csv was lost: written again from ckpt.pt" in said
     assert log_rows(out) == rows
 
 
@@ -2325,16 +2320,13 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
     path = os.path.join(out, "ckpt.pt")
     with full_disk():
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
-    assert (
-        said
-        == f"error: cannot write {path} (File too large); no checkpoint was written"
-    )
+    too_large = f"error: cannot write {path} (File too large)"
+    assert said == f"{too_large}; no checkpoint was written"
     assert run(tmp_path, data, "--max_iters", "5") == 0  # (a plain command)
     resume = ["--out_dir", out, "--resume", "--max_iters", "10"]
     with full_disk():
         said = error_line(capsys, train.main, resume)
-    stays = f"the last checkpoint, {path}, stays"
-    assert said == f"error: cannot write {path} (File too large); {stays}"
+    assert said == f"{too_large}; the last checkpoint, {path}, stays"
     assert ckpt_iter(out) == 5 and len(log_rows(out)) == 5
     assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
     with open(path, "r+b") as f:
@@ -2426,9 +2418,8 @@ def test_log_run_json_and_console(data, tmp_path, capsys):
     assert run(tmp_path, data, *flags) == 0
     console = capsys.readouterr().out
     rows = log_rows(out)
-    assert [int(r["iter"]) for r in rows] == list(range(1, 13)) and rows[0][
-        "lr"
-    ] == "0.001"
+    assert [int(r["iter"]) for r in rows] == list(range(1, 13))
+    assert rows[0]["lr"] == "0.001"
     # every 5 and at the end
     assert [r["iter"] for r in rows if r["val_loss"]] == ["5", "10", "12"]
     lines = [line.split(" |")[0] for line in console.splitlines()]
@@ -2444,12 +2435,8 @@ def test_log_run_json_and_console(data, tmp_path, capsys):
     meta = json.load(open(os.path.join(data, "meta.json")))
     assert info["data"]["train_sha256"] == meta["train_sha256"]
     step = "CapturedStep" if DEVICE.type == "cuda" else "eager"
-    how = info["computed"]
-    assert [how["device"], how["torch"], how["step"]] == [
-        str(DEVICE),
-        torch.__version__,
-        step,
-    ]
+    how = [info["computed"][k] for k in ("device", "torch", "step")]
+    assert how == [str(DEVICE), torch.__version__, step]
     assert info["peak_memory_mb"] > 0 and f"{info['peak_memory_is']}: " in console
 
 
@@ -2487,9 +2474,8 @@ FOLDER_NAMES = {
 @pytest.mark.parametrize("flags", FOLDER_NAMES)
 def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
     args = machinery.build_parser(train.SETTINGS).parse_args(flags.split())
-    assert machinery.default_out_dir(args, train.SETTINGS) == os.path.join(
-        "out", FOLDER_NAMES[flags]
-    )
+    out = machinery.default_out_dir(args, train.SETTINGS)
+    assert out == os.path.join("out", FOLDER_NAMES[flags])
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
@@ -2596,8 +2582,7 @@ def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
 ):
     """build_model: the model drawn from --seed, the same in every process; then the
     global RNG, dropout's stream, seeded with seed + RANK: a stream of its own each."""
-    sizes = dict(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2)
-    cfg = Config(**sizes, n_head=4, mixer="random-fixed")  # its R: drawn too
+    cfg = Config(50, 8, 16, 32, 2, 4, mixer="random-fixed")  # its R: drawn too
     args = machinery.build_parser(train.SETTINGS).parse_args(["--seed", "7"])
     torch.manual_seed(7)
     want = Transformer(cfg).state_dict()
@@ -2681,9 +2666,8 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     """What train.py chooses for torch.device("cuda"), and for the CPU, on the CPU's
     tensors: AdamW's kind, the step, TF32's flags, autocast's cache, pinned batches."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    parse = lambda *flags: machinery.build_parser(train.SETTINGS).parse_args(
-        ["--out_dir=r", *flags]
-    )
+    parser = machinery.build_parser(train.SETTINGS)
+    parse = lambda *flags: parser.parse_args(["--out_dir=r", *flags])
     monkeypatch.setattr(Transformer, "to", lambda model, device: model)
     cfg = Config(30, 8, 8, 16, 1, 2)
     adamw = [train.build_model(cfg, parse(), d)[1] for d in (cuda, cpu)]
@@ -2723,15 +2707,9 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     capability[0] = (8, 0)
     assert machinery.computed(cuda, parse())["fir_matmul"] == "ieee"  # (TF32 elsewhere)
     monkeypatch.setattr(fir, "ALLOW_TF32", True)  # the FIR's products follow TF32
-    whole = machinery.computed(cuda, parse("--dtype=bfloat16"))
-    assert whole == dict(
-        device="cuda",
-        torch=torch.__version__,
-        dtype="bfloat16",
-        float32_matmul="tf32",
-        fir_matmul="tf32",
-        device_name="the GPU cuda",
-    )
+    whole = dict(device="cuda", torch=torch.__version__, dtype="bfloat16")
+    whole |= dict(float32_matmul="tf32", fir_matmul="tf32", device_name="the GPU cuda")
+    assert machinery.computed(cuda, parse("--dtype=bfloat16")) == whole
     ctx, scaler = machinery.precision(cpu, "float16")
     assert (ctx.fast_dtype, scaler._device) == (torch.float16, "cpu")
     with warnings.catch_warnings():
@@ -2827,9 +2805,8 @@ def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
     for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
     graphs = []  # each recording's graph
-    monkeypatch.setattr(
-        torch.cuda, "CUDAGraph", lambda: graphs.append(mock.Mock()) or graphs[-1]
-    )
+    recording = lambda: graphs.append(mock.Mock()) or graphs[-1]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", recording)
     how = {"step": "CapturedStep"}  # run.json's computed
     torch.manual_seed(0)
     batches = torch.randint(0, 50, (6, 2, 17))
@@ -2871,11 +2848,8 @@ def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
         for _ in range(3):
             run(*batches[0].split(16, dim=1))
         end = RuntimeError("operation failed due to a previous error during capture")
-        monkeypatch.setattr(
-            torch.cuda,
-            "CUDAGraph",
-            lambda: mock.Mock(**{"capture_end.side_effect": end}),
-        )
+        failing = lambda: mock.Mock(**{"capture_end.side_effect": end})
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", failing)
         said = error_line(capsys, run, *batches[0].split(16, dim=1))
         shown = first if body_error else str(end)
         assert f"(RuntimeError: {shown}); --no-cuda_graph runs it eagerly" in said
