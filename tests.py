@@ -3056,7 +3056,7 @@ def test_reproduce_without_cuda_says_so_and_touches_nothing(
 
 
 def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
-    tmp_path, capsys, monkeypatch
+    tmp_path, children
 ):
     results, work = tmp_path / "results", tmp_path / "work"
     committed = results / "logs" / "table1" / "me"
@@ -3064,46 +3064,20 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
     log = committed / "log.csv"
     (committed / "log.csv.gz").write_bytes(gzip.compress(log.read_bytes()))
     os.remove(log)
-    redrawn = []
-
-    def redraw(results):
-        redrawn.append(results)
-        return True
-
-    monkeypatch.setattr(reproduce, "redraw", redraw)
-
-    def main(batches, device, code, *flags):
-        def train_all(names, flags, work, fits):
-            _fake_run(os.path.join(work, "me"), batches, device)
-            open(os.path.join(work, "me", "console.txt"), "a").write("$ train.py\n")
-            return [code]
-
-        monkeypatch.setattr(reproduce, "train_all", train_all)
-        argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
-        return reproduce.main(argv + list(flags))
-
+    argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
     before = _tree(results)
-    for batches, device, code, rc in (
-        (39, "cuda:0", 0, 0),
-        (40, "cpu", 0, 0),
-        (99, "cuda", 1, 1),
-    ):
-        assert main(batches, device, code) == rc
-        assert _tree(results) == before and redrawn == [], (batches, device, code)
-    assert main(40, "cuda", 0) == 0 and redrawn == [str(results)]  # as long: copied
+    for batches, device, code in ((39, "cuda:0", 0), (40, "cpu", 0), (99, "cuda", 1)):
+        children.batches, children.device = batches, device
+        children.codes = {"me": code}
+        assert reproduce.main(argv) == code
+        assert _tree(results) == before and children.redrawn == [], (batches, device)
+    children.batches, children.device, children.codes = 40, "cuda", {}
+    assert reproduce.main(argv) == 0 and children.redrawn == [str(results)]  # copied
     assert json.load(open(committed / "run.json")) == {"args": {"device": "cuda"}}
-    assert main(20, "cpu", 0, "--replace") == 0 and len(redrawn) == 2
+    children.batches, children.device = 20, "cpu"
+    assert reproduce.main(argv + ["--replace"]) == 0 and len(children.redrawn) == 2
     assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
     assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
-
-    def stopped(names, flags, work, fits):
-        raise KeyboardInterrupt  # Ctrl-C while the runs train
-
-    monkeypatch.setattr(reproduce, "train_all", stopped)
-    capsys.readouterr()
-    assert reproduce.main(["--device=cpu", f"--work={work}"]) == 130
-    err = capsys.readouterr().err
-    assert err.startswith("stopped: ") and err.endswith("goes on from there\n")
 
 
 # each model's training peak on an H200, MiB: results/table1/bench_h200.txt, section 6
@@ -3115,10 +3089,12 @@ GIB = 2**30
 @pytest.fixture
 def children(monkeypatch):
     """reproduce.py's train.py children made up, on a made-up GPU ("free" GiB): each
-    leaves a 100-batch run on cuda:0 and its `console` text, and trains until the
+    leaves a run of `batches` on `device` and its `console` text, and trains until the
     script's next one-second sleep ends the oldest running one (exit: `codes`, else 0;
-    `stop`: that sleep is a Ctrl-C). `started`: the runs running as each started."""
-    rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False)
+    `stop`: that sleep is a Ctrl-C). `started`: the runs running as each started;
+    `redrawn`: the results folders whose figures were redrawn."""
+    rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False, redrawn=[])
+    rec.batches, rec.device = 100, "cuda:0"
     rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
 
     class Child:
@@ -3126,7 +3102,7 @@ def children(monkeypatch):
             flag = next(a for a in cmd if a.startswith("--out_dir="))
             out = flag.split("=", 1)[1]
             self.out, self.name, self.returncode = out, os.path.basename(out), None
-            _fake_run(out, 100, "cuda:0")
+            _fake_run(out, rec.batches, rec.device)
             rec.cmds.append(cmd)
             rec.preexec.append(preexec_fn)
             rec.running.append(self)
@@ -3159,7 +3135,8 @@ def children(monkeypatch):
 
     monkeypatch.setattr(reproduce.subprocess, "Popen", Child)
     monkeypatch.setattr(time, "sleep", sleep)  # (reproduce.time.sleep)
-    monkeypatch.setattr(reproduce, "redraw", lambda results: True)
+    redraw = lambda results: rec.redrawn.append(results) or True
+    monkeypatch.setattr(reproduce, "redraw", redraw)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Made-Up GPU")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (rec.free * GIB, 0))
@@ -3200,9 +3177,9 @@ def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
     assert 1 < len(first) < 6 and len(children.started) == len(first)  # none later
     assert children.signals == [(name, signal.SIGTERM) for name in first]
     assert children.running == [] and not (tmp_path / "results").exists()
-    assert capsys.readouterr().err.startswith(
-        "stopped: each run at its last checkpoint"
-    )
+    err = capsys.readouterr().err
+    stopped = f"stopped: each run at its last checkpoint in {tmp_path / 'work'}"
+    assert err == f"{stopped}; the same command goes on from there\n"
 
 
 def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
