@@ -3298,9 +3298,8 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
     argv.append("--device=cpu")
     runs = {"sa-1": [*SIZES, "--mixer=sa", "--n_head=1"], "me": [*SIZES, "--mixer=me"]}
-    monkeypatch.setattr(
-        reproduce, "redraw", lambda results: True
-    )  # (2000-batch windows)
+    # (the figures' windows of 2000 batches are longer than these runs)
+    monkeypatch.setattr(reproduce, "redraw", lambda results: True)
     for n in (20, 40):  # a second call goes on from the first's checkpoints
         tiny = {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
         monkeypatch.setattr(reproduce, "RUNS", tiny)
@@ -3310,19 +3309,10 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
             assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
         console = open(os.path.join(work, name, "console.txt")).read()
         assert "training from batch 20 to 40" in console
-    for name in (
-        "sa-1",
-        "me",
-    ):  # the "CPU runs": these models trained here, 100 batches
-        out = tmp_path / name
-        flags = [
-            *runs[name],
-            "--max_iters=100",
-            f"--data_dir={data}",
-            f"--out_dir={out}",
-        ]
-        assert train.main(flags + ["--device=cpu"]) == 0
-        cpu = results / "logs" / "table1-cpu" / name
+    for name in ("sa-1", "me"):  # the "CPU runs": these models, 100 batches here
+        out, cpu = tmp_path / name, results / "logs" / "table1-cpu" / name
+        flags = [*runs[name], "--max_iters=100", "--device=cpu", f"--data_dir={data}"]
+        assert train.main(flags + [f"--out_dir={out}"]) == 0
         os.makedirs(cpu)
         with open(out / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
             g.write(f.read())
@@ -3432,9 +3422,7 @@ def figures(monkeypatch):
 
 @pytest.mark.slow
 def test_plot_imports_without_torch():
-    code = (
-        "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
-    )
+    code = "import sys, plot; assert 'torch' not in sys.modules, 'it imported torch'"
     experiments = os.path.join(ROOT, "experiments")
     assert subprocess.run([sys.executable, "-c", code], cwd=experiments).returncode == 0
 
@@ -3454,9 +3442,8 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     argv += ["--seeds", seed]
     files = ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
     assert plot.main(argv) == 0
-    assert shlex.split(capsys.readouterr().out) == ["wrote"] + [
-        str(out / f) for f in files
-    ]
+    wrote = ["wrote"] + [str(out / f) for f in files]
+    assert shlex.split(capsys.readouterr().out) == wrote
     med = lambda x, b: repr(median(x[b - 400 : b])) if b <= len(x) else ""
     rows = [[str(b), med(sa, b), med(she, b)] for b in range(400, 2401, 400)]
     assert _csv(out / "medians.csv") == [["batches", "sa-32", "she"]] + rows
@@ -3565,14 +3552,8 @@ def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
     runs = {
         (m, l): _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l) for m, l in keys
     }
-    argv = [
-        "--sweep",
-        "block_size",
-        "--results",
-        str(res),
-        "-o",
-        str(res / "fig10.png"),
-    ]
+    fig10 = str(res / "fig10.png")
+    argv = ["--sweep", "block_size", "--results", str(res), "-o", fig10]
     # she at 128, he at 128 and 64
     assert plot.main([runs[k] for k in keys[:0:-1]] + argv) == 0
     last = lambda k: repr(median(logs[k][-2000:]))
@@ -3609,27 +3590,17 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         _run(tmp_path / c, "me", [5.0] * 10, data={"train_sha256": c * 64})
         for c in "ab"
     ]
-    cases = {
+    window = f"fewer than a window of 50; pass --window 10 or leave {run} out"
+    sweep = "no number 'colour' in its run.json; sweep one of block_size, data_seed,"
+    columns = "must be mixer,l,batches,median_last_10,val_loss"
+    cases = {  # what the line says: the arguments
         "nope/run.json: No such file or directory": [str(tmp_path / "nope")],
         f"{run} and {run}/ are one run folder; pass each run once": [run, run + "/"],
-        f"fewer than a window of 50; pass --window 10 or leave {run} out": [
-            run,
-            "--window",
-            "50",
-        ],
+        window: [run, "--window", "50"],
         f"{run} has 10 batches, fewer than a window of 34": [run, long],
-        "no number 'colour' in its run.json; sweep one of block_size, data_seed,": [
-            run,
-            "--sweep",
-            "colour",
-        ],
+        sweep: [run, "--sweep", "colour"],
         "--window must be at least 1, got 0": [run, "--window", "0"],
-        "must be mixer,l,batches,median_last_10,val_loss": [
-            run,
-            run + "/log.csv",
-            "--sweep",
-            "block_size",
-        ],
+        columns: [run, run + "/log.csv", "--sweep", "block_size"],
         "cannot write a .xyz image": [run, "-o", str(tmp_path / "f.xyz")],
         f"cannot write {tmp_path}: Is a directory": [run, "-o", str(tmp_path)],
         "(vocabulary 50; vocabulary 60)": [run, other],
@@ -3640,20 +3611,14 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     log = gzip.compress(open(f"{run}/log.csv", "rb").read())
     os.remove(f"{run}/log.csv")
     # cut, not gzip, gzip of bytes, gzip of text
-    for garbage in (
-        log[:60],
-        b"\x00" * 99,
-        gzip.compress(b"\xff" * 9),
-        gzip.compress(b"a\n"),
-    ):
-        open(f"{run}/log.csv.gz", "wb").write(garbage)
+    raws = [log[:60], b"\x00" * 99, gzip.compress(b"\xff" * 9), gzip.compress(b"a\n")]
+    for raw in raws:
+        open(f"{run}/log.csv.gz", "wb").write(raw)
         err = error_line(capsys, plot.main, [run] + out)
         assert err.startswith(f"error: {run}/log.csv.gz "), err
-    for damaged, why in (
-        ('{"config": {"mixer"', "JSONDecodeError"),
-        ("{}", "KeyError"),
-    ):
-        open(f"{run}/run.json", "w").write(damaged)
+    damaged = {'{"config": {"mixer"': "JSONDecodeError", "{}": "KeyError"}
+    for text, why in damaged.items():
+        open(f"{run}/run.json", "w").write(text)
         err = error_line(capsys, plot.main, [run] + out)
         assert f"{run}/run.json is damaged ({why}" in err
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "long", "other", "run"]
@@ -3696,9 +3661,8 @@ def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distanc
             a = taps.attention_weights(layer.mixer, layer.ln1(h))  # (40, 2, 5, 5)
             # over windows, heads, i
             mean = lambda k: np.mean([a[:, :, j + k, j] for j in range(5 - k)])
-            np.testing.assert_allclose(
-                profile[i], [mean(k) for k in range(5)], rtol=1e-12
-            )
+            want = [mean(k) for k in range(5)]
+            np.testing.assert_allclose(profile[i], want, rtol=1e-12)
             h = layer(h)
         # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
         model.layers[0].mixer.W_QKV.weight.zero_()
@@ -3732,20 +3696,15 @@ def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(
     assert taps.val_windows(str(tmp_path), 4, n=3).tolist() == windows
     sha = hashlib.sha256((tmp_path / "val.bin").read_bytes()).hexdigest()
     moved = {"iter": 10, "args": {"data_dir": str(tmp_path / "gone")}}  # data moved
+    moved["data"] = {"val_sha256": sha}
     models = {}
     for mixer in ("me", "sa"):
         models[mixer] = model = tiny_model(mixer, l=4, d=8, n_head=2, vocab=100)
         ckpt = {"model": model.state_dict(), "config": vars(model.cfg)}
         os.makedirs(tmp_path / mixer)
-        torch.save(
-            ckpt | moved | {"data": {"val_sha256": sha}}, tmp_path / mixer / "ckpt.pt"
-        )
-    argv = [
-        str(tmp_path / "me"),
-        str(tmp_path / "sa"),
-        "-o",
-        str(tmp_path / "taps.png"),
-    ]
+        torch.save(ckpt | moved, tmp_path / mixer / "ckpt.pt")
+    runs = [str(tmp_path / mixer) for mixer in ("me", "sa")]
+    argv = runs + ["-o", str(tmp_path / "taps.png")]
     err = error_line(capsys, taps.main, argv)
     assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in err
     np.arange(1, 101, dtype=np.uint16).tofile(tmp_path / "me" / "val.bin")  # another
