@@ -403,10 +403,7 @@ def dropout_masks(model):
     """Records, in call order, what each nn.Dropout of model keeps (its nonzero
     outputs)."""
     masks = []
-
-    def record(module, args, out):
-        masks.append((out != 0).cpu())
-
+    record = lambda module, args, out: masks.append((out != 0).cpu())
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.register_forward_hook(record)
@@ -425,15 +422,13 @@ def test_transformer_equals_section4_written_out(name, mode):
     model = dev(ref).train(mode == "train")
     t = 8 if mode == "eval" else 6
     idx, targets = torch.randint(0, 11, (2, t)), torch.randint(0, 11, (2, t))
-    masks = dropout_masks(model)
+    masks = dropout_masks(model) if mode == "train" else None
     logits, loss = model(dev(idx).long(), dev(targets).long())
     loss.backward()
     if mode == "train":
         assert len(masks) == 1 + 2 * 2, len(masks)
         assert all(0 < (~m).sum() < m.numel() for m in masks)
-    Z, Y_hat, L = literal_transformer(
-        ref, idx, targets, masks if mode == "train" else None
-    )
+    Z, Y_hat, L = literal_transformer(ref, idx, targets, masks)
     L.backward()
     got = cpu64(logits, logits.softmax(-1), loss)
     for what, a, b in zip(["logits", "Y_hat", "loss"], got, (Z, Y_hat, L)):
@@ -557,10 +552,7 @@ def test_a_mixer_refuses_settings_it_cannot_take_with_one_clear_value_error():
 
 def test_bad_inputs_give_one_clear_value_error():
     model = dev(scrambled(tiny_model("me", l=8), 0.3))
-
-    def tokens(t):
-        return torch.zeros(1, t, dtype=torch.long, device=DEVICE)
-
+    tokens = lambda t: torch.zeros(1, t, dtype=torch.long, device=DEVICE)
     model(tokens(8))  # l tokens fit
     too_long = "sequence length 9 exceeds block_size l=8; crop it to its last l tokens"
     refused(too_long, model, tokens(9))
@@ -1485,11 +1477,9 @@ def gutenberg_file(markers, credits, footer, body=BODY, title="The Lantern"):
     return f"{head}{start}{gaps}{CREDITS[credits]}{body}{gaps}{FOOTERS[footer]}{tail}"
 
 
-@pytest.mark.parametrize("markers, credits, footer", FORMS)
-def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(
-    markers, credits, footer
-):
-    text = gutenberg_file(markers, credits, footer)
+@pytest.mark.parametrize("form", FORMS, ids="-".join)  # markers, credits, footer
+def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(form):
+    text = gutenberg_file(*form)
     assert prepare_data.strip_gutenberg(text) == (BODY, None)
 
 
@@ -1959,9 +1949,8 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     batches = [train.batch_starts(i, n, b, 3) for i in range(18)]
     assert all(len(x) == b for x in batches)
     epochs = [torch.cat(batches[e * 6 : (e + 1) * 6]) for e in range(3)]
-    assert all(
-        len(set(e.tolist())) == 48 and 0 <= e.min() and e.max() < n for e in epochs
-    )
+    assert all(len(set(e.tolist())) == 48 for e in epochs)  # no start twice
+    assert all(0 <= e.min() and e.max() < n for e in epochs)
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), batches[2])
     another_seed = train.batch_starts(0, n, b, 4)
@@ -1983,10 +1972,8 @@ def test_every_mixer_sees_the_same_batches_and_validation_windows(
         train.epoch_permutation.cache_clear()
         assert run(tmp_path, data, "--max_iters=10", *flags.split(), name=name) == 0
     assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2  # + 2 validations of 2
-    assert all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        for a, b in zip(seen["sa"], seen["me"])
-    )
+    for (x_sa, y_sa), (x_me, y_me) in zip(seen["sa"], seen["me"]):
+        assert torch.equal(x_sa, x_me) and torch.equal(y_sa, y_me)
     x, y = seen["sa"][0]
     assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y: x shifted by 1
     # the same validation windows each time
@@ -2356,9 +2343,7 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     gone = "at batch 3; no checkpoint was written. Start again with a smaller --lr"
     assert f"the training cost became inf {gone}" in said
     monkeypatch.setattr(train, "train_step", step)
-
-    def too_large(*a):
-        return torch.empty(2**62, dtype=torch.uint8)  # the allocator refuses it
+    too_large = lambda *a: torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused
 
     def no_such_library(name):
         raise OSError(f"{name}: cannot open shared object file")
@@ -2538,9 +2523,7 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
         assert r.stdout.count("iter 6/6") == 1, r.stdout
         return str(tmp_path / name)
 
-    def rng_states(out):
-        return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["rng"]
-
+    rng_states = lambda out: torch.load(f"{out}/ckpt.pt", weights_only=True)["rng"]
     one = str(tmp_path / "one")
     assert train.main(flags + ["--dropout", "0", "--out_dir", one]) == 0
     for a, b in zip(losses(ddp("ddp", "--dropout", "0")), losses(one), strict=True):
