@@ -1938,9 +1938,9 @@ def ckpt_iter(out):
 
 
 def files(folder):
-    """Every file of a folder with its bytes: a refused command must change none."""
-    names = sorted(os.listdir(folder))
-    return {n: open(os.path.join(folder, n), "rb").read() for n in names}
+    """{path: bytes} of every file under folder: a refused command must change none."""
+    paths = glob.glob(f"{folder}/**/*", recursive=True, include_hidden=True)
+    return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
 
 
 # ---- the batches: a seeded order per epoch, the same for every mixer
@@ -2352,13 +2352,8 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     said = error_line(capsys, run, tmp_path, data, name="other")
     big = "error: out of memory at batch 1: use a smaller --batch_size or --block_size"
     assert said.startswith(big) and said.endswith("; no checkpoint was written")
-
-    class Huge(torch.nn.Module):  # a mixer whose weights do not fit
-        def __init__(self, cfg):
-            super().__init__()
-            self.w = torch.nn.Parameter(too_large())
-
-    monkeypatch.setattr(machinery, "find_mixer", lambda name: Huge)
+    # a mixer whose weights do not fit: too_large(cfg) builds it
+    monkeypatch.setattr(machinery, "find_mixer", lambda name: too_large)
     said = error_line(capsys, run, tmp_path, data, name="huge")
     model = "building the model: use a smaller --n_layer, --n_embd or --block_size"
     assert said.startswith(f"error: out of memory {model}")
@@ -3019,23 +3014,17 @@ def _fake_run(folder, batches, device, cost=lambda i: 5 - i / 100):
     json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
 
 
-def _tree(folder):
-    """{path: bytes} of every file under folder."""
-    paths = glob.glob(f"{folder}/**/*", recursive=True)
-    return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
-
-
 def test_reproduce_without_cuda_says_so_and_touches_nothing(
     tmp_path, capsys, monkeypatch
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     results, work = tmp_path / "results", tmp_path / "work"
     _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
-    before = _tree(results)
+    before = files(results)
     for argv in ([], ["--check"], ["me", "--device=cuda:1"]):
         argv += [f"--results={results}", f"--work={work}"]
         assert "no CUDA device" in error_line(capsys, reproduce.main, argv)
-    assert _tree(results) == before and not work.exists()
+    assert files(results) == before and not work.exists()
 
 
 def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
@@ -3048,12 +3037,12 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
     (committed / "log.csv.gz").write_bytes(gzip.compress(log.read_bytes()))
     os.remove(log)
     argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
-    before = _tree(results)
+    before = files(results)
     for batches, device, code in ((39, "cuda:0", 0), (40, "cpu", 0), (99, "cuda", 1)):
         children.batches, children.device = batches, device
         children.codes = {"me": code}
         assert reproduce.main(argv) == code
-        assert _tree(results) == before and children.redrawn == [], (batches, device)
+        assert files(results) == before and children.redrawn == [], (batches, device)
     children.batches, children.device, children.codes = 40, "cuda", {}
     assert reproduce.main(argv) == 0 and children.redrawn == [str(results)]  # copied
     assert json.load(open(committed / "run.json")) == {"args": {"device": "cuda"}}
