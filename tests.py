@@ -201,8 +201,7 @@ def data(tmp_path_factory):
     return make_data(tmp_path_factory.mktemp("data") / "data")
 
 
-# ======== the model and its equations (extractor.py, synthesizer.py) as literal float64
-# loops ========
+# ======== the model and its equations (extractor.py, synthesizer.py) as float64 loops
 
 PAPER = ["sa", "she", "he", "we", "me", "he-ext"]
 SYNTHS = (
@@ -642,8 +641,6 @@ def test_cached_generation_equals_uncached(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ALL)
 def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
-    """Eq. (2): every token beyond l is predicted from exactly the l tokens before
-    it."""
     model = scrambled_model(name, l=8)
     prompt = torch.randint(0, 50, (2, 5), device=DEVICE)
     idx = prompt
@@ -780,8 +777,7 @@ def test_training_under_bfloat16_autocast(name):
     assert all(g is not None and g.abs().max() > 0 for g in grads)
 
 
-# ======== the FIR's fast paths (fir.py): each against the literal sum, forward and
-# backward ========
+# ======== the FIR's fast paths (fir.py) against the literal sum, forward and backward
 
 # w.dim() -> l = 13 taps for d = 5: scalars, vectors, matrices
 TAPS = {1: (13,), 2: (13, 5), 3: (13, 5, 5)}
@@ -1031,8 +1027,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch)
     assert conj == [False] + [path == "fft-cuda"] * 2
 
 
-# ======== computational complexity (Section 7, Tables 3-7): bench.py's closed forms
-# against the paper ====
+# ======== complexity (Section 7, Tables 3-7): bench.py's closed forms and the paper
 
 
 def per_token_counts(d, t, n):
@@ -1393,8 +1388,7 @@ def test_bench_quick_as_users_run_it_every_mixer_and_a_closed_pipe():
     assert b"Traceback" not in p.stderr, p.stderr[-300:]
 
 
-# ======== the data (prepare_data.py): Gutenberg's wrappers, download, split, BPE,
-# loaders ========
+# ======== data (prepare_data.py): Gutenberg's wrappers, download, split, BPE, loaders
 
 # A made-up book with what stripping must keep: the first line's indent, a chapter "END
 # OF ...", an ornament of asterisks, a paragraph opening like a credit and a line
@@ -1908,8 +1902,7 @@ def test_prepare_data_from_the_command_line_is_one_line_without_traceback(tmp_pa
     assert err.startswith("error: cannot read --books")
 
 
-# ======== training (train.py): batches, settings, the step, run folders, checkpoints,
-# stopping ========
+# ======== train.py: batches, settings, the step, run folders, checkpoints, stopping
 
 TINY = "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8".split()
 TINY += "--batch_size 4 --n_head 4 --eval_batches 2 --eval_interval 5".split()
@@ -2534,8 +2527,6 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
 
 # ---- modes and random streams
 def test_validation_and_generation_run_without_dropout_and_keep_the_mode(data):
-    """train.evaluate and generate give in training mode what they give in eval mode,
-    with every dropout at 0.9, and leave the model in the mode it was in."""
     model = dev(scrambled(tiny_model("sa", vocab=64), 0.3))
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -2558,8 +2549,6 @@ def test_validation_and_generation_run_without_dropout_and_keep_the_mode(data):
 def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
     monkeypatch,
 ):
-    """build_model: the model drawn from --seed, the same in every process; then the
-    global RNG, dropout's stream, seeded with seed + RANK: a stream of its own each."""
     cfg = Config(50, 8, 16, 32, 2, 4, mixer="random-fixed")  # its R: drawn too
     args = machinery.build_parser(train.SETTINGS).parse_args(["--seed", "7"])
     torch.manual_seed(7)
@@ -2570,7 +2559,7 @@ def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
         model, _ = train.build_model(cfg, args, torch.device("cpu"))
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensor, want[name]), (rank, name)
-        stream = torch.get_rng_state()
+        stream = torch.get_rng_state()  # the global RNG, dropout's, from seed + RANK
         torch.manual_seed(7 + rank)
         assert torch.equal(stream, torch.get_rng_state()), rank
 
@@ -2641,8 +2630,6 @@ finally:  # (the step's dropout, then one of its own)
 # ---- CUDA's decisions, checked on the CPU (fir.py's: its default-path and ieee tests)
 @pytest.mark.filterwarnings("ignore:CUDA is not available")  # (autocast on "cuda")
 def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeypatch):
-    """What train.py chooses for torch.device("cuda"), and for the CPU, on the CPU's
-    tensors: AdamW's kind, the step, TF32's flags, autocast's cache, pinned batches."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     parser = machinery.build_parser(train.SETTINGS)
     parse = lambda *flags: parser.parse_args(["--out_dir=r", *flags])
@@ -3000,8 +2987,7 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
-# check, what it copies into results/ ========
+# ======== experiments/reproduce.py: Table 1's runs at once, the check, what it copies
 SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
 
 
