@@ -2120,9 +2120,6 @@ def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_lo
     assert losses(out) == losses(whole)  # ckpt.pt's rows, then the rest, to the bit
 
 
-USER_MIXER_CHANGED = USER_MIXER.replace("self.w", "self.weight")
-
-
 def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     data, tmp_path, monkeypatch, capsys
 ):
@@ -2144,7 +2141,7 @@ def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     said = error_line(capsys, train.main, resume)
     assert f"trained on the data in {here}, which is gone: pass --data_dir" in said
     resume += ["--data_dir", moved, "--log_interval", "2"]
-    (tmp_path / "mine.py").write_text(USER_MIXER_CHANGED)
+    (tmp_path / "mine.py").write_text(USER_MIXER.replace("self.w", "self.weight"))
     sys.modules.pop("mine")
     said = error_line(capsys, train.main, resume)
     assert 'Missing key(s) in state_dict: "layers.0.mixer.weight", "layers.1.' in said
@@ -2988,9 +2985,6 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
 
 
 # ======== experiments/reproduce.py: Table 1's runs at once, the check, what it copies
-SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
-
-
 def _fake_run(folder, batches, device, cost=lambda i: 5 - i / 100):
     """A run folder as train.py leaves it: log.csv of `batches` rows, run.json."""
     os.makedirs(folder, exist_ok=True)
@@ -3036,12 +3030,6 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
     assert reproduce.main(argv + ["--replace"]) == 0 and len(children.redrawn) == 2
     assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
     assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
-
-
-# each model's training peak on an H200, MiB: results/table1/bench_h200.txt, section 6
-H200_PEAK_MIB = {"sa-1": 1610, "sa-32": 1610, "she": 2453, "he": 1739, "we": 1736}
-H200_PEAK_MIB["me"] = 1294
-GIB = 2**30
 
 
 @pytest.fixture
@@ -3097,13 +3085,18 @@ def children(monkeypatch):
     monkeypatch.setattr(reproduce, "redraw", redraw)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Made-Up GPU")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (rec.free * GIB, 0))
+    free = lambda d=None: (rec.free * 2**30, 0)  # bytes free, (total)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free)
     return rec
 
 
 def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
     tmp_path, children
 ):
+    # the training peaks on an H200, MiB: results/table1/bench_h200.txt, section 6
+    peak_mib = {"sa-1": 1610, "sa-32": 1610, "she": 2453, "he": 1739, "we": 1736}
+    peak_mib["me"] = 1294
+
     def at_once(free, *flags):
         """The runs running as each started, on a GPU of `free` GiB free."""
         children.free, children.started, children.preexec = free, [], []
@@ -3119,7 +3112,7 @@ def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
         started = at_once(free)
         assert 1 < max(map(len, started)) < 6
         for names in started:  # each model's peak and 0.3 GiB of CUDA context
-            assert sum(H200_PEAK_MIB[n] / 1024 + 0.3 for n in names) <= free
+            assert sum(peak_mib[n] / 1024 + 0.3 for n in names) <= free
     assert max(map(len, at_once(140, "--jobs=2"))) == 2  # --jobs says
     assert len(at_once(3, "--jobs=6")[-1]) == 6
     assert len(at_once(0, "--device=cpu")[-1]) == 6  # on the CPU: all at once
@@ -3255,7 +3248,8 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
     results, work = tmp_path / "results", str(tmp_path / "work")
     argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
     argv.append("--device=cpu")
-    runs = {"sa-1": [*SIZES, "--mixer=sa", "--n_head=1"], "me": [*SIZES, "--mixer=me"]}
+    sizes = TINY[2:16]  # TINY's sizes, without its mixer and device
+    runs = {"sa-1": [*sizes, "--mixer=sa", "--n_head=1"], "me": [*sizes, "--mixer=me"]}
     # (the figures' windows of 2000 batches are longer than these runs)
     monkeypatch.setattr(reproduce, "redraw", lambda results: True)
     for n in (20, 40):  # a second call goes on from the first's checkpoints
