@@ -2819,31 +2819,15 @@ def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
 
 # ======== sampling (sample.py), and end to end ========
 
-WORDS = "the a little old fox owl hen miller river garden moon sang found carried over"
-WORDS += " under once upon — naïve café"
-
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """prepare_data.py's outputs for three made-up books, and a tiny sa run trained on
-    them (dropout 0.1, the default)."""
-    root = tmp_path_factory.mktemp("prepared")
-    rng = np.random.default_rng(0)
-    books = root / "books"
-    books.mkdir()
-    marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
-    for i in (101, 102, 103):
-        text = " ".join(rng.choice(WORDS.split(), 3000))
-        text = marker.format("START") + text + "\n" + marker.format("END")
-        (books / f"{i}.txt").write_text(text)
-    (root / "books.tsv").write_text("id\n101\t101\n102\t102\n103\t103\n")
-    argv = ["--source", str(books), "--books", str(root / "books.tsv")]
-    argv += ["--data_dir", str(root / "data"), "--vocab_size=300", "--min_chars=1000"]
-    assert prepare_data.main(argv) == 0
-    out = str(root / "run")
-    flags = ["--mixer=sa", f"--data_dir={root / 'data'}", f"--out_dir={out}"]
+def prepared(clean, tmp_path_factory):
+    """The made-up books' data folder (prepare_data.py's, from the data tests), and a
+    tiny sa run trained on it (dropout 0.1, the default)."""
+    out = str(tmp_path_factory.mktemp("prepared") / "run")
+    flags = ["--mixer=sa", f"--data_dir={clean[0]}", f"--out_dir={out}"]
     assert train.main(TINY + flags + ["--max_iters=30"]) == 0
-    return str(root / "data"), out
+    return str(clean[0]), out
 
 
 def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
@@ -2885,7 +2869,7 @@ def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
     enc = machinery.load_tokenizer(prepared[0])
     l = 8
     ckpt = torch.load(prepared[1] + "/ckpt.pt")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(1)
     for w in ckpt["model"].values():
         w.normal_(0, 0.3, generator=g)  # distinct logits: greedy choices are no ties
     torch.save(ckpt, tmp_path / "ckpt.pt")
