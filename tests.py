@@ -321,9 +321,8 @@ def output_and_grads(m, x, g, forward):
 
 
 def test_the_mixers_and_their_names():
-    assert list(MIXERS) == PAPER and list(SYNTHESIZERS) == SYNTHS
-    assert list(synthesizer.SYNTHESIZERS) == SYNTHS
-    for name, cls in [*MIXERS.items(), *synthesizer.SYNTHESIZERS.items()]:
+    assert list(MIXERS) == PAPER and list(SYNTHESIZERS) == SYNTHS  # synthesizer.py's
+    for name, cls in [*MIXERS.items(), *SYNTHESIZERS.items()]:
         assert find_mixer(name) is cls and name in ALL
 
 
@@ -333,8 +332,7 @@ def test_mixer_forward_and_backward_equal_literal_equations(name):
     shapes = [(8, 12, 2, 1), (8, 12, 2, 7), (12, 6, 3, 6), (8, 16, 1, 9)]
     for trial, (d, l, n, t) in enumerate(shapes):
         m = random_mixer(name, d, l, n, seed=trial)
-        x = torch.randn(2, t, d, dtype=torch.float64)
-        g = torch.randn(2, t, d, dtype=torch.float64)
+        x, g = torch.randn(2, 2, t, d, dtype=torch.float64)
         got = output_and_grads(dev(m), dev(x), dev(g), lambda mixer, x: mixer(x))
         ref = output_and_grads(m, x, g, functools.partial(literal_mixer, name))
         names = ["y", "x"] + [k for k, _ in m.named_parameters()]
@@ -659,10 +657,7 @@ def sampled_from(monkeypatch, logits, **kw):
     drawn = []
     multinomial = torch.multinomial
 
-    def spy(p, num_samples):
-        drawn.append(p)
-        return multinomial(p, num_samples)
-
+    spy = lambda p, num_samples: drawn.append(p) or multinomial(p, num_samples)
     monkeypatch.setattr(torch, "multinomial", spy)
     token = extractor.sample_next(torch.tensor(logits, dtype=torch.float64), **kw)
     monkeypatch.undo()
@@ -2070,8 +2065,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
         loss = step(x, y)
         ref_loss = reference(x, y)[1]
         grads = torch.autograd.grad(ref_loss, params)
-        # the loss before the step, Eq. (3)
-        assert abs(loss.item() - ref_loss.item()) < 1e-12
+        assert abs(loss.item() - ref_loss.item()) < 1e-12  # before the step, Eq. (3)
         norm = math.sqrt(sum((g**2).sum().item() for g in grads))
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         with torch.no_grad():
