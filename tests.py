@@ -581,9 +581,7 @@ NOT_A_CLASS = 3
 '''
 
 
-def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
-    tmp_path, monkeypatch
-):
+def test_find_mixer_knows_three_forms_else_names_them(tmp_path, monkeypatch):
     (tmp_path / "my_mixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
     Mean = importlib.import_module("my_mixers").Mean
@@ -1945,9 +1943,7 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     assert not torch.equal(another_seed, batches[0])
 
 
-def test_every_mixer_sees_the_same_batches_and_validation_windows(
-    data, tmp_path, monkeypatch
-):
+def test_every_mixer_sees_the_same_batches_and_val_windows(data, tmp_path, monkeypatch):
     seen, get_batch = {}, train.get_batch
     for name, flags in {"sa": "--mixer sa --seed 1", "me": "--dropout 0"}.items():
 
@@ -2537,9 +2533,7 @@ def test_validation_and_generation_run_without_dropout_and_keep_the_mode(data):
         assert model.training == training
 
 
-def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
-    monkeypatch,
-):
+def test_processes_build_one_model_from_seed_and_draw_from_seed_plus_rank(monkeypatch):
     cfg = Config(50, 8, 16, 32, 2, 4, mixer="random-fixed")  # its R: drawn too
     args = machinery.build_parser(train.SETTINGS).parse_args(["--seed", "7"])
     torch.manual_seed(7)
@@ -2690,15 +2684,11 @@ def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
     so and runs on the CPU; that GPU named is one line with its compute capability."""
     seen, events = [], itertools.count(1)
 
-    class Event:
+    class Event:  # torch.cuda.Event: numbered as made, its calls recorded in `seen`
         def __init__(self):
-            self.n = next(events)
-
-        def record(self):
-            seen.append(f"record {self.n}")
-
-        def synchronize(self):
-            seen.append(f"wait {self.n}")
+            n = next(events)
+            self.record = lambda: seen.append(f"record {n}")
+            self.synchronize = lambda: seen.append(f"wait {n}")
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(machinery.time, "time", lambda: seen.append("clock") or 0.0)
@@ -2857,9 +2847,7 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
     assert seen[-1] == "é€ ok"  # each piece shown as it came, not at the end
 
 
-def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
-    prepared, tmp_path, capsys
-):
+def test_sample_goes_on_from_a_long_prompts_last_l_tokens(prepared, tmp_path, capsys):
     enc = machinery.load_tokenizer(prepared[0])
     l = 8
     ckpt = torch.load(prepared[1] + "/ckpt.pt")
@@ -2972,9 +2960,7 @@ def _fake_run(folder, batches, device, cost=lambda i: 5 - i / 100):
     json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
 
 
-def test_reproduce_without_cuda_says_so_and_touches_nothing(
-    tmp_path, capsys, monkeypatch
-):
+def test_reproduce_without_cuda_says_so_touching_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     results, work = tmp_path / "results", tmp_path / "work"
     _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
@@ -3068,9 +3054,7 @@ def children(monkeypatch):
     return rec
 
 
-def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
-    tmp_path, children
-):
+def test_reproduce_trains_as_many_at_once_as_free_gpu_memory_holds(tmp_path, children):
     # the training peaks on an H200, MiB: results/table1/bench_h200.txt, section 6
     peak_mib = {"sa-1": 1610, "sa-32": 1610, "she": 2453, "he": 1739, "we": 1736}
     peak_mib["me"] = 1294
@@ -3158,9 +3142,7 @@ def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
         assert table[-1].startswith("passed" if rc == 0 else "FAILED")
 
 
-def test_reproduce_check_names_its_device_and_keeps_the_six_models_file(
-    tmp_path, children
-):
+def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, children):
     results = tmp_path / "results"
     argv = [f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for name in reproduce.RUNS:  # as the runs here (children)
@@ -3363,10 +3345,8 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     sa, she = _random(0, 2500, 2100)
     out = tmp_path / "my results"
     # named against the paper's order; c: another seed, 1200 batches, for seeds.csv
-    runs = [
-        _run(tmp_path / "b", "she", she, 1, 500),
-        _run(tmp_path / "a", "sa", sa, 32, 500),
-    ]
+    runs = [_run(tmp_path / "b", "she", she, 1, 500)]
+    runs.append(_run(tmp_path / "a", "sa", sa, 32, 500))
     seed = _run(tmp_path / "c", "she", she[:1200], 1, 500, 2)
     argv = runs + ["--window", "400", "--results", str(out), "-o", str(out / "f 1.png")]
     argv += ["--seeds", seed]
@@ -3418,9 +3398,7 @@ def test_plot_gaps_csv_sets_each_runs_gap_to_sa_32_beside_the_papers(
     assert "no.csv is damaged (KeyError: 'lm1b_ppl')" in err
 
 
-def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
-    tmp_path, capsys, monkeypatch
-):
+def test_plot_one_run_without_o_draws_into_its_folder(tmp_path, capsys, monkeypatch):
     run = _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30)
     drawn = []
     save = plot.save
@@ -3459,9 +3437,7 @@ def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
     assert _lines(figures[1].axes[0]) == raw  # every batch at its number
 
 
-def test_plot_dashes_the_synthesizers_by_their_mixer_not_their_folders_name(
-    tmp_path, figures
-):
+def test_plot_dashes_the_synthesizers_by_mixer_not_by_folder_name(tmp_path, figures):
     # two HE runs on other batch orders, named by their folders, as results/data-order
     runs = [_run(tmp_path / f"he-d{d}", "he", [4.0] * 8, data_seed=d) for d in (2, 3)]
     runs += [_run(tmp_path / "sa-32", "sa", [4.0] * 8, 32)]
