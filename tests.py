@@ -1470,9 +1470,7 @@ def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(form):
     assert prepare_data.strip_gutenberg(text) == (BODY, None)
 
 
-def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(
-    tmp_path, capsys
-):
+def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, capsys):
     """None of the 100 files is cut short, has a byte-order mark or CRLF or is not
     UTF-8."""
     # no END marker, no footer: all kept
@@ -1904,9 +1902,8 @@ TINY += f"--log_interval 5 --device {DEVICE}".split()
 
 def run(tmp_path, data, *flags, name="run"):
     """train.main on the tiny settings into tmp_path/name: its exit status."""
-    return train.main(
-        TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *flags]
-    )
+    out = str(tmp_path / name)
+    return train.main(TINY + ["--data_dir", data, "--out_dir", out, *flags])
 
 
 def log_rows(out):
@@ -2013,9 +2010,8 @@ BAD_FLAGS = {
 
 @pytest.mark.parametrize("flags", BAD_FLAGS)
 def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys):
-    said = error_line(
-        capsys, run, tmp_path, data, "--mixer=sa", "--max_iters=3", *flags.split()
-    )
+    argv = ["--mixer=sa", "--max_iters=3", *flags.split()]
+    said = error_line(capsys, run, tmp_path, data, *argv)
     assert BAD_FLAGS[flags] in said
     assert not os.path.exists(tmp_path / "run")
 
@@ -2463,9 +2459,7 @@ def test_kill_and_hangup_stop_with_a_checkpoint(sig, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_closed_stdout_stops_like_a_signal_and_kill_9_resumes_from_the_checkpoint(
-    data, tmp_path
-):
+def test_a_closed_stdout_stops_like_a_signal_kill_9_resumes_from_ckpt(data, tmp_path):
     p, out = start_run(tmp_path, data, "--log_interval", "1")
     p.stdout.close()  # | head: the reader has gone
     # a batch or two later
@@ -2738,9 +2732,7 @@ def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
     assert says in machinery.no_kernel(torch.device("cuda:0"))
 
 
-def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
-    monkeypatch, capsys
-):
+def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, capsys):
     """CUDA stubbed. The recording (call 4) fails in Python after the backward and CUDA
     ends the capture: the run goes on eagerly (the same losses and parameters), says so
     in one line and in run.json's `computed`, the graph's pool freed and AdamW no
@@ -2814,9 +2806,7 @@ def prepared(clean, tmp_path_factory):
     return str(clean[0]), out
 
 
-def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
-    prepared, monkeypatch, capsys
-):
+def test_sample_prints_a_character_split_over_tokens_once_whole(prepared, monkeypatch):
     enc = machinery.load_tokenizer(prepared[0])
     # a token each byte, the last character cut
     ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]]
@@ -2914,9 +2904,7 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
         assert says in error_line(capsys, sample.main, ["--out_dir", out, flag]), flag
 
 
-def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(
-    prepared, tmp_path, monkeypatch
-):
+def test_a_mixer_of_your_own_trains_and_samples(prepared, tmp_path, monkeypatch):
     # the find_mixer test's: a module of one's own
     (tmp_path / "mymixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -3080,9 +3068,7 @@ def test_reproduce_trains_as_many_at_once_as_free_gpu_memory_holds(tmp_path, chi
     assert len(at_once(0, "--device=cpu")[-1]) == 6  # on the CPU: all at once
 
 
-def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
-    tmp_path, capsys, children
-):
+def test_reproduce_stopped_stops_each_child_starts_no_more(tmp_path, capsys, children):
     children.free, children.stop = 8, True  # Ctrl-C (or kill) as the pool waits
     argv = [f"--work={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
     assert reproduce.main(argv) == 130
@@ -3095,9 +3081,7 @@ def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
     assert err == f"{stopped}; the same command goes on from there\n"
 
 
-def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
-    tmp_path, capsys, children
-):
+def test_reproduce_says_run_fewer_at_once_if_out_of_memory(tmp_path, capsys, children):
     work, results = tmp_path / "work", tmp_path / "results"
     argv = [f"--work={work}", f"--results={results}"]
     children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
@@ -3162,9 +3146,7 @@ def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, ch
     assert head == f"device cpu, torch {torch.__version__}"
 
 
-def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
-    tmp_path, capsys, children
-):
+def test_reproduce_refuses_bad_time_limit_or_jobs_in_a_line(tmp_path, capsys, children):
     work = tmp_path / "work"
     argv = [f"--work={work}", f"--results={tmp_path / 'results'}", "--device=cpu"]
     for bad in ("14x", "m", "40 m", "-5m", "1h30m", "2d"):
@@ -3249,9 +3231,7 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
 
 # ======== experiments/gpu_check.sh: the short GPU job, known to start here ========
 @pytest.mark.slow
-def test_gpu_check_dry_run_reports_each_stage_a_broken_one_failed_the_later_ones_run(
-    data, tmp_path
-):
+def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_path):
     """The GPU job on the CPU (--dry-run), its device tests broken: each stage in the
     table, that one failed, the later ones run, 7 files; without CUDA one line."""
     script = ["bash", "experiments/gpu_check.sh", f"--data_dir={data}"]
@@ -3372,9 +3352,7 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     assert _csv(out / "summary.csv")[2][1:3] == ["1600", repr(median(she[600:1600]))]
 
 
-def test_plot_gaps_csv_sets_each_runs_gap_to_sa_32_beside_the_papers(
-    tmp_path, capsys, figures
-):
+def test_plot_gaps_csv_has_each_gap_to_sa_32_and_the_papers(tmp_path, capsys, figures):
     runs = [_run(tmp_path / "a", "sa", [4.0] * 2000, 32, 1000)]
     runs.append(_run(tmp_path / "b", "random", [4.0] * 1000 + [4.25] * 1000, 32, 1000))
     runs.append(_run(tmp_path / "c", "random", [3.5] * 2000, 1, 1000))
@@ -3418,9 +3396,7 @@ def test_plot_one_run_without_o_draws_into_its_folder(tmp_path, capsys, monkeypa
     assert "name it with -o" in error_line(capsys, plot.main, two)
 
 
-def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
-    tmp_path, figures
-):
+def test_plot_gap_panel_subtracts_sa_32_and_raw_draws_batch_numbers(tmp_path, figures):
     logs = dict(zip(("sa-32", "me", "he"), _random(7, 12, 12, 8)))
     runs = [_run(tmp_path / n, n[:2], x, 32, 4, 1337, 1337) for n, x in logs.items()]
     assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
@@ -3593,9 +3569,7 @@ def test_taps_random_synthesizers_mean_softmax_r_by_distance_back():
     np.testing.assert_allclose(profile[2], uniform, rtol=1e-12)
 
 
-def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(
-    tmp_path, capsys, figures
-):
+def test_taps_draws_each_run_from_its_ckpt_and_val_bin(tmp_path, capsys, figures):
     # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
     windows = [[*range(s, s + 4)] for s in (0, 48, 95)]
@@ -3615,9 +3589,8 @@ def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(
     assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in err
     np.arange(1, 101, dtype=np.uint16).tofile(tmp_path / "me" / "val.bin")  # another
     err = error_line(capsys, taps.main, argv + ["--data_dir", str(tmp_path / "me")])
-    assert err.endswith(
-        "me/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
-    )
+    other = "val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
+    assert err.endswith(f"me/{other}")
     assert taps.main(argv + ["--data_dir", str(tmp_path)]) == 0
     panels = [ax for ax in figures[0].axes if ax.get_visible()]
     titles = ["sa-2, batch 10", "me, batch 10"]  # in the paper's order
