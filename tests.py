@@ -3140,8 +3140,8 @@ def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, ch
     assert reproduce.main(["he", "--device=cpu", *argv]) == 0
     assert reproduce.main(["--device=cpu", *argv]) == 0
     assert (results / "gpu" / "check.txt").read_bytes() == six  # the six's, kept
-    files = sorted(os.listdir(results / "gpu"))
-    assert files == ["check-cpu-he.txt", "check-cpu.txt", "check-me.txt", "check.txt"]
+    written = sorted(os.listdir(results / "gpu"))
+    assert written == ["check-cpu-he.txt", "check-cpu.txt", "check-me.txt", "check.txt"]
     head = (results / "gpu" / "check-cpu-he.txt").read_text().splitlines()[0]
     assert head == f"device cpu, torch {torch.__version__}"
 
@@ -3246,9 +3246,9 @@ def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_
     status = {row.split()[0]: " ".join(row.split()[1:-1]) for row in table[1:]}
     assert status.pop("device_tests") == "failed (exit 1)"
     assert status == dict.fromkeys(["versions", "check", "bench", "length"], "ok")
-    files = "bench_cpu.json bench_cpu.txt check-cpu.txt device_tests.txt"
-    files += " generate_cpu.csv reproduce.txt summary.txt"  # (the device returns 8)
-    assert sorted(os.listdir(out)) == files.split()
+    written = "bench_cpu.json bench_cpu.txt check-cpu.txt device_tests.txt"
+    written += " generate_cpu.csv reproduce.txt summary.txt"  # (the device returns 8)
+    assert sorted(os.listdir(out)) == written.split()
     read = lambda name: (out / name).read_text()
     assert read("summary.txt").endswith("\n".join(table) + "\n")
     assert " torch 2." in read("summary.txt")  # the versions
@@ -3330,9 +3330,9 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     seed = _run(tmp_path / "c", "she", she[:1200], 1, 500, 2)
     argv = runs + ["--window", "400", "--results", str(out), "-o", str(out / "f 1.png")]
     argv += ["--seeds", seed]
-    files = ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
+    names = ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
     assert plot.main(argv) == 0
-    wrote = ["wrote"] + [str(out / f) for f in files]
+    wrote = ["wrote"] + [str(out / name) for name in names]
     assert shlex.split(capsys.readouterr().out) == wrote
     med = lambda x, b: repr(median(x[b - 400 : b])) if b <= len(x) else ""
     rows = [[str(b), med(sa, b), med(she, b)] for b in range(400, 2401, 400)]
