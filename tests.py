@@ -2939,19 +2939,35 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
 
 
 # ======== experiments/reproduce.py: Table 1's runs at once, the check, what it copies
-def _fake_run(folder, batches, device, cost=lambda i: 5 - i / 100):
-    """A run folder as train.py leaves it: log.csv of `batches` rows, run.json."""
-    os.makedirs(folder, exist_ok=True)
-    rows = [f"{i},{cost(i)},,0.001,1000,{i}\n" for i in range(1, batches + 1)]
-    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
-    open(f"{folder}/log.csv", "w").write(header + "".join(rows))
-    json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
+def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
+    """A run folder as train.py writes it, of made-up costs from batch `start` on
+    (validation: cost - 0.5); `more`: start, data (run.json's), device (its args'),
+    config's settings."""
+    start = more.pop("start", 1)
+    data = more.pop("data", None)
+    cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
+    args = dict(seed=seed, data_seed=data_seed, device=more.pop("device", "cpu"))
+    run = {"config": cfg | more, "args": args, "params": {"mixers": 7}, "data": data}
+    os.makedirs(folder, exist_ok=True)  # (reproduce.py makes its runs' folders)
+    json.dump(run, open(f"{folder}/run.json", "w"))
+    val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
+    rows = [
+        f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
+        for i, x in enumerate(losses, start)
+    ]
+    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
+    # 7: a row half-written, as it runs
+    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
+    return str(folder)
+
+
+FALLING = [5 - i / 100 for i in range(1, 101)]  # a run's made-up costs, batches 1-100
 
 
 def test_reproduce_without_cuda_says_so_touching_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     results, work = tmp_path / "results", tmp_path / "work"
-    _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
+    _run(results / "logs" / "table1" / "me", "me", FALLING[:40], device="cuda:0")
     before = files(results)
     for argv in ([], ["--check"], ["me", "--device=cuda:1"]):
         argv += [f"--results={results}", f"--work={work}"]
@@ -2964,7 +2980,7 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
 ):
     results, work = tmp_path / "results", tmp_path / "work"
     committed = results / "logs" / "table1" / "me"
-    _fake_run(committed, 40, "cuda:0")
+    _run(committed, "me", FALLING[:40], device="cuda:0")
     log = committed / "log.csv"
     (committed / "log.csv.gz").write_bytes(gzip.compress(log.read_bytes()))
     os.remove(log)
@@ -2977,11 +2993,11 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
         assert files(results) == before and children.redrawn == [], (batches, device)
     children.batches, children.device, children.codes = 40, "cuda", {}
     assert reproduce.main(argv) == 0 and children.redrawn == [str(results)]  # copied
-    assert json.load(open(committed / "run.json")) == {"args": {"device": "cuda"}}
+    assert json.load(open(committed / "run.json"))["args"]["device"] == "cuda"
     children.batches, children.device = 20, "cpu"
     assert reproduce.main(argv + ["--replace"]) == 0 and len(children.redrawn) == 2
     assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
-    assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
+    assert json.load(open(committed / "run.json"))["args"]["device"] == "cpu"
 
 
 @pytest.fixture
@@ -3000,7 +3016,7 @@ def children(monkeypatch):
             flag = next(a for a in cmd if a.startswith("--out_dir="))
             out = flag.split("=", 1)[1]
             self.out, self.name, self.returncode = out, os.path.basename(out), None
-            _fake_run(out, rec.batches, rec.device)
+            _run(out, "me", FALLING[: rec.batches], device=rec.device)
             rec.cmds.append(cmd)
             rec.preexec.append(preexec_fn)
             rec.running.append(self)
@@ -3118,8 +3134,8 @@ def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
     results = tmp_path / "results"
     argv = ["me", f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for shift, rc in ((0.04, 0), (-0.04, 0), (0.1, 1), (-0.1, 1)):
-        cost = lambda i: 5 - i / 100 + (shift if 40 < i <= 50 else 0)
-        _fake_run(results / "logs" / "table1-cpu" / "me", 100, "cpu", cost)
+        costs = [c + (shift if 40 < i <= 50 else 0) for i, c in enumerate(FALLING, 1)]
+        _run(results / "logs" / "table1-cpu" / "me", "me", costs)
         assert reproduce.main(argv) == rc, shift  # here (5 - i / 100) minus the CPU's
         table = (results / "gpu" / "check-me.txt").read_text().splitlines()
         assert table[-2].startswith("me ") and f"{-shift:+.4f}" in table[-2]
@@ -3130,7 +3146,7 @@ def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, ch
     results = tmp_path / "results"
     argv = [f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for name in reproduce.RUNS:  # as the runs here (children)
-        _fake_run(results / "logs" / "table1-cpu" / name, 100, "cpu")
+        _run(results / "logs" / "table1-cpu" / name, name[:2], FALLING)
     assert reproduce.main(argv) == 0
     six = (results / "gpu" / "check.txt").read_bytes()
     head = six.decode().splitlines()[0]
@@ -3262,27 +3278,6 @@ def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_
 
 
 # ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========
-def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
-    """A run folder as train.py writes it, of made-up costs from batch `start` on
-    (validation: cost - 0.5); `more`: start, data (run.json's), config's settings."""
-    start = more.pop("start", 1)
-    data = more.pop("data", None)
-    cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
-    args = dict(seed=seed, data_seed=data_seed)
-    run = {"config": cfg | more, "args": args, "params": {"mixers": 7}, "data": data}
-    os.makedirs(folder)
-    json.dump(run, open(f"{folder}/run.json", "w"))
-    val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
-    rows = [
-        f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
-        for i, x in enumerate(losses, start)
-    ]
-    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
-    # 7: a row half-written, as it runs
-    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
-    return str(folder)
-
-
 _csv = lambda path: list(csv.reader(open(path, newline="")))
 
 
