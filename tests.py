@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import resource
 import shlex
 import signal
 import subprocess
@@ -56,6 +57,7 @@ import warnings
 
 # the tests' own medians, not numpy's, which plot.py takes
 from statistics import median
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -2262,8 +2264,6 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
 def full_disk(size=3000):
     """A file size limit as a full disk: writes past `size` bytes fail (ckpt.pt: ~90 kB,
     run.json ~1.4 kB)."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
     try:
@@ -2734,8 +2734,6 @@ def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, 
     in one line and in run.json's `computed`, the graph's pool freed and AdamW no
     longer capturable (it was for the recording). Where CUDA fails the capture (its
     capture_end raises), the run stops with one line naming the first error."""
-    from unittest import mock
-
     for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
     graphs = []  # each recording's graph
