@@ -83,8 +83,7 @@ import taps  # noqa: E402
 
 
 def _test_device():
-    """The device named by TEST_DEVICE (default cpu), and why it cannot be used (None
-    if it can)."""
+    """The device TEST_DEVICE names (default cpu), and why it cannot be used or None."""
     name = os.environ.get("TEST_DEVICE", "cpu")
     cpu = torch.device("cpu")
     try:
@@ -159,8 +158,7 @@ def run_script(*argv, **kw):
 
 
 def tiny_model(mixer, l=16, d=16, n_head=4, n_layer=2, vocab=50, n_hidden=32, seed=0):
-    """A small Transformer on the CPU in float32, with the paper's initialisation, in
-    eval mode."""
+    """A small Transformer: CPU, float32, the paper's initialisation, eval mode."""
     torch.manual_seed(seed)
     sizes = dict(vocab_size=vocab, block_size=l, n_embd=d, n_hidden=n_hidden)
     cfg = Config(**sizes, n_layer=n_layer, n_head=n_head, mixer=mixer)
@@ -213,8 +211,7 @@ ALL = PAPER + SYNTHS
 
 
 def literal_fir(x, w):
-    """Eq. (23)/(26)/(28)/(29) as the paper writes them: x_i = sum_{j<=i} x_j (*)
-    w_{i-j+1}."""
+    """Eq. (23)/(26)/(28)/(29) as written: x_i = sum_{j<=i} x_j (*) w_{i-j+1}."""
     y = torch.zeros_like(x)
     for i in range(x.shape[1]):
         for j in range(i + 1):
@@ -307,16 +304,14 @@ def literal_mixer(name, m, x):
 
 
 def random_mixer(name, d=8, l=12, n=2, seed=0, std=0.5):
-    """A mixer on the CPU, every parameter (and Fixed Random's R) drawn ~ N(0, std²), in
-    float64."""
+    """A float64 CPU mixer, its parameters (and Fixed Random's R) drawn ~ N(0, std²)."""
     torch.manual_seed(seed)
     cfg = Config(n_embd=d, block_size=l, n_head=n, mixer=name)
     return scrambled(find_mixer(name)(cfg), std)
 
 
 def output_and_grads(m, x, g, forward):
-    """forward(m, x) and the gradients of x and of every parameter of m for the output
-    gradient g."""
+    """forward(m, x) and the gradients of x and m's parameters for output gradient g."""
     x = x.detach().requires_grad_()
     y = forward(m, x)
     return cpu64(y, *torch.autograd.grad(y, [x, *m.parameters()], g))
@@ -399,8 +394,7 @@ def literal_transformer(model, idx, targets, masks=None):
 
 
 def dropout_masks(model):
-    """Records, in call order, what each nn.Dropout of model keeps (its nonzero
-    outputs)."""
+    """In call order, what each nn.Dropout of model keeps (its nonzero outputs)."""
     masks = []
     record = lambda module, args, out: masks.append((out != 0).cpu())
     for m in model.modules():
@@ -651,8 +645,7 @@ def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
 
 
 def sampled_from(monkeypatch, logits, **kw):
-    """The probabilities sample_next draws from (what it hands torch.multinomial), and
-    its token."""
+    """What sample_next hands torch.multinomial (the probabilities), and its token."""
     drawn = []
     multinomial = torch.multinomial
 
@@ -830,8 +823,7 @@ def test_default_path_by_device_type_taps_and_length():
 
 
 def record_fir_paths(monkeypatch):
-    """A list that gains the path of each fir_full call as it runs (spied where each
-    path begins)."""
+    """Each fir_full call's path, listed as it runs (spied where each path begins)."""
     taken = []
     fft_apply = fir.FIRFFT.apply
 
@@ -1468,8 +1460,7 @@ def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(form):
 
 
 def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, capsys):
-    """None of the 100 files is cut short, has a byte-order mark or CRLF or is not
-    UTF-8."""
+    """None of the 100 files is cut short, has a BOM or CRLF or is not UTF-8."""
     # no END marker, no footer: all kept
     cut = gutenberg_file("THIS", "none", "none").split("*** END")[0]
     warning = "no END marker or footer: the file may be cut short"
@@ -1554,8 +1545,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve(raws):
-    """A loopback mirror with each book ({ebook id: bytes}) at gutenberg.org's three
-    paths."""
+    """A loopback mirror: each book ({id: bytes}) at gutenberg.org's three paths."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     srv.log = []
     srv.faults = {}
@@ -1585,8 +1575,7 @@ def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
 
 
 def folder(src, raws, names=("{}.txt",)):
-    """raws ({ebook id: bytes}) written to the folder src, a --source, the names taken
-    in turn."""
+    """raws ({id: bytes}) written into src, a --source, taking the names in turn."""
     for k, (i, raw) in enumerate(raws.items()):
         path = src / names[k % len(names)].format(i)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -2018,8 +2007,7 @@ def literal_adamw(
     params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay=0.01
 ):
     """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the
-    bias-corrected moments.
-    """
+    bias-corrected moments."""
     for p, g, (m, v) in zip(params, grads, state):
         p.mul_(1 - lr * decay)
         m.mul_(b1).add_((1 - b1) * g)
@@ -2932,9 +2920,8 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
 
 # ======== experiments/reproduce.py: Table 1's runs at once, the check, what it copies
 def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
-    """A run folder as train.py writes it, of made-up costs from batch `start` on
-    (validation: cost - 0.5); `more`: start, data (run.json's), device (its args'),
-    config's settings."""
+    """A run folder as train.py writes it, made-up costs from batch `start` on (its
+    validation: cost - 0.5); `more`: start, data, device (run.json's), config's."""
     start = more.pop("start", 1)
     data = more.pop("data", None)
     cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
@@ -3283,8 +3270,7 @@ def _random(seed, *ns):
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures plot.py and taps.py draw, titled and kept for the test instead of
-    written."""
+    """The figures plot.py and taps.py draw, titled, kept for the test, not written."""
     drawn = []
 
     def keep(fig, path, title=None):
