@@ -136,9 +136,8 @@ def assert_close(a, b, what):
 
 
 def error_line(capsys, fn, *args, **kw):
-    """fn(*args, **kw), a script's main or one of its functions, must end with exit
-    status 1 (returned or raised as SystemExit) and one line "error: ..." on stderr, no
-    traceback; returns that line."""
+    """fn(*args, **kw), a script's main or a function of it, must end with exit status 1
+    (returned, or SystemExit) and one line "error: ..." on stderr, no traceback: it."""
     capsys.readouterr()
     try:
         rc = fn(*args, **kw)
@@ -166,9 +165,8 @@ def tiny_model(mixer, l=16, d=16, n_head=4, n_layer=2, vocab=50, n_hidden=32, se
 
 
 def scrambled(module, std):
-    """module in float64 with every parameter and buffer drawn again ~ N(0, std²):
-    larger than the paper's init, so that every term matters and greedy choices are not
-    ties."""
+    """module in float64, every parameter and buffer drawn again ~ N(0, std²): more than
+    the paper's init, so that every term matters and greedy choices are no ties."""
     module = module.double()
     with torch.no_grad():
         for p in list(module.parameters()) + list(module.buffers()):
@@ -406,9 +404,8 @@ def dropout_masks(model):
 @pytest.mark.parametrize("name", PAPER)
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_transformer_equals_section4_written_out(name, mode):
-    """Forward (logits, Y-hat, loss) and backward (every parameter's gradient) of the
-    whole model, in evaluation and in training with the dropout masks the model drew
-    applied to the literal model."""
+    """Forward (logits, Y-hat, loss) and backward (every parameter's gradient), in eval
+    mode and in training, with the dropout masks the model drew in the literal model."""
     torch.manual_seed(1)
     cfg = Config(11, 8, 8, 12, 2, 2, 0.3, name)  # u, l, d, c, m, n, p, the mixer
     ref = scrambled(Transformer(cfg), 0.4)
@@ -750,8 +747,7 @@ def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
 @pytest.mark.parametrize("name", ALL)
 def test_training_under_bfloat16_autocast(name):
     """train.py's --dtype bfloat16: float32 weights meet bf16 activations, the loss (Eq.
-    3) is computed in float32, every parameter gets a gradient, and the loss stays near
-    float32's."""
+    3) is float32, every parameter gets a gradient, the loss stays near float32's."""
     model = dev(scrambled(tiny_model(name, l=8), 0.2)).float()
     idx = torch.randint(0, 50, (2, 8), device=DEVICE)
     loss32 = model(idx, idx)[1]
