@@ -2926,10 +2926,8 @@ def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **mo
     os.makedirs(folder, exist_ok=True)  # (reproduce.py makes its runs' folders)
     json.dump(run, open(f"{folder}/run.json", "w"))
     val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
-    rows = [
-        f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
-        for i, x in enumerate(losses, start)
-    ]
+    row = lambda i, x: f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
+    rows = [row(i, x) for i, x in enumerate(losses, start)]
     header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
     # 7: a row half-written, as it runs
     open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
@@ -3399,9 +3397,8 @@ def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
     res = tmp_path / "res"
     keys = [(m, l) for m in ("she", "he") for l in (64, 128)]  # in the paper's order
     logs = dict(zip(keys, _random(3, *[2500] * 4)))
-    runs = {
-        (m, l): _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l) for m, l in keys
-    }
+    run_of = lambda m, l: _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l)
+    runs = {(m, l): run_of(m, l) for m, l in keys}
     fig10 = str(res / "fig10.png")
     argv = ["--sweep", "block_size", "--results", str(res), "-o", fig10]
     # she at 128, he at 128 and 64
@@ -3436,10 +3433,8 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = ["-o", str(tmp_path / "f.png")]
     long = _run(tmp_path / "long", "he", [4] * 1020)
     other = _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60)
-    shas = [
-        _run(tmp_path / c, "me", [5.0] * 10, data={"train_sha256": c * 64})
-        for c in "ab"
-    ]
+    sha = lambda c: {"train_sha256": c * 64}  # run.json's data
+    shas = [_run(tmp_path / c, "me", [5.0] * 10, data=sha(c)) for c in "ab"]
     window = f"fewer than a window of 50; pass --window 10 or leave {run} out"
     sweep = "no number 'colour' in its run.json; sweep one of block_size, data_seed,"
     columns = "must be mixer,l,batches,median_last_10,val_loss"
