@@ -1805,11 +1805,11 @@ def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids(tmp_pat
 def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
     src = folder(tmp_path / "src", RAW)
     (tmp_path / "e").mkdir()
-    cases = {  # books.tsv's text, or flags: what the line says
-        "id\n1\t11\n2\televen\n": "cannot read --books",
-        "id\n1\t11\n2\t\u00b2\n": "cannot read --books",
-        "id\n1\t11\n2\t11\n3\t12\n": "lists ebook 11 twice: list each once",
-        "id\n1\t11\n": "lists 1 books: it needs 2 or more",
+    cases = {  # books.tsv's bytes, or flags: what the line says
+        b"id\n1\t11\n2\televen\n": "cannot read --books",
+        "id\n1\t11\n2\t\u00b2\n".encode(): "cannot read --books",
+        b"id\n1\t11\n2\t11\n3\t12\n": "lists ebook 11 twice: list each once",
+        b"id\n1\t11\n": "lists 1 books: it needs 2 or more",
         b"id\n1\t11\tCaf\xe9\n": "can't decode byte 0xe9",
         "--books no": "cannot read --books no ([Errno 2]",
         "--vocab_size 256": "--vocab_size 256: give 257 (256 bytes and <|endoftext|>)",
@@ -1827,9 +1827,8 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
     not_a_dir = f"{clean[1]}/x"  # in books.tsv, a file
     cases[f"--source {src} --data_dir {not_a_dir}"] = f"{not_a_dir} (Not a directory)"
     for case, says in cases.items():
-        if isinstance(case, bytes) or not case.startswith("--"):
-            raw = case if isinstance(case, bytes) else case.encode()
-            (tmp_path / "bad.tsv").write_bytes(raw)
+        if isinstance(case, bytes):
+            (tmp_path / "bad.tsv").write_bytes(case)
             argv = ["--books", str(tmp_path / "bad.tsv")]
         else:
             argv = case.split()
