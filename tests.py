@@ -838,13 +838,8 @@ def record_fir_paths(monkeypatch):
 
 
 def test_fir_full_takes_the_named_path_else_the_default(monkeypatch):
-    asked = []
     default_path = fir.default_path
-
-    def asking(device_type, *args):
-        asked.append(device_type)
-        return default_path(device_type, *args)
-
+    asking = mock.Mock(wraps=default_path)  # each call recorded
     monkeypatch.setattr(fir, "default_path", asking)
     taken = record_fir_paths(monkeypatch)
     for dim, shape in TAPS.items():
@@ -857,7 +852,8 @@ def test_fir_full_takes_the_named_path_else_the_default(monkeypatch):
             assert taken == [default, path], (dim, path)
     fir.fir_full(x, w[:, 0, 0])
     assert taken[-1] == default_path(DEVICE.type, 1, 12)
-    assert set(asked) == {DEVICE.type}  # the device type of x
+    asked = {call.args[0] for call in asking.call_args_list}
+    assert asked == {DEVICE.type}  # the device type of x
 
 
 def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
@@ -2064,9 +2060,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_lo
             os.kill(os.getpid(), signal.SIGINT)
         return get_batch(*a)
 
-    def killed(*a):
-        raise KeyboardInterrupt  # a kill before the next checkpoint
-
+    killed = mock.Mock(side_effect=KeyboardInterrupt)  # a kill before a checkpoint
     monkeypatch.setattr(train, "get_batch", ctrl_c)
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters", "14", "--lr", "0.001") == 130
@@ -2297,10 +2291,7 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     assert f"the training cost became inf {gone}" in said
     monkeypatch.setattr(train, "train_step", step)
     too_large = lambda *a: torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused
-
-    def no_such_library(name):
-        raise OSError(f"{name}: cannot open shared object file")
-
+    no_such_library = mock.Mock(side_effect=OSError("cannot open shared object file"))
     monkeypatch.setattr(train, "get_batch", too_large)
     said = error_line(capsys, run, tmp_path, data, name="other")
     big = "error: out of memory at batch 1: use a smaller --batch_size or --block_size"
