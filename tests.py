@@ -149,8 +149,7 @@ def error_line(capsys, fn, *args, **kw):
 
 
 def run_script(*argv, **kw):
-    """python <argv> from the project's root, as a user runs it: (exit status, stdout,
-    stderr)."""
+    """python <argv>, run in the project's root as a user would: rc, stdout, stderr."""
     cmd = [sys.executable, *argv]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
     return r.returncode, r.stdout, r.stderr
@@ -1071,8 +1070,7 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
     # the modules' parameters: Table 7's params column
     for key, i in zip(OPS + ("modules",), (0, 1, 2, 3, 4, 5, 4)):
         assert rows[key] == [numbers[i] for numbers in TABLE7.values()], key
-    # FLOPs: SA four d x d maps, and QK^T and AV over all t x t (SDPA's kernel, counted
-    # so); ME T (t x t) x
+    # FLOPs: SA's four d x d maps, QK^T and AV over all t x t (SDPA's way); ME's T x
     sa_flops = 8 * l * d * d + 4 * l * l * d
     assert [rows["flops"][i] for i in (0, 1, 5)] == [sa_flops, sa_flops, 2 * l * l * d]
     # Tables 5 and 6 at t = l = d = 128: SA 2td + 4d^2 - 5d - n, SHE td^2 + 2d^2 - 3d,
