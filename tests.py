@@ -1303,7 +1303,7 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
         "sa,1,128,4.0,1.0,21,36,\nhe,1,128,8.0,2.0,400,80,\nme,1,128,0.2,0.1,2,,\n"
         "me,1,256,,,,,out of memory\n"
     )
-    drawn, save = [], plot.save
+    drawn, save = [], plot.save  # the lines each figure drew; the real save
 
     def keep(fig, out, title):
         drawn.append(
@@ -3332,14 +3332,9 @@ def test_plot_gaps_csv_has_each_gap_to_sa_32_and_the_papers(tmp_path, capsys, fi
 
 def test_plot_one_run_without_o_draws_into_its_folder(tmp_path, capsys, monkeypatch):
     run = _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30)
-    drawn = []
-    save = plot.save
-
-    def keep(fig, path):
-        drawn.append(_lines(fig.axes[0]))
-        save(fig, path)
-
-    monkeypatch.setattr(plot, "save", keep)
+    drawn, save = [], plot.save  # the lines each figure drew; the real save
+    keep = lambda fig, path: drawn.append(_lines(fig.axes[0])) or save(fig, path)
+    monkeypatch.setattr(plot, "save", keep)  # the lines drawn kept, the file written
     monkeypatch.chdir(tmp_path)
     assert plot.main([run]) == 0 and os.listdir(tmp_path) == ["me"]  # nothing here
     assert capsys.readouterr().out == f"wrote {run}/loss.png\n"
