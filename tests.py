@@ -487,10 +487,8 @@ def synth_params(name, d, l, n, a, b, k=8):
     [(128, 128, 32, 8, 16), (24, 12, 3, 3, 4), (16, 9, 4, 3, 3), (8, 1, 1, 1, 1)],
 )
 def test_parameter_counts_equal_formulas(d, l, n, a, b):
-    def count(name):
-        mixer = find_mixer(name)(Config(n_embd=d, block_size=l, n_head=n))
-        return sum(p.numel() for p in mixer.parameters())
-
+    cfg = Config(n_embd=d, block_size=l, n_head=n)
+    count = lambda name: sum(p.numel() for p in find_mixer(name)(cfg).parameters())
     for name in PAPER:
         assert count(name) == paper_params(name, d, l), name
     for name in SYNTHS:
@@ -2963,11 +2961,10 @@ def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ende
 
 @pytest.fixture
 def children(monkeypatch):
-    """reproduce.py's train.py children made up, on a made-up GPU ("free" GiB): each
+    """reproduce.py's train.py children, made up, on a made-up GPU ("free" GiB): each
     leaves a run of `batches` on `device` and its `console` text, and trains until the
-    script's next one-second sleep ends the oldest running one (exit: `codes`, else 0;
-    `stop`: that sleep is a Ctrl-C). `started`: the runs running as each started;
-    `redrawn`: the results folders whose figures were redrawn."""
+    next one-second sleep ends the oldest running one (exit: `codes`, else 0; `stop`:
+    the sleep is a Ctrl-C). `started`: who ran as each started; `redrawn`: redraws."""
     rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False, redrawn=[])
     rec.batches, rec.device = 100, "cuda:0"
     rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
