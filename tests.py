@@ -2075,9 +2075,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_lo
     assert losses(out) == losses(whole)  # ckpt.pt's rows, then the rest, to the bit
 
 
-def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_resume_keeps_settings_and_data_says_what_moved(tmp_path, monkeypatch, capsys):
     """--resume: the run's settings (flags may change MAY_CHANGE's), its data; a data
     folder that moved (ckpt.pt keeps its path): pass --data_dir; a mixer of one's own
     whose parameters changed since: their names."""
@@ -2126,9 +2124,7 @@ def other_value(name, value):
     return f"--{name}={value + 1 if isinstance(value, int) else value / 2 or 0.5}"
 
 
-def test_resume_refuses_each_setting_of_the_run_other_processes_and_older_code(
-    data, tmp_path, capsys
-):
+def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, capsys):
     """Every setting --resume keeps (all of train.SETTINGS but MAY_CHANGE), given
     another value, is refused in one line that names it; so is a checkpoint of another
     number of processes or of an older train.py (a key it lacks). A finished run's
@@ -3157,9 +3153,7 @@ def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
 
 
 @pytest.mark.slow
-def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
-    data, tmp_path, monkeypatch
-):
+def test_reproduce_resumes_and_checks_against_the_cpu_runs(data, tmp_path, monkeypatch):
     results, work = tmp_path / "results", str(tmp_path / "work")
     argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
     argv.append("--device=cpu")
@@ -3270,9 +3264,7 @@ def test_plot_imports_without_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=experiments).returncode == 0
 
 
-def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
-    tmp_path, capsys, figures
-):
+def test_plot_csvs_are_window_medians_the_paths_paste_back(tmp_path, capsys, figures):
     sa, she = _random(0, 2500, 2100)
     out = tmp_path / "my results"
     # named against the paper's order; c: another seed, 1200 batches, for seeds.csv
@@ -3371,9 +3363,7 @@ def test_plot_dashes_the_synthesizers_by_mixer_not_by_folder_name(tmp_path, figu
     assert drawn(medians) == drawn(gaps) == styles
 
 
-def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
-    tmp_path, capsys, figures
-):
+def test_plot_sweep_csv_named_as_its_figure_keeps_old_points(tmp_path, capsys, figures):
     res = tmp_path / "res"
     keys = [(m, l) for m in ("she", "he") for l in (64, 128)]  # in the paper's order
     logs = dict(zip(keys, _random(3, *[2500] * 4)))
@@ -3566,9 +3556,7 @@ def _readme_commands():
     return commands
 
 
-def test_results_csvs_are_what_the_readmes_commands_make_of_the_committed_logs(
-    tmp_path, monkeypatch, figures
-):
+def test_results_csvs_are_the_readmes_commands_output(tmp_path, monkeypatch, figures):
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
     # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1
