@@ -188,8 +188,7 @@ def make_data(path, vocab=64, n_words=5000, seed=0):
         part.tofile(os.path.join(path, f"{split}.bin"))
         meta[f"{split}_tokens"] = len(part)
         meta[f"{split}_sha256"] = hashlib.sha256(part.tobytes()).hexdigest()
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     return str(path)
 
 
