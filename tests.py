@@ -1442,8 +1442,7 @@ def gutenberg_file(markers, credits, footer, body=BODY, title="The Lantern"):
 
 @pytest.mark.parametrize("form", FORMS, ids="-".join)  # markers, credits, footer
 def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(form):
-    text = gutenberg_file(*form)
-    assert prepare_data.strip_gutenberg(text) == (BODY, None)
+    assert prepare_data.strip_gutenberg(gutenberg_file(*form)) == (BODY, None)
 
 
 def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, capsys):
