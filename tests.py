@@ -2039,9 +2039,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
 
 # ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data
 # only; log.csv is written with each checkpoint
-def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_log(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_ctrl_c_checkpoints_resume_bit_for_bit(data, tmp_path, monkeypatch, capsys):
     """Ctrl-C, then --resume with log.csv deleted and killed at once (ckpt.pt stays),
     then with log.csv's header only: ckpt.pt's rows make the log whole again."""
     whole = str(tmp_path / "whole")
@@ -2154,9 +2152,7 @@ def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, c
     assert sorted(os.listdir(committed)) == ["log.csv.gz", "run.json"]
 
 
-def test_a_run_writes_only_into_the_folder_it_locked_without_killed_writes(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_a_run_writes_only_in_the_folder_it_locked(data, tmp_path, monkeypatch, capsys):
     """A killed write's .*.tmp goes; a folder renamed while its run trains gets the
     run's files, a new folder at the old path none; a name too long is one line."""
     out, moved = tmp_path / "run", tmp_path / "moved"
@@ -2178,9 +2174,7 @@ def test_a_run_writes_only_into_the_folder_it_locked_without_killed_writes(
     assert said.endswith("(File name too long); no checkpoint was written")
 
 
-def test_a_console_that_cannot_be_written_stops_the_run_at_a_checkpoint(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_a_closed_console_stops_at_a_checkpoint(data, tmp_path, monkeypatch, capsys):
     """A terminal closed under the run (EIO, not a broken pipe) stops it as a hang-up
     does, at a checkpoint, and says so on stderr."""
 
