@@ -1300,7 +1300,7 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
         "sa,1,128,4.0,1.0,21,36,\nhe,1,128,8.0,2.0,400,80,\nme,1,128,0.2,0.1,2,,\n"
         "me,1,256,,,,,out of memory\n"
     )
-    drawn, save = [], plot.save  # the lines each figure drew; the real save
+    drawn, save = [], plot.save
 
     def keep(fig, out, title):
         drawn.append(
