@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import resource
 import shlex
 import signal
 import subprocess
@@ -56,6 +57,7 @@ import warnings
 
 # the tests' own medians, not numpy's, which plot.py takes
 from statistics import median
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -71,18 +73,17 @@ import synthesizer
 import train
 from extractor import MIXERS, SYNTHESIZERS, Config, Transformer, find_mixer
 
-ROOT = os.path.dirname(
-    os.path.abspath(__file__)
-)  # the scripts run here in subprocesses
+# the scripts run here in subprocesses
+ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import bench  # noqa: E402
 import plot  # noqa: E402
+import reproduce  # noqa: E402
 import taps  # noqa: E402
 
 
 def _test_device():
-    """The device named by TEST_DEVICE (default cpu), and why it cannot be used (None
-    if it can)."""
+    """The device TEST_DEVICE names (default cpu), and why it cannot be used or None."""
     name = os.environ.get("TEST_DEVICE", "cpu")
     cpu = torch.device("cpu")
     try:
@@ -135,9 +136,8 @@ def assert_close(a, b, what):
 
 
 def error_line(capsys, fn, *args, **kw):
-    """fn(*args, **kw), a script's main or one of its functions, must end with exit
-    status 1 (returned or raised as SystemExit) and one line "error: ..." on stderr, no
-    traceback; returns that line."""
+    """fn(*args, **kw), a script's main or a function of it, must end with exit status 1
+    (returned, or SystemExit) and one line "error: ..." on stderr, no traceback: it."""
     capsys.readouterr()
     try:
         rc = fn(*args, **kw)
@@ -149,16 +149,14 @@ def error_line(capsys, fn, *args, **kw):
 
 
 def run_script(*argv, **kw):
-    """python <argv> from the project's root, as a user runs it: (exit status, stdout,
-    stderr)."""
+    """python <argv>, run in the project's root as a user would: rc, stdout, stderr."""
     cmd = [sys.executable, *argv]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
     return r.returncode, r.stdout, r.stderr
 
 
 def tiny_model(mixer, l=16, d=16, n_head=4, n_layer=2, vocab=50, n_hidden=32, seed=0):
-    """A small Transformer on the CPU in float32, with the paper's initialisation, in
-    eval mode."""
+    """A small Transformer: CPU, float32, the paper's initialisation, eval mode."""
     torch.manual_seed(seed)
     sizes = dict(vocab_size=vocab, block_size=l, n_embd=d, n_hidden=n_hidden)
     cfg = Config(**sizes, n_layer=n_layer, n_head=n_head, mixer=mixer)
@@ -166,9 +164,8 @@ def tiny_model(mixer, l=16, d=16, n_head=4, n_layer=2, vocab=50, n_hidden=32, se
 
 
 def scrambled(module, std):
-    """module in float64 with every parameter and buffer drawn again ~ N(0, std²):
-    larger than the paper's init, so that every term matters and greedy choices are not
-    ties."""
+    """module in float64, every parameter and buffer drawn again ~ N(0, std²): more than
+    the paper's init, so that every term matters and greedy choices are no ties."""
     module = module.double()
     with torch.no_grad():
         for p in list(module.parameters()) + list(module.buffers()):
@@ -191,8 +188,7 @@ def make_data(path, vocab=64, n_words=5000, seed=0):
         part.tofile(os.path.join(path, f"{split}.bin"))
         meta[f"{split}_tokens"] = len(part)
         meta[f"{split}_sha256"] = hashlib.sha256(part.tobytes()).hexdigest()
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     return str(path)
 
 
@@ -201,8 +197,7 @@ def data(tmp_path_factory):
     return make_data(tmp_path_factory.mktemp("data") / "data")
 
 
-# ======== the model and its equations (extractor.py, synthesizer.py) as literal float64
-# loops ========
+# ======== the model and its equations (extractor.py, synthesizer.py) as float64 loops
 
 PAPER = ["sa", "she", "he", "we", "me", "he-ext"]
 SYNTHS = (
@@ -212,8 +207,7 @@ ALL = PAPER + SYNTHS
 
 
 def literal_fir(x, w):
-    """Eq. (23)/(26)/(28)/(29) as the paper writes them: x_i = sum_{j<=i} x_j (*)
-    w_{i-j+1}."""
+    """Eq. (23)/(26)/(28)/(29) as written: x_i = sum_{j<=i} x_j (*) w_{i-j+1}."""
     y = torch.zeros_like(x)
     for i in range(x.shape[1]):
         for j in range(i + 1):
@@ -306,25 +300,22 @@ def literal_mixer(name, m, x):
 
 
 def random_mixer(name, d=8, l=12, n=2, seed=0, std=0.5):
-    """A mixer on the CPU, every parameter (and Fixed Random's R) drawn ~ N(0, std²), in
-    float64."""
+    """A float64 CPU mixer, its parameters (and Fixed Random's R) drawn ~ N(0, std²)."""
     torch.manual_seed(seed)
     cfg = Config(n_embd=d, block_size=l, n_head=n, mixer=name)
     return scrambled(find_mixer(name)(cfg), std)
 
 
 def output_and_grads(m, x, g, forward):
-    """forward(m, x) and the gradients of x and of every parameter of m for the output
-    gradient g."""
+    """forward(m, x) and the gradients of x and m's parameters for output gradient g."""
     x = x.detach().requires_grad_()
     y = forward(m, x)
     return cpu64(y, *torch.autograd.grad(y, [x, *m.parameters()], g))
 
 
 def test_the_mixers_and_their_names():
-    assert list(MIXERS) == PAPER and list(SYNTHESIZERS) == SYNTHS
-    assert list(synthesizer.SYNTHESIZERS) == SYNTHS
-    for name, cls in [*MIXERS.items(), *synthesizer.SYNTHESIZERS.items()]:
+    assert list(MIXERS) == PAPER and list(SYNTHESIZERS) == SYNTHS  # synthesizer.py's
+    for name, cls in [*MIXERS.items(), *SYNTHESIZERS.items()]:
         assert find_mixer(name) is cls and name in ALL
 
 
@@ -334,8 +325,7 @@ def test_mixer_forward_and_backward_equal_literal_equations(name):
     shapes = [(8, 12, 2, 1), (8, 12, 2, 7), (12, 6, 3, 6), (8, 16, 1, 9)]
     for trial, (d, l, n, t) in enumerate(shapes):
         m = random_mixer(name, d, l, n, seed=trial)
-        x = torch.randn(2, t, d, dtype=torch.float64)
-        g = torch.randn(2, t, d, dtype=torch.float64)
+        x, g = torch.randn(2, 2, t, d, dtype=torch.float64)
         got = output_and_grads(dev(m), dev(x), dev(g), lambda mixer, x: mixer(x))
         ref = output_and_grads(m, x, g, functools.partial(literal_mixer, name))
         names = ["y", "x"] + [k for k, _ in m.named_parameters()]
@@ -400,13 +390,9 @@ def literal_transformer(model, idx, targets, masks=None):
 
 
 def dropout_masks(model):
-    """Records, in call order, what each nn.Dropout of model keeps (its nonzero
-    outputs)."""
+    """In call order, what each nn.Dropout of model keeps (its nonzero outputs)."""
     masks = []
-
-    def record(module, args, out):
-        masks.append((out != 0).cpu())
-
+    record = lambda module, args, out: masks.append((out != 0).cpu())
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.register_forward_hook(record)
@@ -416,26 +402,21 @@ def dropout_masks(model):
 @pytest.mark.parametrize("name", PAPER)
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_transformer_equals_section4_written_out(name, mode):
-    """Forward (logits, Y-hat, loss) and backward (every parameter's gradient) of the
-    whole model, in evaluation and in training with the dropout masks the model drew
-    applied to the literal model."""
+    """Forward (logits, Y-hat, loss) and backward (every parameter's gradient), in eval
+    mode and in training, with the dropout masks the model drew in the literal model."""
     torch.manual_seed(1)
-    sizes = dict(vocab_size=11, block_size=8, n_embd=8, n_hidden=12, n_layer=2)
-    ref = scrambled(
-        Transformer(Config(**sizes, n_head=2, dropout=0.3, mixer=name)), 0.4
-    )
+    cfg = Config(11, 8, 8, 12, 2, 2, 0.3, name)  # u, l, d, c, m, n, p, the mixer
+    ref = scrambled(Transformer(cfg), 0.4)
     model = dev(ref).train(mode == "train")
     t = 8 if mode == "eval" else 6
     idx, targets = torch.randint(0, 11, (2, t)), torch.randint(0, 11, (2, t))
-    masks = dropout_masks(model)
+    masks = dropout_masks(model) if mode == "train" else None
     logits, loss = model(dev(idx).long(), dev(targets).long())
     loss.backward()
     if mode == "train":
         assert len(masks) == 1 + 2 * 2, len(masks)
         assert all(0 < (~m).sum() < m.numel() for m in masks)
-    Z, Y_hat, L = literal_transformer(
-        ref, idx, targets, masks if mode == "train" else None
-    )
+    Z, Y_hat, L = literal_transformer(ref, idx, targets, masks)
     L.backward()
     got = cpu64(logits, logits.softmax(-1), loss)
     for what, a, b in zip(["logits", "Y_hat", "loss"], got, (Z, Y_hat, L)):
@@ -480,8 +461,7 @@ def test_initialisation_follows_section6(mixer):
 
 
 # ---- parameter counts: Tables 3 and 4 (no biases: README's Notes on the paper, 7) and
-# the Synthesizer paper's
-# Table 1
+# the Synthesizer paper's Table 1
 def paper_params(name, d, l):
     """Tables 3 and 4, without biases (Notes on the paper, 7)."""
     counts = {"sa": 4 * d * d, "she": l * d * d + 2 * d * d, "he": l * d + 3 * d * d}
@@ -506,10 +486,8 @@ def synth_params(name, d, l, n, a, b, k=8):
     [(128, 128, 32, 8, 16), (24, 12, 3, 3, 4), (16, 9, 4, 3, 3), (8, 1, 1, 1, 1)],
 )
 def test_parameter_counts_equal_formulas(d, l, n, a, b):
-    def count(name):
-        mixer = find_mixer(name)(Config(n_embd=d, block_size=l, n_head=n))
-        return sum(p.numel() for p in mixer.parameters())
-
+    cfg = Config(n_embd=d, block_size=l, n_head=n)
+    count = lambda name: sum(p.numel() for p in find_mixer(name)(cfg).parameters())
     for name in PAPER:
         assert count(name) == paper_params(name, d, l), name
     for name in SYNTHS:
@@ -520,12 +498,9 @@ def test_parameter_counts_equal_formulas(d, l, n, a, b):
 @pytest.mark.parametrize("name", ALL)
 def test_whole_model_parameter_count(name):
     u, l, d, c, m = 97, 16, 24, 40, 3
-    sizes = dict(vocab_size=u, block_size=l, n_embd=d, n_hidden=c, n_layer=m)
-    model = Transformer(Config(**sizes, n_head=4, mixer=name))
-    if name in PAPER:
-        mixer = paper_params(name, d, l)
-    else:
-        mixer = synth_params(name, d, l, 4, 4, 4)
+    model = Transformer(Config(u, l, d, c, m, 4, mixer=name))  # n = a = b = 4
+    paper = name in PAPER
+    mixer = paper_params(name, d, l) if paper else synth_params(name, d, l, 4, 4, 4)
     want = {
         "embeddings": u * d + l * d,  # Eq. (4), (5)
         "mixers": m * mixer,
@@ -554,7 +529,6 @@ def test_a_mixer_refuses_settings_it_cannot_take_with_one_clear_value_error():
         cfg = Config(n_head=3, mixer=name)
         refused(f"n_head=3 must divide n_embd=128 {why}", find_mixer(name), cfg)
     extractor.ME(Config(n_head=3, mixer="me"))  # heads mean nothing to the Extractors
-    # Factorized Dense needs l = a b with a, b > 1
     for l, fix in ((2, 4), (3, 4), (7, 8), (127, 128)):
         why = f"but l={l} is prime: try block_size={fix}"
         says = f"dense-fact needs block_size l = a b with a, b > 1, {why}"
@@ -563,10 +537,7 @@ def test_a_mixer_refuses_settings_it_cannot_take_with_one_clear_value_error():
 
 def test_bad_inputs_give_one_clear_value_error():
     model = dev(scrambled(tiny_model("me", l=8), 0.3))
-
-    def tokens(t):
-        return torch.zeros(1, t, dtype=torch.long, device=DEVICE)
-
+    tokens = lambda t: torch.zeros(1, t, dtype=torch.long, device=DEVICE)
     model(tokens(8))  # l tokens fit
     too_long = "sequence length 9 exceeds block_size l=8; crop it to its last l tokens"
     refused(too_long, model, tokens(9))
@@ -598,9 +569,7 @@ NOT_A_CLASS = 3
 '''
 
 
-def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
-    tmp_path, monkeypatch
-):
+def test_find_mixer_knows_three_forms_else_names_them(tmp_path, monkeypatch):
     (tmp_path / "my_mixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
     Mean = importlib.import_module("my_mixers").Mean
@@ -611,26 +580,18 @@ def test_find_mixer_knows_three_forms_and_names_them_when_it_does_not(
     assert type(model.layers[0].mixer) is Mean
     assert model(torch.zeros(1, 6).long())[0].shape == (1, 6, 9)
     choices = ", ".join(ALL) + ", or module.Class (a mixer class of yours)"
-    nope = " (module 'my_mixers' has no attribute 'Nope')"
-    cases = [("xx", ""), ("he.ext", " (No module named 'he')")]
-    cases += [("math.pi", " (math.pi is 3.141592653589793, not an nn.Module class)")]
-    cases += [("my_mixers.Nope", nope)]
-    cases += [
-        (
-            "my_mixers.NOT_A_CLASS",
-            " (my_mixers.NOT_A_CLASS is 3, not an nn.Module class)",
-        )
-    ]
-    ordered = "<class 'collections.OrderedDict'>"  # a class, but not a module's
-    cases += [
-        (
-            "collections.OrderedDict",
-            f" (collections.OrderedDict is {ordered}, not an nn.Module class)",
-        )
-    ]
     relative = "the 'package' argument is required to perform a relative import for"
-    cases += [(".my_mixers.Mean", f" ({relative} '.my_mixers')")]
-    for bad, why in cases:
+    module, ordered = ", not an nn.Module class)", "collections.OrderedDict"
+    cases = {  # a name: why it is not a mixer, shown after it
+        "xx": "",
+        "he.ext": " (No module named 'he')",
+        "math.pi": f" (math.pi is 3.141592653589793{module}",
+        "my_mixers.Nope": " (module 'my_mixers' has no attribute 'Nope')",
+        "my_mixers.NOT_A_CLASS": f" (my_mixers.NOT_A_CLASS is 3{module}",
+        ordered: f" ({ordered} is <class '{ordered}'>{module}",  # not a module's class
+        ".my_mixers.Mean": f" ({relative} '.my_mixers')",
+    }
+    for bad, why in cases.items():
         says = f"unknown mixer {bad!r}{why}; choose one of: {choices}"
         refused(says, find_mixer, bad)
 
@@ -664,8 +625,6 @@ def test_cached_generation_equals_uncached(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ALL)
 def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
-    """Eq. (2): every token beyond l is predicted from exactly the l tokens before
-    it."""
     model = scrambled_model(name, l=8)
     prompt = torch.randint(0, 50, (2, 5), device=DEVICE)
     idx = prompt
@@ -679,15 +638,11 @@ def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
 
 
 def sampled_from(monkeypatch, logits, **kw):
-    """The probabilities sample_next draws from (what it hands torch.multinomial), and
-    its token."""
+    """What sample_next hands torch.multinomial (the probabilities), and its token."""
     drawn = []
     multinomial = torch.multinomial
 
-    def spy(p, num_samples):
-        drawn.append(p)
-        return multinomial(p, num_samples)
-
+    spy = lambda p, num_samples: drawn.append(p) or multinomial(p, num_samples)
     monkeypatch.setattr(torch, "multinomial", spy)
     token = extractor.sample_next(torch.tensor(logits, dtype=torch.float64), **kw)
     monkeypatch.undo()
@@ -766,10 +721,8 @@ def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
     l = 128
     # a running mean's mean row entropy
     uniform = sum(math.log(i + 1) for i in range(8, l)) / (l - 8)
-    for name, low, high in (
-        ("random-fixed", 0, uniform - 0.4),
-        ("random", uniform - 0.01, uniform),
-    ):
+    bands = {"random-fixed": (0, uniform - 0.4), "random": (uniform - 0.01, uniform)}
+    for name, (low, high) in bands.items():
         mixer = find_mixer(name)(Config(n_embd=64, block_size=l, n_head=4, mixer=name))
         P = synthesizer._syn_softmax(mixer.logits(0, l), 0)  # (n, l, l)
         entropy = -(P * P.clamp_min(1e-30).log()).sum(-1)[:, 8:].mean()
@@ -781,20 +734,16 @@ def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
     R0 = mixer.R.clone()
     assert not mixer.R.requires_grad and mixer.R.grad is None
     assert mixer.W_V.weight.grad.abs().max() > 0
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    buf.seek(0)
     other = tiny_model("random-fixed", l=8, d=16, vocab=40, seed=1)
     assert not torch.equal(other.layers[0].mixer.R, R0)  # R is drawn from the seed
-    other.load_state_dict(torch.load(buf, weights_only=True))
+    other.load_state_dict(model.state_dict())  # what a checkpoint holds
     assert torch.equal(other.layers[0].mixer.R, R0)
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_training_under_bfloat16_autocast(name):
     """train.py's --dtype bfloat16: float32 weights meet bf16 activations, the loss (Eq.
-    3) is computed in float32, every parameter gets a gradient, and the loss stays near
-    float32's."""
+    3) is float32, every parameter gets a gradient, the loss stays near float32's."""
     model = dev(scrambled(tiny_model(name, l=8), 0.2)).float()
     idx = torch.randint(0, 50, (2, 8), device=DEVICE)
     loss32 = model(idx, idx)[1]
@@ -803,13 +752,11 @@ def test_training_under_bfloat16_autocast(name):
     loss.backward()
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
     assert abs(loss - loss32) < 0.05
-    assert all(
-        p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters()
-    )
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.abs().max() > 0 for g in grads)
 
 
-# ======== the FIR's fast paths (fir.py): each against the literal sum, forward and
-# backward ========
+# ======== the FIR's fast paths (fir.py) against the literal sum, forward and backward
 
 # w.dim() -> l = 13 taps for d = 5: scalars, vectors, matrices
 TAPS = {1: (13,), 2: (13, 5), 3: (13, 5, 5)}
@@ -868,17 +815,12 @@ def test_default_path_by_device_type_taps_and_length():
 
 
 def record_fir_paths(monkeypatch):
-    """A list that gains the path of each fir_full call as it runs (spied where each
-    path begins)."""
+    """Each fir_full call's path, listed as it runs (spied where each path begins)."""
     taken = []
     fft_apply = fir.FIRFFT.apply
 
-    def spy(name, f):
-        def spied(*args):
-            taken.append(name)
-            return f(*args)
-
-        return spied
+    def spy(name, f):  # f, which records its path's name as it runs
+        return lambda *args: taken.append(name) or f(*args)
 
     def fft(x, w, cuda_layout):
         name = "fft-cuda" if cuda_layout else "fft"
@@ -892,13 +834,8 @@ def record_fir_paths(monkeypatch):
 
 
 def test_fir_full_takes_the_named_path_else_the_default(monkeypatch):
-    asked = []
     default_path = fir.default_path
-
-    def asking(device_type, *args):
-        asked.append(device_type)
-        return default_path(device_type, *args)
-
+    asking = mock.Mock(wraps=default_path)  # each call recorded
     monkeypatch.setattr(fir, "default_path", asking)
     taken = record_fir_paths(monkeypatch)
     for dim, shape in TAPS.items():
@@ -911,19 +848,16 @@ def test_fir_full_takes_the_named_path_else_the_default(monkeypatch):
             assert taken == [default, path], (dim, path)
     fir.fir_full(x, w[:, 0, 0])
     assert taken[-1] == default_path(DEVICE.type, 1, 12)
-    assert set(asked) == {DEVICE.type}  # the device type of x
+    asked = {call.args[0] for call in asking.call_args_list}
+    assert asked == {DEVICE.type}  # the device type of x
 
 
 def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
     dims = "{'toeplitz': (1,), 'toeplitz-strided': (1, 2), 'fft': (1, 2, 3), "
     dims += "'fft-cuda': (3,)}"
     x = torch.randn(1, 4, 5)
-    wrong = [
-        ("fft-cuda", (4, 5)),
-        ("toeplitz", (6, 5)),
-        ("toeplitz-strided", (4, 5, 5)),
-    ]
-    for path, shape in wrong + [("fftw", (4,))]:
+    wrong = {"fft-cuda": (4, 5), "toeplitz": (6, 5), "toeplitz-strided": (4, 5, 5)}
+    for path, shape in [*wrong.items(), ("fftw", (4,))]:
         taps = (4,) + shape[1:]
         why = f"no FIR path '{path}' for taps of shape {taps}; taps' dims: {dims}"
         refused(why, fir.fir_full, x, torch.randn(*shape), path=path)
@@ -1026,15 +960,12 @@ def tf32_rounded(a):
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-@pytest.mark.parametrize(
-    "name,path",
-    [
-        ("she", "fft"),
-        ("she", "fft-cuda"),
-        ("we", "toeplitz-strided"),
-        ("me", "toeplitz-strided"),
-    ],
-)
+# the paths that multiply in bmm, each with an Extractor whose taps it takes
+FIR_GEMMS = [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided")]
+FIR_GEMMS.append(("me", "toeplitz-strided"))
+
+
+@pytest.mark.parametrize("name,path", FIR_GEMMS)
 def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
     """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a
     10-bit mantissa (as cuBLAS feeds the tensor cores) and ieee_float32 takes the CPU
@@ -1066,8 +997,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch)
     assert conj == [False] + [path == "fft-cuda"] * 2
 
 
-# ======== computational complexity (Section 7, Tables 3-7): bench.py's closed forms
-# against the paper ====
+# ======== complexity (Section 7, Tables 3-7): bench.py's closed forms and the paper
 
 
 def per_token_counts(d, t, n):
@@ -1137,8 +1067,7 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
     # the modules' parameters: Table 7's params column
     for key, i in zip(OPS + ("modules",), (0, 1, 2, 3, 4, 5, 4)):
         assert rows[key] == [numbers[i] for numbers in TABLE7.values()], key
-    # FLOPs: SA four d x d maps, and QK^T and AV over all t x t (SDPA's kernel, counted
-    # so); ME T (t x t) x
+    # FLOPs: SA's four d x d maps, QK^T and AV over all t x t (SDPA's way); ME's T x
     sa_flops = 8 * l * d * d + 4 * l * l * d
     assert [rows["flops"][i] for i in (0, 1, 5)] == [sa_flops, sa_flops, 2 * l * l * d]
     # Tables 5 and 6 at t = l = d = 128: SA 2td + 4d^2 - 5d - n, SHE td^2 + 2d^2 - 3d,
@@ -1428,8 +1357,7 @@ def test_bench_quick_as_users_run_it_every_mixer_and_a_closed_pipe():
     assert b"Traceback" not in p.stderr, p.stderr[-300:]
 
 
-# ======== the data (prepare_data.py): Gutenberg's wrappers, download, split, BPE,
-# loaders ========
+# ======== data (prepare_data.py): Gutenberg's wrappers, download, split, BPE, loaders
 
 # A made-up book with what stripping must keep: the first line's indent, a chapter "END
 # OF ...", an ornament of asterisks, a paragraph opening like a credit and a line
@@ -1512,19 +1440,13 @@ def gutenberg_file(markers, credits, footer, body=BODY, title="The Lantern"):
     return f"{head}{start}{gaps}{CREDITS[credits]}{body}{gaps}{FOOTERS[footer]}{tail}"
 
 
-@pytest.mark.parametrize("markers, credits, footer", FORMS)
-def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(
-    markers, credits, footer
-):
-    text = gutenberg_file(markers, credits, footer)
-    assert prepare_data.strip_gutenberg(text) == (BODY, None)
+@pytest.mark.parametrize("form", FORMS, ids="-".join)  # markers, credits, footer
+def test_strip_keeps_the_book_and_drops_header_credits_footer_and_licence(form):
+    assert prepare_data.strip_gutenberg(gutenberg_file(*form)) == (BODY, None)
 
 
-def test_strip_warns_of_a_file_cut_short_and_reads_a_bom_crlf_or_cp1252_the_same(
-    tmp_path, capsys
-):
-    """None of the 100 files is cut short, has a byte-order mark or CRLF or is not
-    UTF-8."""
+def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, capsys):
+    """None of the 100 files is cut short, has a BOM or CRLF or is not UTF-8."""
     # no END marker, no footer: all kept
     cut = gutenberg_file("THIS", "none", "none").split("*** END")[0]
     warning = "no END marker or footer: the file may be cut short"
@@ -1572,15 +1494,8 @@ def fake_book(seed):
     return "\n".join(line + end for line, end in zip(lines, ends)) + "\n"
 
 
-BOOKS = [
-    (9001, "Mossy Dell"),
-    (9002, "Brass Kite"),
-    (9003, "Oddly Far"),
-    (9004, "Quince Hall"),
-    (9005, "Lark Rise"),
-    (9006, "Tin Fern"),
-    (9007, "N\u00fcrnberg Stove"),
-]
+TITLES = "Mossy Dell, Brass Kite, Oddly Far, Quince Hall, Lark Rise, Tin Fern"
+BOOKS = list(enumerate([*TITLES.split(", "), "N\u00fcrnberg Stove"], start=9001))
 BODIES = {i: fake_book(i) for i, _ in BOOKS}
 # their files
 RAW = {i: gutenberg_file(*f, BODIES[i], t).encode() for f, (i, t) in zip(FORMS, BOOKS)}
@@ -1616,8 +1531,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve(raws):
-    """A loopback mirror with each book ({ebook id: bytes}) at gutenberg.org's three
-    paths."""
+    """A loopback mirror: each book ({id: bytes}) at gutenberg.org's three paths."""
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     srv.log = []
     srv.faults = {}
@@ -1647,8 +1561,7 @@ def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
 
 
 def folder(src, raws, names=("{}.txt",)):
-    """raws ({ebook id: bytes}) written to the folder src, a --source, the names taken
-    in turn."""
+    """raws ({id: bytes}) written into src, a --source, taking the names in turn."""
     for k, (i, raw) in enumerate(raws.items()):
         path = src / names[k % len(names)].format(i)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1776,10 +1689,8 @@ def test_load_data_checks_each_file_against_meta(tmp_path, capsys):
     n = len(val)
     # windows of l + 1 = n tokens: just enough
     assert len(machinery.load_data(data, n - 1, 1)[1]) == n
-    assert (
-        f"val.bin: {n} tokens, fewer than a batch needs (l + 1 = {n + 1}): use a "
-        "smaller --block_size" in err(data, n, 1)
-    )
+    short = f"val.bin: {n} tokens, fewer than a batch needs (l + 1 = {n + 1})"
+    assert f"{short}: use a smaller --block_size" in err(data, n, 1)
     n = len(train)
     batch = f"fewer than a batch needs (b + l = {n + 1}): use a smaller --batch_size"
     assert f"train.bin: {n} tokens, {batch} or --block_size" in err(data, 1, n)
@@ -1884,11 +1795,11 @@ def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids(tmp_pat
 def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
     src = folder(tmp_path / "src", RAW)
     (tmp_path / "e").mkdir()
-    cases = {  # books.tsv's text, or flags: what the line says
-        "id\n1\t11\n2\televen\n": "cannot read --books",
-        "id\n1\t11\n2\t\u00b2\n": "cannot read --books",
-        "id\n1\t11\n2\t11\n3\t12\n": "lists ebook 11 twice: list each once",
-        "id\n1\t11\n": "lists 1 books: it needs 2 or more",
+    cases = {  # books.tsv's bytes, or flags: what the line says
+        b"id\n1\t11\n2\televen\n": "cannot read --books",
+        "id\n1\t11\n2\t\u00b2\n".encode(): "cannot read --books",
+        b"id\n1\t11\n2\t11\n3\t12\n": "lists ebook 11 twice: list each once",
+        b"id\n1\t11\n": "lists 1 books: it needs 2 or more",
         b"id\n1\t11\tCaf\xe9\n": "can't decode byte 0xe9",
         "--books no": "cannot read --books no ([Errno 2]",
         "--vocab_size 256": "--vocab_size 256: give 257 (256 bytes and <|endoftext|>)",
@@ -1906,9 +1817,8 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
     not_a_dir = f"{clean[1]}/x"  # in books.tsv, a file
     cases[f"--source {src} --data_dir {not_a_dir}"] = f"{not_a_dir} (Not a directory)"
     for case, says in cases.items():
-        if isinstance(case, bytes) or not case.startswith("--"):
-            raw = case if isinstance(case, bytes) else case.encode()
-            (tmp_path / "bad.tsv").write_bytes(raw)
+        if isinstance(case, bytes):
+            (tmp_path / "bad.tsv").write_bytes(case)
             argv = ["--books", str(tmp_path / "bad.tsv")]
         else:
             argv = case.split()
@@ -1954,8 +1864,7 @@ def test_prepare_data_from_the_command_line_is_one_line_without_traceback(tmp_pa
     assert err.startswith("error: cannot read --books")
 
 
-# ======== training (train.py): batches, settings, the step, run folders, checkpoints,
-# stopping ========
+# ======== train.py: batches, settings, the step, run folders, checkpoints, stopping
 
 TINY = "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8".split()
 TINY += "--batch_size 4 --n_head 4 --eval_batches 2 --eval_interval 5".split()
@@ -1964,9 +1873,8 @@ TINY += f"--log_interval 5 --device {DEVICE}".split()
 
 def run(tmp_path, data, *flags, name="run"):
     """train.main on the tiny settings into tmp_path/name: its exit status."""
-    return train.main(
-        TINY + ["--data_dir", data, "--out_dir", str(tmp_path / name), *flags]
-    )
+    out = str(tmp_path / name)
+    return train.main(TINY + ["--data_dir", data, "--out_dir", out, *flags])
 
 
 def log_rows(out):
@@ -1984,9 +1892,9 @@ def ckpt_iter(out):
 
 
 def files(folder):
-    """Every file of a folder with its bytes: a refused command must change none."""
-    names = sorted(os.listdir(folder))
-    return {n: open(os.path.join(folder, n), "rb").read() for n in names}
+    """{path: bytes} of every file under folder: a refused command must change none."""
+    paths = glob.glob(f"{folder}/**/*", recursive=True, include_hidden=True)
+    return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
 
 
 # ---- the batches: a seeded order per epoch, the same for every mixer
@@ -1995,18 +1903,15 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     batches = [train.batch_starts(i, n, b, 3) for i in range(18)]
     assert all(len(x) == b for x in batches)
     epochs = [torch.cat(batches[e * 6 : (e + 1) * 6]) for e in range(3)]
-    assert all(
-        len(set(e.tolist())) == 48 and 0 <= e.min() and e.max() < n for e in epochs
-    )
+    assert all(len(set(e.tolist())) == 48 for e in epochs)  # no start twice
+    assert all(0 <= e.min() and e.max() < n for e in epochs)
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), batches[2])
     another_seed = train.batch_starts(0, n, b, 4)
     assert not torch.equal(another_seed, batches[0])
 
 
-def test_every_mixer_sees_the_same_batches_and_validation_windows(
-    data, tmp_path, monkeypatch
-):
+def test_every_mixer_sees_the_same_batches_and_val_windows(data, tmp_path, monkeypatch):
     seen, get_batch = {}, train.get_batch
     for name, flags in {"sa": "--mixer sa --seed 1", "me": "--dropout 0"}.items():
 
@@ -2019,10 +1924,8 @@ def test_every_mixer_sees_the_same_batches_and_validation_windows(
         train.epoch_permutation.cache_clear()
         assert run(tmp_path, data, "--max_iters=10", *flags.split(), name=name) == 0
     assert len(seen["sa"]) == len(seen["me"]) == 10 + 2 * 2  # + 2 validations of 2
-    assert all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        for a, b in zip(seen["sa"], seen["me"])
-    )
+    for (x_sa, y_sa), (x_me, y_me) in zip(seen["sa"], seen["me"]):
+        assert torch.equal(x_sa, x_me) and torch.equal(y_sa, y_me)
     x, y = seen["sa"][0]
     assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y: x shifted by 1
     # the same validation windows each time
@@ -2078,9 +1981,8 @@ BAD_FLAGS = {
 
 @pytest.mark.parametrize("flags", BAD_FLAGS)
 def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys):
-    said = error_line(
-        capsys, run, tmp_path, data, "--mixer=sa", "--max_iters=3", *flags.split()
-    )
+    argv = ["--mixer=sa", "--max_iters=3", *flags.split()]
+    said = error_line(capsys, run, tmp_path, data, *argv)
     assert BAD_FLAGS[flags] in said
     assert not os.path.exists(tmp_path / "run")
 
@@ -2090,8 +1992,7 @@ def literal_adamw(
     params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay=0.01
 ):
     """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the
-    bias-corrected moments.
-    """
+    bias-corrected moments."""
     for p, g, (m, v) in zip(params, grads, state):
         p.mul_(1 - lr * decay)
         m.mul_(b1).add_((1 - b1) * g)
@@ -2126,8 +2027,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
         loss = step(x, y)
         ref_loss = reference(x, y)[1]
         grads = torch.autograd.grad(ref_loss, params)
-        # the loss before the step, Eq. (3)
-        assert abs(loss.item() - ref_loss.item()) < 1e-12
+        assert abs(loss.item() - ref_loss.item()) < 1e-12  # before the step, Eq. (3)
         norm = math.sqrt(sum((g**2).sum().item() for g in grads))
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         with torch.no_grad():
@@ -2139,9 +2039,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
 
 # ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data
 # only; log.csv is written with each checkpoint
-def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_log(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_ctrl_c_checkpoints_resume_bit_for_bit(data, tmp_path, monkeypatch, capsys):
     """Ctrl-C, then --resume with log.csv deleted and killed at once (ckpt.pt stays),
     then with log.csv's header only: ckpt.pt's rows make the log whole again."""
     whole = str(tmp_path / "whole")
@@ -2154,9 +2052,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_lo
             os.kill(os.getpid(), signal.SIGINT)
         return get_batch(*a)
 
-    def killed(*a):
-        raise KeyboardInterrupt  # a kill before the next checkpoint
-
+    killed = mock.Mock(side_effect=KeyboardInterrupt)  # a kill before a checkpoint
     monkeypatch.setattr(train, "get_batch", ctrl_c)
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters", "14", "--lr", "0.001") == 130
@@ -2169,19 +2065,13 @@ def test_ctrl_c_checkpoints_and_resume_continues_bit_for_bit_even_without_its_lo
     assert train.main(resume) == 130 and ckpt_iter(out) == 6
     said = capsys.readouterr().out
     assert f"aborted; the last checkpoint, {out}/ckpt.pt" in said
-    with open(path, "w") as f:
-        f.write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n")
+    open(path, "w").write("iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n")
     monkeypatch.setattr(train, "get_batch", get_batch)
     assert train.main(resume) == 0
     assert losses(out) == losses(whole)  # ckpt.pt's rows, then the rest, to the bit
 
 
-USER_MIXER_CHANGED = USER_MIXER.replace("self.w", "self.weight")
-
-
-def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_resume_keeps_settings_and_data_says_what_moved(tmp_path, monkeypatch, capsys):
     """--resume: the run's settings (flags may change MAY_CHANGE's), its data; a data
     folder that moved (ckpt.pt keeps its path): pass --data_dir; a mixer of one's own
     whose parameters changed since: their names."""
@@ -2191,20 +2081,16 @@ def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     here = make_data(tmp_path / "data")  # (the fixture's data)
     assert run(tmp_path, here, "--max_iters=5", "--lr=0.003", "--mixer=mine.Mean") == 0
     resume = ["--out_dir", out, "--resume", "--max_iters", "10"]
-    for flag, says in (
-        ("--dtype=bfloat16", "trained with --dtype float32"),
-        ("--lr=0.001", "--lr 0.003"),
-        (
-            f"--data_dir={make_data(tmp_path / 'other', seed=1)}",
-            "trained on other data",
-        ),
-    ):
+    other = make_data(tmp_path / "other", seed=1)
+    cases = {"--lr=0.001": "--lr 0.003", f"--data_dir={other}": "trained on other data"}
+    cases["--dtype=bfloat16"] = "trained with --dtype float32"  # flag: what it says
+    for flag, says in cases.items():
         assert says in error_line(capsys, train.main, resume + [flag])
     os.rename(here, moved)
     said = error_line(capsys, train.main, resume)
     assert f"trained on the data in {here}, which is gone: pass --data_dir" in said
     resume += ["--data_dir", moved, "--log_interval", "2"]
-    (tmp_path / "mine.py").write_text(USER_MIXER_CHANGED)
+    (tmp_path / "mine.py").write_text(USER_MIXER.replace("self.w", "self.weight"))
     sys.modules.pop("mine")
     said = error_line(capsys, train.main, resume)
     assert 'Missing key(s) in state_dict: "layers.0.mixer.weight", "layers.1.' in said
@@ -2219,9 +2105,8 @@ def test_resume_keeps_the_runs_settings_and_data_and_says_what_moved(
     rows = log_rows(out)
     os.remove(os.path.join(out, "log.csv"))  # a finished run's log lost
     assert train.main(["--out_dir", out, "--resume"]) == 0
-    assert (
-        f"{out}/log.csv was lost: written again from ckpt.pt" in capsys.readouterr().out
-    )
+    said = capsys.readouterr().out
+    assert f"{out}/log.csv was lost: written again from ckpt.pt" in said
     assert log_rows(out) == rows
 
 
@@ -2235,9 +2120,7 @@ def other_value(name, value):
     return f"--{name}={value + 1 if isinstance(value, int) else value / 2 or 0.5}"
 
 
-def test_resume_refuses_each_setting_of_the_run_other_processes_and_older_code(
-    data, tmp_path, capsys
-):
+def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, capsys):
     """Every setting --resume keeps (all of train.SETTINGS but MAY_CHANGE), given
     another value, is refused in one line that names it; so is a checkpoint of another
     number of processes or of an older train.py (a key it lacks). A finished run's
@@ -2269,9 +2152,7 @@ def test_resume_refuses_each_setting_of_the_run_other_processes_and_older_code(
     assert sorted(os.listdir(committed)) == ["log.csv.gz", "run.json"]
 
 
-def test_a_run_writes_only_into_the_folder_it_locked_without_killed_writes(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_a_run_writes_only_in_the_folder_it_locked(data, tmp_path, monkeypatch, capsys):
     """A killed write's .*.tmp goes; a folder renamed while its run trains gets the
     run's files, a new folder at the old path none; a name too long is one line."""
     out, moved = tmp_path / "run", tmp_path / "moved"
@@ -2293,9 +2174,7 @@ def test_a_run_writes_only_into_the_folder_it_locked_without_killed_writes(
     assert said.endswith("(File name too long); no checkpoint was written")
 
 
-def test_a_console_that_cannot_be_written_stops_the_run_at_a_checkpoint(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_a_closed_console_stops_at_a_checkpoint(data, tmp_path, monkeypatch, capsys):
     """A terminal closed under the run (EIO, not a broken pipe) stops it as a hang-up
     does, at a checkpoint, and says so on stderr."""
 
@@ -2344,8 +2223,6 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
 def full_disk(size=3000):
     """A file size limit as a full disk: writes past `size` bytes fail (ckpt.pt: ~90 kB,
     run.json ~1.4 kB)."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
     try:
@@ -2361,16 +2238,13 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
     path = os.path.join(out, "ckpt.pt")
     with full_disk():
         said = error_line(capsys, run, tmp_path, data, "--max_iters", "5")
-    assert (
-        said
-        == f"error: cannot write {path} (File too large); no checkpoint was written"
-    )
+    too_large = f"error: cannot write {path} (File too large)"
+    assert said == f"{too_large}; no checkpoint was written"
     assert run(tmp_path, data, "--max_iters", "5") == 0  # (a plain command)
     resume = ["--out_dir", out, "--resume", "--max_iters", "10"]
     with full_disk():
         said = error_line(capsys, train.main, resume)
-    stays = f"the last checkpoint, {path}, stays"
-    assert said == f"error: cannot write {path} (File too large); {stays}"
+    assert said == f"{too_large}; the last checkpoint, {path}, stays"
     assert ckpt_iter(out) == 5 and len(log_rows(out)) == 5
     assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
     with open(path, "r+b") as f:
@@ -2400,24 +2274,14 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     gone = "at batch 3; no checkpoint was written. Start again with a smaller --lr"
     assert f"the training cost became inf {gone}" in said
     monkeypatch.setattr(train, "train_step", step)
-
-    def too_large(*a):
-        return torch.empty(2**62, dtype=torch.uint8)  # the allocator refuses it
-
-    def no_such_library(name):
-        raise OSError(f"{name}: cannot open shared object file")
-
+    too_large = lambda *a: torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused
+    no_such_library = mock.Mock(side_effect=OSError("cannot open shared object file"))
     monkeypatch.setattr(train, "get_batch", too_large)
     said = error_line(capsys, run, tmp_path, data, name="other")
     big = "error: out of memory at batch 1: use a smaller --batch_size or --block_size"
     assert said.startswith(big) and said.endswith("; no checkpoint was written")
-
-    class Huge(torch.nn.Module):  # a mixer whose weights do not fit
-        def __init__(self, cfg):
-            super().__init__()
-            self.w = torch.nn.Parameter(too_large())
-
-    monkeypatch.setattr(machinery, "find_mixer", lambda name: Huge)
+    # a mixer whose weights do not fit: too_large(cfg) builds it
+    monkeypatch.setattr(machinery, "find_mixer", lambda name: too_large)
     said = error_line(capsys, run, tmp_path, data, name="huge")
     model = "building the model: use a smaller --n_layer, --n_embd or --block_size"
     assert said.startswith(f"error: out of memory {model}")
@@ -2462,9 +2326,8 @@ def test_log_run_json_and_console(data, tmp_path, capsys):
     assert run(tmp_path, data, *flags) == 0
     console = capsys.readouterr().out
     rows = log_rows(out)
-    assert [int(r["iter"]) for r in rows] == list(range(1, 13)) and rows[0][
-        "lr"
-    ] == "0.001"
+    assert [int(r["iter"]) for r in rows] == list(range(1, 13))
+    assert rows[0]["lr"] == "0.001"
     # every 5 and at the end
     assert [r["iter"] for r in rows if r["val_loss"]] == ["5", "10", "12"]
     lines = [line.split(" |")[0] for line in console.splitlines()]
@@ -2480,12 +2343,8 @@ def test_log_run_json_and_console(data, tmp_path, capsys):
     meta = json.load(open(os.path.join(data, "meta.json")))
     assert info["data"]["train_sha256"] == meta["train_sha256"]
     step = "CapturedStep" if DEVICE.type == "cuda" else "eager"
-    how = info["computed"]
-    assert [how["device"], how["torch"], how["step"]] == [
-        str(DEVICE),
-        torch.__version__,
-        step,
-    ]
+    how = [info["computed"][k] for k in ("device", "torch", "step")]
+    assert how == [str(DEVICE), torch.__version__, step]
     assert info["peak_memory_mb"] > 0 and f"{info['peak_memory_is']}: " in console
 
 
@@ -2523,9 +2382,8 @@ FOLDER_NAMES = {
 @pytest.mark.parametrize("flags", FOLDER_NAMES)
 def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
     args = machinery.build_parser(train.SETTINGS).parse_args(flags.split())
-    assert machinery.default_out_dir(args, train.SETTINGS) == os.path.join(
-        "out", FOLDER_NAMES[flags]
-    )
+    out = machinery.default_out_dir(args, train.SETTINGS)
+    assert out == os.path.join("out", FOLDER_NAMES[flags])
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
@@ -2553,9 +2411,7 @@ def test_kill_and_hangup_stop_with_a_checkpoint(sig, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_closed_stdout_stops_like_a_signal_and_kill_9_resumes_from_the_checkpoint(
-    data, tmp_path
-):
+def test_a_closed_stdout_stops_like_a_signal_kill_9_resumes_from_ckpt(data, tmp_path):
     p, out = start_run(tmp_path, data, "--log_interval", "1")
     p.stdout.close()  # | head: the reader has gone
     # a batch or two later
@@ -2588,9 +2444,7 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
         assert r.stdout.count("iter 6/6") == 1, r.stdout
         return str(tmp_path / name)
 
-    def rng_states(out):
-        return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["rng"]
-
+    rng_states = lambda out: torch.load(f"{out}/ckpt.pt", weights_only=True)["rng"]
     one = str(tmp_path / "one")
     assert train.main(flags + ["--dropout", "0", "--out_dir", one]) == 0
     for a, b in zip(losses(ddp("ddp", "--dropout", "0")), losses(one), strict=True):
@@ -2606,8 +2460,6 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
 
 # ---- modes and random streams
 def test_validation_and_generation_run_without_dropout_and_keep_the_mode(data):
-    """train.evaluate and generate give in training mode what they give in eval mode,
-    with every dropout at 0.9, and leave the model in the mode it was in."""
     model = dev(scrambled(tiny_model("sa", vocab=64), 0.3))
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -2627,13 +2479,8 @@ def test_validation_and_generation_run_without_dropout_and_keep_the_mode(data):
         assert model.training == training
 
 
-def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
-    monkeypatch,
-):
-    """build_model: the model drawn from --seed, the same in every process; then the
-    global RNG, dropout's stream, seeded with seed + RANK: a stream of its own each."""
-    sizes = dict(vocab_size=50, block_size=8, n_embd=16, n_hidden=32, n_layer=2)
-    cfg = Config(**sizes, n_head=4, mixer="random-fixed")  # its R: drawn too
+def test_processes_build_one_model_from_seed_and_draw_from_seed_plus_rank(monkeypatch):
+    cfg = Config(50, 8, 16, 32, 2, 4, mixer="random-fixed")  # its R: drawn too
     args = machinery.build_parser(train.SETTINGS).parse_args(["--seed", "7"])
     torch.manual_seed(7)
     want = Transformer(cfg).state_dict()
@@ -2643,7 +2490,7 @@ def test_every_process_builds_one_model_from_seed_and_draws_from_seed_plus_rank(
         model, _ = train.build_model(cfg, args, torch.device("cpu"))
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensor, want[name]), (rank, name)
-        stream = torch.get_rng_state()
+        stream = torch.get_rng_state()  # the global RNG, dropout's, from seed + RANK
         torch.manual_seed(7 + rank)
         assert torch.equal(stream, torch.get_rng_state()), rank
 
@@ -2714,12 +2561,9 @@ finally:  # (the step's dropout, then one of its own)
 # ---- CUDA's decisions, checked on the CPU (fir.py's: its default-path and ieee tests)
 @pytest.mark.filterwarnings("ignore:CUDA is not available")  # (autocast on "cuda")
 def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeypatch):
-    """What train.py chooses for torch.device("cuda"), and for the CPU, on the CPU's
-    tensors: AdamW's kind, the step, TF32's flags, autocast's cache, pinned batches."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    parse = lambda *flags: machinery.build_parser(train.SETTINGS).parse_args(
-        ["--out_dir=r", *flags]
-    )
+    parser = machinery.build_parser(train.SETTINGS)
+    parse = lambda *flags: parser.parse_args(["--out_dir=r", *flags])
     monkeypatch.setattr(Transformer, "to", lambda model, device: model)
     cfg = Config(30, 8, 8, 16, 1, 2)
     adamw = [train.build_model(cfg, parse(), d)[1] for d in (cuda, cpu)]
@@ -2759,15 +2603,9 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     capability[0] = (8, 0)
     assert machinery.computed(cuda, parse())["fir_matmul"] == "ieee"  # (TF32 elsewhere)
     monkeypatch.setattr(fir, "ALLOW_TF32", True)  # the FIR's products follow TF32
-    whole = machinery.computed(cuda, parse("--dtype=bfloat16"))
-    assert whole == dict(
-        device="cuda",
-        torch=torch.__version__,
-        dtype="bfloat16",
-        float32_matmul="tf32",
-        fir_matmul="tf32",
-        device_name="the GPU cuda",
-    )
+    whole = dict(device="cuda", torch=torch.__version__, dtype="bfloat16")
+    whole |= dict(float32_matmul="tf32", fir_matmul="tf32", device_name="the GPU cuda")
+    assert machinery.computed(cuda, parse("--dtype=bfloat16")) == whole
     ctx, scaler = machinery.precision(cpu, "float16")
     assert (ctx.fast_dtype, scaler._device) == (torch.float16, "cpu")
     with warnings.catch_warnings():
@@ -2792,15 +2630,11 @@ def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
     so and runs on the CPU; that GPU named is one line with its compute capability."""
     seen, events = [], itertools.count(1)
 
-    class Event:
+    class Event:  # torch.cuda.Event: numbered as made, its calls recorded in `seen`
         def __init__(self):
-            self.n = next(events)
-
-        def record(self):
-            seen.append(f"record {self.n}")
-
-        def synchronize(self):
-            seen.append(f"wait {self.n}")
+            n = next(events)
+            self.record = lambda: seen.append(f"record {n}")
+            self.synchronize = lambda: seen.append(f"wait {n}")
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(machinery.time, "time", lambda: seen.append("clock") or 0.0)
@@ -2850,22 +2684,17 @@ def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
     assert says in machinery.no_kernel(torch.device("cuda:0"))
 
 
-def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
-    monkeypatch, capsys
-):
+def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, capsys):
     """CUDA stubbed. The recording (call 4) fails in Python after the backward and CUDA
     ends the capture: the run goes on eagerly (the same losses and parameters), says so
     in one line and in run.json's `computed`, the graph's pool freed and AdamW no
     longer capturable (it was for the recording). Where CUDA fails the capture (its
     capture_end raises), the run stops with one line naming the first error."""
-    from unittest import mock
-
     for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
     graphs = []  # each recording's graph
-    monkeypatch.setattr(
-        torch.cuda, "CUDAGraph", lambda: graphs.append(mock.Mock()) or graphs[-1]
-    )
+    recording = lambda: graphs.append(mock.Mock()) or graphs[-1]
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", recording)
     how = {"step": "CapturedStep"}  # run.json's computed
     torch.manual_seed(0)
     batches = torch.randint(0, 50, (6, 2, 17))
@@ -2907,11 +2736,8 @@ def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
         for _ in range(3):
             run(*batches[0].split(16, dim=1))
         end = RuntimeError("operation failed due to a previous error during capture")
-        monkeypatch.setattr(
-            torch.cuda,
-            "CUDAGraph",
-            lambda: mock.Mock(**{"capture_end.side_effect": end}),
-        )
+        failing = lambda: mock.Mock(**{"capture_end.side_effect": end})
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", failing)
         said = error_line(capsys, run, *batches[0].split(16, dim=1))
         shown = first if body_error else str(end)
         assert f"(RuntimeError: {shown}); --no-cuda_graph runs it eagerly" in said
@@ -2919,36 +2745,18 @@ def test_a_capture_that_fails_in_python_goes_on_eagerly_one_cuda_fails_stops(
 
 # ======== sampling (sample.py), and end to end ========
 
-WORDS = "the a little old fox owl hen miller river garden moon sang found carried over"
-WORDS += " under once upon — naïve café"
-
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """prepare_data.py's outputs for three made-up books, and a tiny sa run trained on
-    them (dropout 0.1, the default)."""
-    root = tmp_path_factory.mktemp("prepared")
-    rng = np.random.default_rng(0)
-    books = root / "books"
-    books.mkdir()
-    marker = "*** {} OF THE PROJECT GUTENBERG EBOOK TALES ***\n"
-    for i in (101, 102, 103):
-        text = " ".join(rng.choice(WORDS.split(), 3000))
-        text = marker.format("START") + text + "\n" + marker.format("END")
-        (books / f"{i}.txt").write_text(text)
-    (root / "books.tsv").write_text("id\n101\t101\n102\t102\n103\t103\n")
-    argv = ["--source", str(books), "--books", str(root / "books.tsv")]
-    argv += ["--data_dir", str(root / "data"), "--vocab_size=300", "--min_chars=1000"]
-    assert prepare_data.main(argv) == 0
-    out = str(root / "run")
-    flags = ["--mixer=sa", f"--data_dir={root / 'data'}", f"--out_dir={out}"]
+def prepared(clean, tmp_path_factory):
+    """The made-up books' data folder (prepare_data.py's, from the data tests), and a
+    tiny sa run trained on it (dropout 0.1, the default)."""
+    out = str(tmp_path_factory.mktemp("prepared") / "run")
+    flags = ["--mixer=sa", f"--data_dir={clean[0]}", f"--out_dir={out}"]
     assert train.main(TINY + flags + ["--max_iters=30"]) == 0
-    return str(root / "data"), out
+    return str(clean[0]), out
 
 
-def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
-    prepared, monkeypatch, capsys
-):
+def test_sample_prints_a_character_split_over_tokens_once_whole(prepared, monkeypatch):
     enc = machinery.load_tokenizer(prepared[0])
     # a token each byte, the last character cut
     ids = [enc.encode_single_token(bytes([c])) for c in "é€ ok€".encode()[:-2]]
@@ -2979,13 +2787,11 @@ def test_sample_prints_a_character_split_over_tokens_once_it_is_whole(
     assert seen[-1] == "é€ ok"  # each piece shown as it came, not at the end
 
 
-def test_sample_continues_a_long_prompt_from_its_last_l_tokens(
-    prepared, tmp_path, capsys
-):
+def test_sample_goes_on_from_a_long_prompts_last_l_tokens(prepared, tmp_path, capsys):
     enc = machinery.load_tokenizer(prepared[0])
     l = 8
     ckpt = torch.load(prepared[1] + "/ckpt.pt")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(1)
     for w in ckpt["model"].values():
         w.normal_(0, 0.3, generator=g)  # distinct logits: greedy choices are no ties
     torch.save(ckpt, tmp_path / "ckpt.pt")
@@ -3048,9 +2854,7 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
         assert says in error_line(capsys, sample.main, ["--out_dir", out, flag]), flag
 
 
-def test_a_mixer_of_your_own_module_trains_and_samples_by_its_name(
-    prepared, tmp_path, monkeypatch
-):
+def test_a_mixer_of_your_own_trains_and_samples(prepared, tmp_path, monkeypatch):
     # the find_mixer test's: a module of one's own
     (tmp_path / "mymixers.py").write_text(USER_MIXER)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -3084,117 +2888,80 @@ def test_end_to_end_the_readmes_commands(prepared, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# ======== experiments/reproduce.py: Table 1's runs side by side, the same-experiment
-# check, what it copies into results/ ========
-SIZES = TINY[2:16]  # TINY's sizes, without its mixer and device
+# ======== experiments/reproduce.py: Table 1's runs at once, the check, what it copies
+def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
+    """A run folder as train.py writes it, made-up costs from batch `start` on (its
+    validation: cost - 0.5); `more`: start, data, device (run.json's), config's."""
+    start = more.pop("start", 1)
+    data = more.pop("data", None)
+    cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
+    args = dict(seed=seed, data_seed=data_seed, device=more.pop("device", "cpu"))
+    run = {"config": cfg | more, "args": args, "params": {"mixers": 7}, "data": data}
+    os.makedirs(folder, exist_ok=True)  # (reproduce.py makes its runs' folders)
+    json.dump(run, open(f"{folder}/run.json", "w"))
+    val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
+    row = lambda i, x: f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
+    rows = [row(i, x) for i, x in enumerate(losses, start)]
+    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
+    # 7: a row half-written, as it runs
+    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
+    return str(folder)
 
 
-def _fake_run(folder, batches, device, cost=lambda i: 5 - i / 100):
-    """A run folder as train.py leaves it: log.csv of `batches` rows, run.json."""
-    os.makedirs(folder, exist_ok=True)
-    rows = [f"{i},{cost(i)},,0.001,1000,{i}\n" for i in range(1, batches + 1)]
-    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
-    open(f"{folder}/log.csv", "w").write(header + "".join(rows))
-    json.dump({"args": {"device": device}}, open(f"{folder}/run.json", "w"))
+FALLING = [5 - i / 100 for i in range(1, 101)]  # a run's made-up costs, batches 1-100
 
 
-def _tree(folder):
-    """{path: bytes} of every file under folder."""
-    paths = glob.glob(f"{folder}/**/*", recursive=True)
-    return {p: open(p, "rb").read() for p in paths if os.path.isfile(p)}
-
-
-def test_reproduce_without_cuda_says_so_and_touches_nothing(
-    tmp_path, capsys, monkeypatch
-):
-    import reproduce
-
+def test_reproduce_without_cuda_says_so_touching_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     results, work = tmp_path / "results", tmp_path / "work"
-    _fake_run(results / "logs" / "table1" / "me", 40, "cuda:0")
-    before = _tree(results)
+    _run(results / "logs" / "table1" / "me", "me", FALLING[:40], device="cuda:0")
+    before = files(results)
     for argv in ([], ["--check"], ["me", "--device=cuda:1"]):
         argv += [f"--results={results}", f"--work={work}"]
         assert "no CUDA device" in error_line(capsys, reproduce.main, argv)
-    assert _tree(results) == before and not work.exists()
+    assert files(results) == before and not work.exists()
 
 
 def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
-    tmp_path, capsys, monkeypatch
+    tmp_path, children
 ):
-    import reproduce
-
     results, work = tmp_path / "results", tmp_path / "work"
     committed = results / "logs" / "table1" / "me"
-    _fake_run(committed, 40, "cuda:0")
+    _run(committed, "me", FALLING[:40], device="cuda:0")
     log = committed / "log.csv"
     (committed / "log.csv.gz").write_bytes(gzip.compress(log.read_bytes()))
     os.remove(log)
-    redrawn = []
-
-    def redraw(results):
-        redrawn.append(results)
-        return True
-
-    monkeypatch.setattr(reproduce, "redraw", redraw)
-
-    def main(batches, device, code, *flags):
-        def train_all(names, flags, work, fits):
-            _fake_run(os.path.join(work, "me"), batches, device)
-            open(os.path.join(work, "me", "console.txt"), "a").write("$ train.py\n")
-            return [code]
-
-        monkeypatch.setattr(reproduce, "train_all", train_all)
-        argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
-        return reproduce.main(argv + list(flags))
-
-    before = _tree(results)
-    for batches, device, code, rc in (
-        (39, "cuda:0", 0, 0),
-        (40, "cpu", 0, 0),
-        (99, "cuda", 1, 1),
-    ):
-        assert main(batches, device, code) == rc
-        assert _tree(results) == before and redrawn == [], (batches, device, code)
-    assert main(40, "cuda", 0) == 0 and redrawn == [str(results)]  # as long: copied
-    assert json.load(open(committed / "run.json")) == {"args": {"device": "cuda"}}
-    assert main(20, "cpu", 0, "--replace") == 0 and len(redrawn) == 2
+    argv = ["me", "--device=cpu", f"--results={results}", f"--work={work}"]
+    before = files(results)
+    for batches, device, code in ((39, "cuda:0", 0), (40, "cpu", 0), (99, "cuda", 1)):
+        children.batches, children.device = batches, device
+        children.codes = {"me": code}
+        assert reproduce.main(argv) == code
+        assert files(results) == before and children.redrawn == [], (batches, device)
+    children.batches, children.device, children.codes = 40, "cuda", {}
+    assert reproduce.main(argv) == 0 and children.redrawn == [str(results)]  # copied
+    assert json.load(open(committed / "run.json"))["args"]["device"] == "cuda"
+    children.batches, children.device = 20, "cpu"
+    assert reproduce.main(argv + ["--replace"]) == 0 and len(children.redrawn) == 2
     assert reproduce.read_log(committed)["iter"].tolist() == list(range(1, 21))
-    assert json.load(open(committed / "run.json")) == {"args": {"device": "cpu"}}
-
-    def stopped(names, flags, work, fits):
-        raise KeyboardInterrupt  # Ctrl-C while the runs train
-
-    monkeypatch.setattr(reproduce, "train_all", stopped)
-    capsys.readouterr()
-    assert reproduce.main(["--device=cpu", f"--work={work}"]) == 130
-    err = capsys.readouterr().err
-    assert err.startswith("stopped: ") and err.endswith("goes on from there\n")
-
-
-# each model's training peak on an H200, MiB: results/table1/bench_h200.txt, section 6
-H200_PEAK_MIB = {"sa-1": 1610, "sa-32": 1610, "she": 2453, "he": 1739, "we": 1736}
-H200_PEAK_MIB["me"] = 1294
-GIB = 2**30
+    assert json.load(open(committed / "run.json"))["args"]["device"] == "cpu"
 
 
 @pytest.fixture
 def children(monkeypatch):
-    """reproduce.py's train.py children made up, on a made-up GPU ("free" GiB): each
-    leaves a 100-batch run on cuda:0 and its `console` text, and trains until the
-    script's next one-second sleep ends the oldest running one (exit: `codes`, else 0;
-    `stop`: that sleep is a Ctrl-C). `started`: the runs running as each started."""
-    import reproduce
-
-    rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False)
+    """reproduce.py's train.py children, made up, on a made-up GPU ("free" GiB): each
+    leaves a run of `batches` on `device` and its `console` text, and trains until the
+    next one-second sleep ends the oldest running one (exit: `codes`, else 0; `stop`:
+    the sleep is a Ctrl-C). `started`: who ran as each started; `redrawn`: redraws."""
+    rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False, redrawn=[])
+    rec.batches, rec.device = 100, "cuda:0"
     rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
 
     class Child:
         def __init__(self, cmd, stdout, stderr, preexec_fn):
-            flag = next(a for a in cmd if a.startswith("--out_dir="))
-            out = flag.split("=", 1)[1]
+            out = os.path.dirname(stdout.name)  # its console is out/console.txt
             self.out, self.name, self.returncode = out, os.path.basename(out), None
-            _fake_run(out, 100, "cuda:0")
+            _run(out, "me", FALLING[: rec.batches], device=rec.device)
             rec.cmds.append(cmd)
             rec.preexec.append(preexec_fn)
             rec.running.append(self)
@@ -3227,17 +2994,19 @@ def children(monkeypatch):
 
     monkeypatch.setattr(reproduce.subprocess, "Popen", Child)
     monkeypatch.setattr(time, "sleep", sleep)  # (reproduce.time.sleep)
-    monkeypatch.setattr(reproduce, "redraw", lambda results: True)
+    redraw = lambda results: rec.redrawn.append(results) or True
+    monkeypatch.setattr(reproduce, "redraw", redraw)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Made-Up GPU")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (rec.free * GIB, 0))
+    free = lambda d=None: (rec.free * 2**30, 0)  # bytes free, (total)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free)
     return rec
 
 
-def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
-    tmp_path, children
-):
-    import reproduce
+def test_reproduce_trains_as_many_at_once_as_free_gpu_memory_holds(tmp_path, children):
+    # the training peaks on an H200, MiB: results/table1/bench_h200.txt, section 6
+    peak_mib = {"sa-1": 1610, "sa-32": 1610, "she": 2453, "he": 1739, "we": 1736}
+    peak_mib["me"] = 1294
 
     def at_once(free, *flags):
         """The runs running as each started, on a GPU of `free` GiB free."""
@@ -3254,17 +3023,13 @@ def test_reproduce_trains_as_many_at_once_as_the_gpus_free_memory_holds(
         started = at_once(free)
         assert 1 < max(map(len, started)) < 6
         for names in started:  # each model's peak and 0.3 GiB of CUDA context
-            assert sum(H200_PEAK_MIB[n] / 1024 + 0.3 for n in names) <= free
+            assert sum(peak_mib[n] / 1024 + 0.3 for n in names) <= free
     assert max(map(len, at_once(140, "--jobs=2"))) == 2  # --jobs says
     assert len(at_once(3, "--jobs=6")[-1]) == 6
     assert len(at_once(0, "--device=cpu")[-1]) == 6  # on the CPU: all at once
 
 
-def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
-    tmp_path, capsys, children
-):
-    import reproduce
-
+def test_reproduce_stopped_stops_each_child_starts_no_more(tmp_path, capsys, children):
     children.free, children.stop = 8, True  # Ctrl-C (or kill) as the pool waits
     argv = [f"--work={tmp_path / 'work'}", f"--results={tmp_path / 'results'}"]
     assert reproduce.main(argv) == 130
@@ -3272,16 +3037,12 @@ def test_reproduce_stopped_stops_every_running_child_and_starts_no_more(
     assert 1 < len(first) < 6 and len(children.started) == len(first)  # none later
     assert children.signals == [(name, signal.SIGTERM) for name in first]
     assert children.running == [] and not (tmp_path / "results").exists()
-    assert capsys.readouterr().err.startswith(
-        "stopped: each run at its last checkpoint"
-    )
+    err = capsys.readouterr().err
+    stopped = f"stopped: each run at its last checkpoint in {tmp_path / 'work'}"
+    assert err == f"{stopped}; the same command goes on from there\n"
 
 
-def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
-    tmp_path, capsys, children
-):
-    import reproduce
-
+def test_reproduce_says_run_fewer_at_once_if_out_of_memory(tmp_path, capsys, children):
     work, results = tmp_path / "work", tmp_path / "results"
     argv = [f"--work={work}", f"--results={results}"]
     children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
@@ -3303,8 +3064,6 @@ def test_reproduce_says_run_fewer_at_once_when_a_child_runs_out_of_memory(
 
 
 def test_reproduce_copies_no_run_stopped_by_a_signal(tmp_path, capsys, children):
-    import reproduce
-
     results = tmp_path / "results"
     stopped = {"sa-1": 128 + signal.SIGINT, "sa-32": 128 + signal.SIGTERM}
     children.codes = stopped | {"she": 128 + signal.SIGHUP, "he": -signal.SIGKILL}
@@ -3317,28 +3076,22 @@ def test_reproduce_copies_no_run_stopped_by_a_signal(tmp_path, capsys, children)
 
 
 def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
-    import reproduce
-
     results = tmp_path / "results"
     argv = ["me", f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for shift, rc in ((0.04, 0), (-0.04, 0), (0.1, 1), (-0.1, 1)):
-        cost = lambda i: 5 - i / 100 + (shift if 40 < i <= 50 else 0)
-        _fake_run(results / "logs" / "table1-cpu" / "me", 100, "cpu", cost)
+        costs = [c + (shift if 40 < i <= 50 else 0) for i, c in enumerate(FALLING, 1)]
+        _run(results / "logs" / "table1-cpu" / "me", "me", costs)
         assert reproduce.main(argv) == rc, shift  # here (5 - i / 100) minus the CPU's
         table = (results / "gpu" / "check-me.txt").read_text().splitlines()
         assert table[-2].startswith("me ") and f"{-shift:+.4f}" in table[-2]
         assert table[-1].startswith("passed" if rc == 0 else "FAILED")
 
 
-def test_reproduce_check_names_its_device_and_keeps_the_six_models_file(
-    tmp_path, children
-):
-    import reproduce
-
+def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, children):
     results = tmp_path / "results"
     argv = [f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
     for name in reproduce.RUNS:  # as the runs here (children)
-        _fake_run(results / "logs" / "table1-cpu" / name, 100, "cpu")
+        _run(results / "logs" / "table1-cpu" / name, name[:2], FALLING)
     assert reproduce.main(argv) == 0
     six = (results / "gpu" / "check.txt").read_bytes()
     head = six.decode().splitlines()[0]
@@ -3348,17 +3101,13 @@ def test_reproduce_check_names_its_device_and_keeps_the_six_models_file(
     assert reproduce.main(["he", "--device=cpu", *argv]) == 0
     assert reproduce.main(["--device=cpu", *argv]) == 0
     assert (results / "gpu" / "check.txt").read_bytes() == six  # the six's, kept
-    files = sorted(os.listdir(results / "gpu"))
-    assert files == ["check-cpu-he.txt", "check-cpu.txt", "check-me.txt", "check.txt"]
+    written = sorted(os.listdir(results / "gpu"))
+    assert written == ["check-cpu-he.txt", "check-cpu.txt", "check-me.txt", "check.txt"]
     head = (results / "gpu" / "check-cpu-he.txt").read_text().splitlines()[0]
     assert head == f"device cpu, torch {torch.__version__}"
 
 
-def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
-    tmp_path, capsys, children
-):
-    import reproduce
-
+def test_reproduce_refuses_bad_time_limit_or_jobs_in_a_line(tmp_path, capsys, children):
     work = tmp_path / "work"
     argv = [f"--work={work}", f"--results={tmp_path / 'results'}", "--device=cpu"]
     for bad in ("14x", "m", "40 m", "-5m", "1h30m", "2d"):
@@ -3380,8 +3129,6 @@ def test_reproduce_refuses_a_bad_time_limit_or_jobs_in_one_line(
 
 @pytest.mark.slow
 def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
-    import reproduce
-
     logs = os.path.join(ROOT, "results", "logs", "table1")
     for name in os.listdir(logs):  # the committed logs, into a results/ of its own
         os.makedirs(tmp_path / "logs" / "table1" / name)
@@ -3398,18 +3145,14 @@ def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
 
 
 @pytest.mark.slow
-def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
-    data, tmp_path, monkeypatch
-):
-    import reproduce
-
+def test_reproduce_resumes_and_checks_against_the_cpu_runs(data, tmp_path, monkeypatch):
     results, work = tmp_path / "results", str(tmp_path / "work")
     argv = [f"--data_dir={data}", f"--work={work}", f"--results={results}"]
     argv.append("--device=cpu")
-    runs = {"sa-1": [*SIZES, "--mixer=sa", "--n_head=1"], "me": [*SIZES, "--mixer=me"]}
-    monkeypatch.setattr(
-        reproduce, "redraw", lambda results: True
-    )  # (2000-batch windows)
+    sizes = TINY[2:16]  # TINY's sizes, without its mixer and device
+    runs = {"sa-1": [*sizes, "--mixer=sa", "--n_head=1"], "me": [*sizes, "--mixer=me"]}
+    # (the figures' windows of 2000 batches are longer than these runs)
+    monkeypatch.setattr(reproduce, "redraw", lambda results: True)
     for n in (20, 40):  # a second call goes on from the first's checkpoints
         tiny = {k: v + [f"--max_iters={n}"] for k, v in runs.items()}
         monkeypatch.setattr(reproduce, "RUNS", tiny)
@@ -3419,19 +3162,10 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
             assert [int(r["iter"]) for r in csv.DictReader(f)] == list(range(1, 41))
         console = open(os.path.join(work, name, "console.txt")).read()
         assert "training from batch 20 to 40" in console
-    for name in (
-        "sa-1",
-        "me",
-    ):  # the "CPU runs": these models trained here, 100 batches
-        out = tmp_path / name
-        flags = [
-            *runs[name],
-            "--max_iters=100",
-            f"--data_dir={data}",
-            f"--out_dir={out}",
-        ]
-        assert train.main(flags + ["--device=cpu"]) == 0
-        cpu = results / "logs" / "table1-cpu" / name
+    for name in ("sa-1", "me"):  # the "CPU runs": these models, 100 batches here
+        out, cpu = tmp_path / name, results / "logs" / "table1-cpu" / name
+        flags = [*runs[name], "--max_iters=100", "--device=cpu", f"--data_dir={data}"]
+        assert train.main(flags + [f"--out_dir={out}"]) == 0
         os.makedirs(cpu)
         with open(out / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
             g.write(f.read())
@@ -3456,9 +3190,7 @@ def test_reproduce_goes_on_where_it_stopped_and_checks_against_the_cpu_runs(
 
 # ======== experiments/gpu_check.sh: the short GPU job, known to start here ========
 @pytest.mark.slow
-def test_gpu_check_dry_run_reports_each_stage_a_broken_one_failed_the_later_ones_run(
-    data, tmp_path
-):
+def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_path):
     """The GPU job on the CPU (--dry-run), its device tests broken: each stage in the
     table, that one failed, the later ones run, 7 files; without CUDA one line."""
     script = ["bash", "experiments/gpu_check.sh", f"--data_dir={data}"]
@@ -3473,9 +3205,9 @@ def test_gpu_check_dry_run_reports_each_stage_a_broken_one_failed_the_later_ones
     status = {row.split()[0]: " ".join(row.split()[1:-1]) for row in table[1:]}
     assert status.pop("device_tests") == "failed (exit 1)"
     assert status == dict.fromkeys(["versions", "check", "bench", "length"], "ok")
-    files = "bench_cpu.json bench_cpu.txt check-cpu.txt device_tests.txt"
-    files += " generate_cpu.csv reproduce.txt summary.txt"  # (the device returns 8)
-    assert sorted(os.listdir(out)) == files.split()
+    written = "bench_cpu.json bench_cpu.txt check-cpu.txt device_tests.txt"
+    written += " generate_cpu.csv reproduce.txt summary.txt"  # (the device returns 8)
+    assert sorted(os.listdir(out)) == written.split()
     read = lambda name: (out / name).read_text()
     assert read("summary.txt").endswith("\n".join(table) + "\n")
     assert " torch 2." in read("summary.txt")  # the versions
@@ -3489,27 +3221,6 @@ def test_gpu_check_dry_run_reports_each_stage_a_broken_one_failed_the_later_ones
 
 
 # ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========
-def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **more):
-    """A run folder as train.py writes it, of made-up costs from batch `start` on
-    (validation: cost - 0.5); `more`: start, data (run.json's), config's settings."""
-    start = more.pop("start", 1)
-    data = more.pop("data", None)
-    cfg = dict(mixer=mixer, n_head=n_head, n_layer=2, block_size=32, vocab_size=50)
-    args = dict(seed=seed, data_seed=data_seed)
-    run = {"config": cfg | more, "args": args, "params": {"mixers": 7}, "data": data}
-    os.makedirs(folder)
-    json.dump(run, open(f"{folder}/run.json", "w"))
-    val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
-    rows = [
-        f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
-        for i, x in enumerate(losses, start)
-    ]
-    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
-    # 7: a row half-written, as it runs
-    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
-    return str(folder)
-
-
 _csv = lambda path: list(csv.reader(open(path, newline="")))
 
 
@@ -3524,8 +3235,7 @@ def _random(seed, *ns):
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures plot.py and taps.py draw, titled and kept for the test instead of
-    written."""
+    """The figures plot.py and taps.py draw, titled, kept for the test, not written."""
     drawn = []
 
     def keep(fig, path, title=None):
@@ -3541,31 +3251,24 @@ def figures(monkeypatch):
 
 @pytest.mark.slow
 def test_plot_imports_without_torch():
-    code = (
-        "import sys, plot; assert 'torch' not in sys.modules, 'plot.py imported torch'"
-    )
+    code = "import sys, plot; assert 'torch' not in sys.modules, 'it imported torch'"
     experiments = os.path.join(ROOT, "experiments")
     assert subprocess.run([sys.executable, "-c", code], cwd=experiments).returncode == 0
 
 
-def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
-    tmp_path, capsys, figures
-):
+def test_plot_csvs_are_window_medians_the_paths_paste_back(tmp_path, capsys, figures):
     sa, she = _random(0, 2500, 2100)
     out = tmp_path / "my results"
     # named against the paper's order; c: another seed, 1200 batches, for seeds.csv
-    runs = [
-        _run(tmp_path / "b", "she", she, 1, 500),
-        _run(tmp_path / "a", "sa", sa, 32, 500),
-    ]
+    runs = [_run(tmp_path / "b", "she", she, 1, 500)]
+    runs.append(_run(tmp_path / "a", "sa", sa, 32, 500))
     seed = _run(tmp_path / "c", "she", she[:1200], 1, 500, 2)
     argv = runs + ["--window", "400", "--results", str(out), "-o", str(out / "f 1.png")]
     argv += ["--seeds", seed]
-    files = ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
+    names = ("f 1.png", "medians.csv", "val_loss.csv", "summary.csv", "seeds.csv")
     assert plot.main(argv) == 0
-    assert shlex.split(capsys.readouterr().out) == ["wrote"] + [
-        str(out / f) for f in files
-    ]
+    wrote = ["wrote"] + [str(out / name) for name in names]
+    assert shlex.split(capsys.readouterr().out) == wrote
     med = lambda x, b: repr(median(x[b - 400 : b])) if b <= len(x) else ""
     rows = [[str(b), med(sa, b), med(she, b)] for b in range(400, 2401, 400)]
     assert _csv(out / "medians.csv") == [["batches", "sa-32", "she"]] + rows
@@ -3584,9 +3287,7 @@ def test_plot_csvs_are_the_window_medians_of_the_logs_and_the_paths_paste_back(
     assert _csv(out / "summary.csv")[2][1:3] == ["1600", repr(median(she[600:1600]))]
 
 
-def test_plot_gaps_csv_sets_each_runs_gap_to_sa_32_beside_the_papers(
-    tmp_path, capsys, figures
-):
+def test_plot_gaps_csv_has_each_gap_to_sa_32_and_the_papers(tmp_path, capsys, figures):
     runs = [_run(tmp_path / "a", "sa", [4.0] * 2000, 32, 1000)]
     runs.append(_run(tmp_path / "b", "random", [4.0] * 1000 + [4.25] * 1000, 32, 1000))
     runs.append(_run(tmp_path / "c", "random", [3.5] * 2000, 1, 1000))
@@ -3610,18 +3311,11 @@ def test_plot_gaps_csv_sets_each_runs_gap_to_sa_32_beside_the_papers(
     assert "no.csv is damaged (KeyError: 'lm1b_ppl')" in err
 
 
-def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
-    tmp_path, capsys, monkeypatch
-):
+def test_plot_one_run_without_o_draws_into_its_folder(tmp_path, capsys, monkeypatch):
     run = _run(tmp_path / "me", "me", [5 - i / 100 for i in range(90)], 1, 30)
-    drawn = []
-    save = plot.save
-
-    def keep(fig, path):
-        drawn.append(_lines(fig.axes[0]))
-        save(fig, path)
-
-    monkeypatch.setattr(plot, "save", keep)
+    drawn, save = [], plot.save  # the lines each figure drew; the real save
+    keep = lambda fig, path: drawn.append(_lines(fig.axes[0])) or save(fig, path)
+    monkeypatch.setattr(plot, "save", keep)  # the lines drawn kept, the file written
     monkeypatch.chdir(tmp_path)
     assert plot.main([run]) == 0 and os.listdir(tmp_path) == ["me"]  # nothing here
     assert capsys.readouterr().out == f"wrote {run}/loss.png\n"
@@ -3632,9 +3326,7 @@ def test_plot_one_run_without_o_draws_its_chart_in_its_folder(
     assert "name it with -o" in error_line(capsys, plot.main, two)
 
 
-def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
-    tmp_path, figures
-):
+def test_plot_gap_panel_subtracts_sa_32_and_raw_draws_batch_numbers(tmp_path, figures):
     logs = dict(zip(("sa-32", "me", "he"), _random(7, 12, 12, 8)))
     runs = [_run(tmp_path / n, n[:2], x, 32, 4, 1337, 1337) for n, x in logs.items()]
     assert plot.main(runs + ["--window", "4", "-o", str(tmp_path / "f.png")]) == 0
@@ -3651,9 +3343,7 @@ def test_plot_gap_panel_subtracts_sa_32s_medians_and_raw_draws_batch_numbers(
     assert _lines(figures[1].axes[0]) == raw  # every batch at its number
 
 
-def test_plot_dashes_the_synthesizers_by_their_mixer_not_their_folders_name(
-    tmp_path, figures
-):
+def test_plot_dashes_the_synthesizers_by_mixer_not_by_folder_name(tmp_path, figures):
     # two HE runs on other batch orders, named by their folders, as results/data-order
     runs = [_run(tmp_path / f"he-d{d}", "he", [4.0] * 8, data_seed=d) for d in (2, 3)]
     runs += [_run(tmp_path / "sa-32", "sa", [4.0] * 8, 32)]
@@ -3665,23 +3355,14 @@ def test_plot_dashes_the_synthesizers_by_their_mixer_not_their_folders_name(
     assert drawn(medians) == drawn(gaps) == styles
 
 
-def test_plot_sweep_csv_is_named_after_the_figure_and_keeps_earlier_points(
-    tmp_path, capsys, figures
-):
+def test_plot_sweep_csv_named_as_its_figure_keeps_old_points(tmp_path, capsys, figures):
     res = tmp_path / "res"
     keys = [(m, l) for m in ("she", "he") for l in (64, 128)]  # in the paper's order
     logs = dict(zip(keys, _random(3, *[2500] * 4)))
-    runs = {
-        (m, l): _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l) for m, l in keys
-    }
-    argv = [
-        "--sweep",
-        "block_size",
-        "--results",
-        str(res),
-        "-o",
-        str(res / "fig10.png"),
-    ]
+    run_of = lambda m, l: _run(tmp_path / f"{m}{l}", m, logs[m, l], block_size=l)
+    runs = {(m, l): run_of(m, l) for m, l in keys}
+    fig10 = str(res / "fig10.png")
+    argv = ["--sweep", "block_size", "--results", str(res), "-o", fig10]
     # she at 128, he at 128 and 64
     assert plot.main([runs[k] for k in keys[:0:-1]] + argv) == 0
     last = lambda k: repr(median(logs[k][-2000:]))
@@ -3714,31 +3395,19 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = ["-o", str(tmp_path / "f.png")]
     long = _run(tmp_path / "long", "he", [4] * 1020)
     other = _run(tmp_path / "other", "he", [5.0] * 10, vocab_size=60)
-    shas = [
-        _run(tmp_path / c, "me", [5.0] * 10, data={"train_sha256": c * 64})
-        for c in "ab"
-    ]
-    cases = {
+    sha = lambda c: {"train_sha256": c * 64}  # run.json's data
+    shas = [_run(tmp_path / c, "me", [5.0] * 10, data=sha(c)) for c in "ab"]
+    window = f"fewer than a window of 50; pass --window 10 or leave {run} out"
+    sweep = "no number 'colour' in its run.json; sweep one of block_size, data_seed,"
+    columns = "must be mixer,l,batches,median_last_10,val_loss"
+    cases = {  # what the line says: the arguments
         "nope/run.json: No such file or directory": [str(tmp_path / "nope")],
         f"{run} and {run}/ are one run folder; pass each run once": [run, run + "/"],
-        f"fewer than a window of 50; pass --window 10 or leave {run} out": [
-            run,
-            "--window",
-            "50",
-        ],
+        window: [run, "--window", "50"],
         f"{run} has 10 batches, fewer than a window of 34": [run, long],
-        "no number 'colour' in its run.json; sweep one of block_size, data_seed,": [
-            run,
-            "--sweep",
-            "colour",
-        ],
+        sweep: [run, "--sweep", "colour"],
         "--window must be at least 1, got 0": [run, "--window", "0"],
-        "must be mixer,l,batches,median_last_10,val_loss": [
-            run,
-            run + "/log.csv",
-            "--sweep",
-            "block_size",
-        ],
+        columns: [run, run + "/log.csv", "--sweep", "block_size"],
         "cannot write a .xyz image": [run, "-o", str(tmp_path / "f.xyz")],
         f"cannot write {tmp_path}: Is a directory": [run, "-o", str(tmp_path)],
         "(vocabulary 50; vocabulary 60)": [run, other],
@@ -3749,20 +3418,14 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     log = gzip.compress(open(f"{run}/log.csv", "rb").read())
     os.remove(f"{run}/log.csv")
     # cut, not gzip, gzip of bytes, gzip of text
-    for garbage in (
-        log[:60],
-        b"\x00" * 99,
-        gzip.compress(b"\xff" * 9),
-        gzip.compress(b"a\n"),
-    ):
-        open(f"{run}/log.csv.gz", "wb").write(garbage)
+    raws = [log[:60], b"\x00" * 99, gzip.compress(b"\xff" * 9), gzip.compress(b"a\n")]
+    for raw in raws:
+        open(f"{run}/log.csv.gz", "wb").write(raw)
         err = error_line(capsys, plot.main, [run] + out)
         assert err.startswith(f"error: {run}/log.csv.gz "), err
-    for damaged, why in (
-        ('{"config": {"mixer"', "JSONDecodeError"),
-        ("{}", "KeyError"),
-    ):
-        open(f"{run}/run.json", "w").write(damaged)
+    damaged = {'{"config": {"mixer"': "JSONDecodeError", "{}": "KeyError"}
+    for text, why in damaged.items():
+        open(f"{run}/run.json", "w").write(text)
         err = error_line(capsys, plot.main, [run] + out)
         assert f"{run}/run.json is damaged ({why}" in err
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "long", "other", "run"]
@@ -3805,9 +3468,8 @@ def test_taps_attention_weights_give_the_mixers_output_and_their_mean_by_distanc
             a = taps.attention_weights(layer.mixer, layer.ln1(h))  # (40, 2, 5, 5)
             # over windows, heads, i
             mean = lambda k: np.mean([a[:, :, j + k, j] for j in range(5 - k)])
-            np.testing.assert_allclose(
-                profile[i], [mean(k) for k in range(5)], rtol=1e-12
-            )
+            want = [mean(k) for k in range(5)]
+            np.testing.assert_allclose(profile[i], want, rtol=1e-12)
             h = layer(h)
         # q = k = 0: row i weighs each j <= i by 1 / (i + 1)
         model.layers[0].mixer.W_QKV.weight.zero_()
@@ -3832,36 +3494,28 @@ def test_taps_random_synthesizers_mean_softmax_r_by_distance_back():
     np.testing.assert_allclose(profile[2], uniform, rtol=1e-12)
 
 
-def test_taps_draws_a_panel_per_run_from_its_ckpt_on_its_own_val_bin(
-    tmp_path, capsys, figures
-):
+def test_taps_draws_each_run_from_its_ckpt_and_val_bin(tmp_path, capsys, figures):
     # starts 0, 47.5 -> 48, 95 = 100 - 4 - 1
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
     windows = [[*range(s, s + 4)] for s in (0, 48, 95)]
     assert taps.val_windows(str(tmp_path), 4, n=3).tolist() == windows
     sha = hashlib.sha256((tmp_path / "val.bin").read_bytes()).hexdigest()
     moved = {"iter": 10, "args": {"data_dir": str(tmp_path / "gone")}}  # data moved
+    moved["data"] = {"val_sha256": sha}
     models = {}
     for mixer in ("me", "sa"):
         models[mixer] = model = tiny_model(mixer, l=4, d=8, n_head=2, vocab=100)
         ckpt = {"model": model.state_dict(), "config": vars(model.cfg)}
         os.makedirs(tmp_path / mixer)
-        torch.save(
-            ckpt | moved | {"data": {"val_sha256": sha}}, tmp_path / mixer / "ckpt.pt"
-        )
-    argv = [
-        str(tmp_path / "me"),
-        str(tmp_path / "sa"),
-        "-o",
-        str(tmp_path / "taps.png"),
-    ]
+        torch.save(ckpt | moved, tmp_path / mixer / "ckpt.pt")
+    runs = [str(tmp_path / mixer) for mixer in ("me", "sa")]
+    argv = runs + ["-o", str(tmp_path / "taps.png")]
     err = error_line(capsys, taps.main, argv)
     assert f"{tmp_path}/gone/val.bin not found; pass --data_dir" in err
     np.arange(1, 101, dtype=np.uint16).tofile(tmp_path / "me" / "val.bin")  # another
     err = error_line(capsys, taps.main, argv + ["--data_dir", str(tmp_path / "me")])
-    assert err.endswith(
-        "me/val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
-    )
+    other = "val.bin is not the run's val.bin (sha256 differs); pass its --data_dir"
+    assert err.endswith(f"me/{other}")
     assert taps.main(argv + ["--data_dir", str(tmp_path)]) == 0
     panels = [ax for ax in figures[0].axes if ax.get_visible()]
     titles = ["sa-2, batch 10", "me, batch 10"]  # in the paper's order
@@ -3894,9 +3548,7 @@ def _readme_commands():
     return commands
 
 
-def test_results_csvs_are_what_the_readmes_commands_make_of_the_committed_logs(
-    tmp_path, monkeypatch, figures
-):
+def test_results_csvs_are_the_readmes_commands_output(tmp_path, monkeypatch, figures):
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
     # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1
