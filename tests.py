@@ -3532,32 +3532,42 @@ def test_taps_draws_each_run_from_its_ckpt_and_val_bin(tmp_path, capsys, figures
 # ---- results/: results/README.md's "Redrawing" commands, run here on the committed
 # logs, write every committed CSV they name, byte for byte
 def _readme_commands():
-    """The plot.py commands of results/README.md's "Redrawing" block, as argv lists,
-    the shell's {a,b} and * expanded."""
+    """The commands of results/README.md's "Redrawing" block, as (the script's main,
+    its argv), the shell's {a,b} and * expanded."""
     readme = open(os.path.join(ROOT, "results", "README.md")).read()
     block = readme.split("**Redrawing.**")[1].split("```")[1]
     commands = []
     for line in block.strip().splitlines():
         argv = []
-        for arg in shlex.split(line)[2:]:  # after python experiments/plot.py
+        script, *args = shlex.split(line)[1:]  # after python
+        for arg in args:
             head, brace, rest = arg.partition("{")
             names, _, tail = rest.partition("}")
             expanded = [head + n + tail for n in names.split(",")] if brace else [arg]
             argv += sorted(glob.glob(arg, root_dir=ROOT)) if "*" in arg else expanded
-        commands.append(argv)
+        mains = {"experiments/plot.py": plot.main, "experiments/bench.py": bench.main}
+        commands.append((mains[script], argv))
     return commands
 
 
-def test_results_csvs_are_the_readmes_commands_output(tmp_path, monkeypatch, figures):
+def test_results_csvs_are_the_readmes_commands_output(
+    tmp_path, monkeypatch, figures, capsys
+):
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
-    # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1
-    assert len(commands) == 10
-    for argv in commands:
+    # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1; the
+    # cost against the length and of a generated token (bench.py's)
+    assert len(commands) == 12
+    for main, argv in commands:
         for i, flag in enumerate(argv[:-1]):
             if flag in ("-o", "--results"):  # results/... into tmp_path/...
                 argv[i + 1] = str(tmp_path / os.path.relpath(argv[i + 1], "results"))
-        assert plot.main(argv) == 0, argv
+        assert not main(argv), argv
+    # the crossings results/README section 13 and the README give, from the CSVs
+    printed = capsys.readouterr().out
+    assert "she, threads 1: vs_sa crosses 1 at l = 3278" in printed
+    assert "he, threads 1: vs_sa crosses 1 at t = none in range" in printed
+    assert len(figures) == 12
     written = sorted(glob.glob("**/*.csv", root_dir=tmp_path, recursive=True))
     assert len(written) == 18, written  # and all of them as committed:
     for name in written:
