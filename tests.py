@@ -1928,6 +1928,10 @@ def test_every_mixer_sees_the_same_batches_and_val_windows(data, tmp_path, monke
         assert torch.equal(x_sa, x_me) and torch.equal(y_sa, y_me)
     x, y = seen["sa"][0]
     assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])  # y: x shifted by 1
+    tokens = np.fromfile(os.path.join(data, "train.bin"), dtype=np.uint16)
+    first = train.batch_starts(0, len(tokens) - 8, 4, 1337)  # epoch 0's first slice
+    windows = np.stack([tokens[s : s + 8] for s in first.tolist()]).astype(np.int64)
+    assert torch.equal(x, torch.from_numpy(windows))
     # the same validation windows each time
     assert torch.equal(seen["sa"][5][0], seen["sa"][12][0])
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
@@ -2006,8 +2010,9 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
     precision. Clipping scales the gradients to a norm of at most clip, as they are
     before fp16's loss scaling (2**16, exact in float64)."""
     flags = ["--dropout=0", f"--grad_clip={clip}", "--seed=3"]
+    betas = (0.9, 0.999) if decay == 0.01 else (0.8, 0.99)  # Table 1's, then others
     if decay != 0.01:  # (Table 1's decay as the default, then another)
-        flags.append(f"--weight_decay={decay}")
+        flags += [f"--weight_decay={decay}", "--beta1=0.8", "--beta2=0.99"]
     args = machinery.build_parser(train.SETTINGS).parse_args(flags)
     cfg = Config(30, 8, 8, 16, 1, 2, 0.0, "he")  # u, l, d, c, m, n, p, the mixer
     model, adamw = train.build_model(cfg, args, torch.device("cpu"))
@@ -2031,7 +2036,10 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
         norm = math.sqrt(sum((g**2).sum().item() for g in grads))
         scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         with torch.no_grad():
-            literal_adamw(params, [g * scale for g in grads], state, t, decay=decay)
+            clipped = [g * scale for g in grads]
+            literal_adamw(
+                params, clipped, state, t, b1=betas[0], b2=betas[1], decay=decay
+            )
         assert clip == 0 or scale < 1  # the clip binds at least in this test
     for p, q in zip(model.parameters(), params):
         assert torch.allclose(p, q, rtol=0, atol=1e-12), (p - q).abs().max()
@@ -2121,10 +2129,9 @@ def other_value(name, value):
 
 
 def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, capsys):
-    """Every setting --resume keeps (all of train.SETTINGS but MAY_CHANGE), given
-    another value, is refused in one line that names it; so is a checkpoint of another
-    number of processes or of an older train.py (a key it lacks). A finished run's
-    log.csv.gz, as results/logs/ keeps runs, is never written over."""
+    """Each setting --resume keeps (SETTINGS but MAY_CHANGE), given another value, is
+    one line naming it; so is a checkpoint of other processes or older code (a key it
+    lacks). A finished run's log.csv.gz, as in results/logs/, is never written."""
     out = str(tmp_path / "run")
     assert run(tmp_path, data, "--max_iters=2") == 0
     saved = json.load(open(os.path.join(out, "run.json")))["args"]
@@ -2175,8 +2182,7 @@ def test_a_run_writes_only_in_the_folder_it_locked(data, tmp_path, monkeypatch, 
 
 
 def test_a_closed_console_stops_at_a_checkpoint(data, tmp_path, monkeypatch, capsys):
-    """A terminal closed under the run (EIO, not a broken pipe) stops it as a hang-up
-    does, at a checkpoint, and says so on stderr."""
+    """A terminal closed under the run (EIO) stops it at a checkpoint, as a hang-up."""
 
     class Closed(io.StringIO):
         def write(self, text):
@@ -2325,11 +2331,21 @@ def test_log_run_json_and_console(data, tmp_path, capsys):
     flags = ["--max_iters", "12", "--mixer", "sa", "--n_layer", "1"]
     assert run(tmp_path, data, *flags) == 0
     console = capsys.readouterr().out
+    first = console.splitlines()[:3]  # the model, where it trains, how it computes
+    assert first[0].startswith("Config(vocab_size=64,") and "computed: {" in first[2]
+    assert first[1] == f"training from batch 0 to 12 into {out}"
     rows = log_rows(out)
     assert [int(r["iter"]) for r in rows] == list(range(1, 13))
     assert rows[0]["lr"] == "0.001"
     # every 5 and at the end
     assert [r["iter"] for r in rows if r["val_loss"]] == ["5", "10", "12"]
+    # one batch of validation is a validation; --grad_clip reaches the step
+    more = ["--eval_batches=1", "--grad_clip=1e-9"]
+    assert run(tmp_path, data, *flags, *more, name="clipped") == 0
+    clipped = log_rows(str(tmp_path / "clipped"))
+    assert [r["iter"] for r in clipped if r["val_loss"]] == ["5", "10", "12"]
+    assert clipped[0]["train_loss"] == rows[0]["train_loss"]  # (before any step)
+    assert clipped[1]["train_loss"] != rows[1]["train_loss"]
     lines = [line.split(" |")[0] for line in console.splitlines()]
     iters = [line for line in lines if line.startswith("iter")]
     assert iters == ["iter 5/12", "iter 10/12", "iter 12/12"]
@@ -2437,11 +2453,11 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
     torchrun += ["--nproc_per_node=2", "train.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def ddp(name, *more):
+    def ddp(name, *more, said="iter 6/6"):
         cmd = torchrun + flags + ["--out_dir", str(tmp_path / name), *more]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-        assert r.stdout.count("iter 6/6") == 1, r.stdout
+        assert r.stdout.count(said) == 1, r.stdout
         return str(tmp_path / name)
 
     rng_states = lambda out: torch.load(f"{out}/ckpt.pt", weights_only=True)["rng"]
@@ -2456,6 +2472,8 @@ def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
         more = ["--seed", str(5 + rank), "--batch_size", "2", "--out_dir", half]
         assert train.main(flags + more) == 0
         assert torch.equal(streams[rank]["torch"], rng_states(half)[0]["torch"]), rank
+    stop = "--time_limit: stopped at batch"  # every process at one batch, in time
+    ddp("limit", "--max_iters=9999", "--time_limit=8s", said=stop)
 
 
 # ---- modes and random streams
@@ -2624,10 +2642,9 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
 def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
     monkeypatch, capsys
 ):
-    """CUDA stubbed. The step clock records an event each step and reads the host's
-    clock once the GPU has finished the step before: the host one step ahead, no more.
-    --device auto on a driver too old, or on a GPU the build has no kernels for, says
-    so and runs on the CPU; that GPU named is one line with its compute capability."""
+    """CUDA stubbed. The step clock records an event a step and reads the host's clock
+    once the GPU has done the step before: one step ahead, no more. --device auto on a
+    driver too old or a GPU the build cannot run says so and runs on the CPU."""
     seen, events = [], itertools.count(1)
 
     class Event:  # torch.cuda.Event: numbered as made, its calls recorded in `seen`
@@ -2685,11 +2702,10 @@ def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
 
 
 def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, capsys):
-    """CUDA stubbed. The recording (call 4) fails in Python after the backward and CUDA
-    ends the capture: the run goes on eagerly (the same losses and parameters), says so
-    in one line and in run.json's `computed`, the graph's pool freed and AdamW no
-    longer capturable (it was for the recording). Where CUDA fails the capture (its
-    capture_end raises), the run stops with one line naming the first error."""
+    """CUDA stubbed. A recording (call 4) that fails in Python, CUDA ending the capture:
+    the run goes on eagerly (the same losses, parameters), says so in a line and in
+    run.json, frees the pool, AdamW capturable for the recording alone. Where CUDA fails
+    the capture (capture_end raises), the run stops, one line naming the first error."""
     for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
     graphs = []  # each recording's graph
