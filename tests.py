@@ -54,6 +54,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 
 # the tests' own medians, not numpy's, which plot.py takes
 from statistics import median
@@ -351,10 +352,9 @@ def test_mixer_is_causal(name):
 
 # ---- the whole Transformer, Section 4 alone, against `Transformer` on the same weights
 def literal_transformer(model, idx, targets, masks=None):
-    """Eq. (3)-(22) with model's weights, on the CPU in float64: logits (inside Eq. 21's
-    softmax), Y-hat and the loss. masks: what each dropout keeps, in the paper's order
-    (Eq. 7, then per layer the one draw of Eq. 18 and 20 and that of Eq. 20), or None
-    for no dropout (evaluation)."""
+    """Eq. (3)-(22) with model's weights, in float64: logits (inside Eq. 21's softmax),
+    Y-hat, the loss. masks: each dropout's kept elements in the paper's order (Eq. 7,
+    then per layer Eq. 18 and 20's one draw and Eq. 20's), or None (evaluation)."""
     cfg, t = model.cfg, idx.shape[1]
     u, l, d, p = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout
     draws = iter(masks or [])
@@ -442,8 +442,7 @@ def test_initialisation_follows_section6(mixer):
     tensor ~ N(0, 0.01²) but Fixed Random's R, N(0, 1). Bands from each tensor's size n
     pass a true normal sample with probability 1 - 1e-6: 5 standard errors for the std
     (std / sqrt(2(n-1))) and the mean (std / sqrt(n)); the Kolmogorov-Smirnov distance
-    below sqrt(ln(2 / 1e-6) / 2n) (DKW), which checks the shape too (a uniform of the
-    same std is 0.058 away)."""
+    below sqrt(ln(2 / 1e-6) / 2n) (DKW) checks the shape (a uniform's is 0.058)."""
     model = tiny_model(mixer, l=64, d=128, n_hidden=256, vocab=500)
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         n = p.numel()
@@ -968,10 +967,9 @@ FIR_GEMMS.append(("me", "toeplitz-strided"))
 @pytest.mark.parametrize("name,path", FIR_GEMMS)
 def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
     """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a
-    10-bit mantissa (as cuBLAS feeds the tensor cores) and ieee_float32 takes the CPU
-    for CUDA. The GEMMs of y, dx and dw run in ieee_float32; with ALLOW_TF32 = True each
-    exceeds the bound (measured 20x and more). fft-cuda hands cuBLAS the conjugate
-    transposes as views, fft resolves them (MKL's fast path)."""
+    10-bit mantissa (as cuBLAS feeds tensor cores), ieee_float32 takes the CPU for CUDA.
+    y, dx and dw's GEMMs run in IEEE; with ALLOW_TF32 = True each exceeds the bound
+    (20x or more). fft-cuda gives cuBLAS conjugate transposes as views; fft resolves."""
     matmul = torch.backends.cuda.matmul
     bmm = torch.bmm
     ieee = fir.ieee_float32
@@ -1078,10 +1076,25 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
 
 # ======== tools: the benchmark (bench.py): every section in quick mode, the arithmetic
 # of each row ========
-def test_bench_quick_prints_a_row_per_mixer_and_each_rows_arithmetic(tmp_path, capsys):
-    out = tmp_path / "b.json"  # on CUDA: a row per FIR path (sublayer), variant (step)
+def test_bench_quick_prints_rows_and_their_arithmetic(tmp_path, monkeypatch, capsys):
+    """A row per mixer (CUDA: per path, per step variant), a mixer's model at a time; a
+    variant that cannot run (the captured step without CUDA) is a row saying why."""
+    alive, new_model = [], bench.new_model
+
+    def tracked(*a):  # no mixer's model outlives its rows
+        assert not any(ref() for ref in alive), "a mixer outlived its rows"
+        alive.append(weakref.ref((made := new_model(*a))[0]))
+        return made
+
+    monkeypatch.setattr(bench, "new_model", tracked)
+    out = tmp_path / "b.json"
     argv = ["--quick", "--floor", "--mixers", "me,he", "--device", str(DEVICE)]
     bench.main(argv + ["--json", str(out)])
+    args, cpu = bench.parse_args(argv), torch.device("cpu")
+    rows = bench.mixer_steps(
+        "me", args.sizes, args, cpu, ["eager", "captured"], [], {}, 1
+    )
+    assert "CUDA" in rows[0]["failed"] and rows[1]["step_ms"] > 0, rows
     blocks = capsys.readouterr().out.split("\n\n")[1:4]
     res = json.loads(out.read_text())["sections"]
     formats = (("vs_sa", ".3f"), ("vs_floor", ".1f"), ("fits", ""))
@@ -1579,9 +1592,7 @@ def clean(tmp_path_factory):
     return root / "data", str(root / "books.tsv")
 
 
-def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_folder(
-    clean, tmp_path, capsys
-):
+def test_a_run_writes_books_tokens_tokenizer_alike_from_source(clean, tmp_path, capsys):
     data_dir, tsv = clean
     meta = json.loads((data_dir / "meta.json").read_text())
     enc = machinery.load_tokenizer(data_dir)
@@ -1625,9 +1636,7 @@ def test_a_run_writes_the_books_tokens_and_tokenizer_the_same_from_a_source_fold
     assert "none/meta.json is missing" in said
 
 
-def test_download_retries_skips_pauses_names_a_missing_book_resumes(
-    clean, tmp_path, monkeypatch, capsys
-):
+def test_download_retries_pauses_names_missing(clean, tmp_path, monkeypatch, capsys):
     sleeps = []  # the main thread's (the server's threads sleep too)
     sleep = time.sleep
 
@@ -1828,9 +1837,7 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
         assert not os.path.exists(out) or os.listdir(out) == [], case
 
 
-def test_short_empty_binary_books_are_one_line_naming_the_file_a_cut_one_a_warning(
-    clean, tmp_path, capsys
-):
+def test_short_empty_binary_books_one_line_a_cut_one_warns(clean, tmp_path, capsys):
     src = tmp_path / "src"
     short = RAW[9006].replace(BODIES[9006].encode(), b"A short error page.")
     binary = bytes(range(256)) * 9
@@ -2136,7 +2143,7 @@ def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, c
     assert run(tmp_path, data, "--max_iters=2") == 0
     saved = json.load(open(os.path.join(out, "run.json")))["args"]
     kept_ = [k for k in train.SETTINGS if k not in train.MAY_CHANGE]
-    assert len(kept_) == 18  # Table 1's 15, the mixer, dtype, tf32, eval_batches
+    assert len(kept_) == 18  # Table 1's 14, the mixer, dtype, tf32, eval_batches
     for name in kept_:
         flag = other_value(name, saved[name])
         said = error_line(capsys, run, tmp_path, data, "--resume", flag)
@@ -2149,8 +2156,7 @@ def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, c
     ):
         torch.save({k: v for k, v in (ckpt | change).items() if v is not None}, path)
         assert says in error_line(capsys, run, tmp_path, data, "--resume")
-    committed = tmp_path / "committed"  # as results/logs/m2l32/me
-    committed.mkdir()
+    (committed := tmp_path / "committed").mkdir()  # as results/logs/m2l32/me
     (committed / "log.csv.gz").write_bytes(gzip.compress(b"iter\n"))
     (committed / "run.json").write_text("{}")
     for flags in ([], ["--resume"], ["--overwrite"]):
@@ -2296,9 +2302,7 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     assert machinery.pick_device("cpu") == torch.device("cpu")  # (no malloc options)
 
 
-def test_time_limit_counts_from_the_start_and_foresees_the_validation(
-    data, tmp_path, monkeypatch, capsys
-):
+def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, capsys):
     """A clock of 1 s a batch (validation's too) and 10 s to load the data: 21 s at
     batch 9, + twice the slowest batch + batch 10's validation (2) + 5 s (a guess at a
     checkpoint's) > 29 s. From the loop's start, or without the validation: later."""
@@ -2444,10 +2448,9 @@ def test_a_closed_stdout_stops_like_a_signal_kill_9_resumes_from_ckpt(data, tmp_
 
 @pytest.mark.slow
 def test_ddp_with_two_processes_trains_as_one(data, tmp_path):
-    """torchrun with 2 CPU processes (gloo) splits each batch; the log holds each whole
-    batch's loss, with dropout 0 the same as one process's. With dropout on, process r
-    draws its masks from seed + r: ckpt.pt holds its RNG where one process with that
-    seed and half the batch leaves its own."""
+    """2 CPU processes (gloo) split each batch; the log holds each whole batch's loss,
+    with dropout 0 one process's. Process r draws dropout from seed + r (ckpt.pt holds
+    it as one process of that seed and half the batch); --time_limit stops them all."""
     flags = TINY + ["--data_dir", data, "--max_iters", "6", "--device", "cpu"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc_per_node=2", "train.py"]
@@ -2524,10 +2527,9 @@ def test_processes_build_one_model_from_seed_and_draw_from_seed_plus_rank(monkey
     ids=[*PAPER, "sa-1-table1", "she-table1", "me-table1", "sa-32-table1"],
 )
 def test_captured_step_equals_the_eager_step_bit_for_bit(mixer, sizes):
-    """3 eager warm-up steps, the capture, 5 replays, with dropout and clipping on, in
-    float32 and bf16: the same losses, parameters and AdamW moments to the bit, and the
-    CUDA generator where the eager steps leave it (so a checkpoint's RNG state continues
-    the run); also at Table 1's shapes (l = d = 128, batch 64; 2 layers)."""
+    """3 eager warm-up steps, the capture, 5 replays, dropout and clipping on, float32
+    and bf16: losses, parameters, AdamW's state and the CUDA generator to the bit; also
+    at Table 1's shapes (l = d = 128, batch 64; 2 layers)."""
     torch.manual_seed(0)
     batch, l = sizes.pop("batch", 4), sizes.get("l", 16)
     data = torch.randint(0, 50, (9, batch, l + 1)).to(DEVICE)
@@ -3058,7 +3060,9 @@ def test_reproduce_stopped_stops_each_child_starts_no_more(tmp_path, capsys, chi
     assert err == f"{stopped}; the same command goes on from there\n"
 
 
-def test_reproduce_says_run_fewer_at_once_if_out_of_memory(tmp_path, capsys, children):
+def test_reproduce_a_child_out_of_memory_or_stopped_says_so_uncopied(
+    tmp_path, capsys, children
+):
     work, results = tmp_path / "work", tmp_path / "results"
     argv = [f"--work={work}", f"--results={results}"]
     children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
@@ -3077,15 +3081,11 @@ def test_reproduce_says_run_fewer_at_once_if_out_of_memory(tmp_path, capsys, chi
     assert reproduce.main(argv) == 1  # the earlier call's out of memory is not this
     said = [line for line in capsys.readouterr().out.splitlines() if "she: " in line]
     assert said[-1].startswith("she: failed (exit 1); not copied, see ")
-
-
-def test_reproduce_copies_no_run_stopped_by_a_signal(tmp_path, capsys, children):
-    results = tmp_path / "results"
     stopped = {"sa-1": 128 + signal.SIGINT, "sa-32": 128 + signal.SIGTERM}
     children.codes = stopped | {"she": 128 + signal.SIGHUP, "he": -signal.SIGKILL}
-    argv = [f"--work={tmp_path / 'work'}", f"--results={results}"]
+    argv = [f"--work={tmp_path / 'again'}", f"--results={tmp_path / 'fresh'}"]
     assert reproduce.main(argv) == 1  # each stopped at a checkpoint, its run whole
-    assert sorted(os.listdir(results / "logs" / "table1")) == ["me", "we"]
+    assert sorted(os.listdir(tmp_path / "fresh" / "logs" / "table1")) == ["me", "we"]
     out = capsys.readouterr().out
     for name, code in children.codes.items():
         assert f"{name}: failed (exit {code}); not copied" in out

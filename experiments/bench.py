@@ -120,7 +120,7 @@ def new_model(s, args, mixer, batch, device):
         ctx = machinery.precision(device, dtype)[0]
         fn = functools.partial(train.train_step, model, opt, scaler, ctx)
         if captured:  # as train.py on CUDA
-            fn = machinery.CapturedStep(fn)
+            fn = machinery.CapturedStep(fn, opt)
         return functools.partial(fn, x, y)
 
     return model.train(), opt, make_step
@@ -259,46 +259,74 @@ def section_step(s, args, device):
     variants = list(VARIANTS) if cuda else ["eager"]
     dtypes = list(dict.fromkeys(VARIANTS[v] for v in variants))
     rates = measure_rates(device, dtypes, s) if floor else {}
-    steps, counts, params = {}, {}, {}
-    for m in args.mixers:
-        model, opt, make_step = new_model(s, args, m, s["batch"], device)
-        params[m] = sum(p.numel() for p in model.parameters())
-        for dt in dtypes if floor else []:  # (also AdamW's first step: its moments)
-            logits = s["batch"] * s["l"] * s["vocab"] * (2 if "bf" in dt else 4)
-            counts[m, dt] = step_counts(model, opt, make_step(dt), logits)
-        for v in variants:
-            captured = v.endswith("captured")
-            steps[m, v] = make_step(VARIANTS[v], captured)
-            try:  # captured: 3 eager warm-up steps, then the capture
-                for _ in range(4 if captured else 0):
-                    steps[m, v]()
-            except Exception as e:
-                why = f"{type(e).__name__}: {str(e).strip()[:80]}"
-                print(f"  {m} {v} fails, no row: {why}", flush=True)
-                del steps[m, v]
-    rounds = s["queued"] = s["step_rounds"] * (5 if cuda else 1)
+    rows, rounds = [], s["step_rounds"] * (5 if cuda else 1)
+    s["queued"] = rounds
+    for m in args.mixers:  # one at a time: its model and graphs freed before the next
+        try:
+            rows += mixer_steps(m, s, args, device, variants, dtypes, rates, rounds)
+        except torch.OutOfMemoryError as e:
+            rows.append(dict(mixer=m, variant="-", failed=f"out of memory: {e}"[:80]))
+        free(device)
+    sa = {
+        r["variant"]: r["step_ms"]
+        for r in rows
+        if r["mixer"] == "sa" and "step_ms" in r
+    }
+    for row in rows:
+        if row.get("variant") in sa and "step_ms" in row:
+            row["vs_sa"] = sa[row["variant"]] / row["step_ms"]
+    units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
+    measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
+    s["rates"] = f"; rates measured: {measured}" if floor else ""
+    return rows
+
+
+def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
+    """One mixer's rows: each variant timed in interleaved rounds after warm-up (a
+    capture that fails is a row that says why), beside its floor."""
+    cuda, floor = device.type == "cuda", bool(rates)
+    model, opt, make_step = new_model(s, args, m, s["batch"], device)
+    params = sum(p.numel() for p in model.parameters())
+    counts = {}
+    for dt in dtypes if floor else []:  # (also AdamW's first step: its moments)
+        logits = s["batch"] * s["l"] * s["vocab"] * (2 if "bf" in dt else 4)
+        counts[dt] = step_counts(model, opt, make_step(dt), logits)
+    steps, rows = {}, []
+    for v in variants:
+        captured = v.endswith("captured")
+        try:  # captured: 3 eager warm-up steps, then the capture
+            steps[v] = make_step(VARIANTS[v], captured)
+            for _ in range(4 if captured else 0):
+                steps[v]()
+        except (Exception, SystemExit) as e:  # (SystemExit: CUDA failed the capture)
+            why = machinery.first_line(e) if isinstance(e, Exception) else "CUDA"
+            rows.append(dict(mixer=m, variant=v, params=params, failed=why[:80]))
+            steps.pop(v, None)
     t = interleaved(steps, rounds, device)
-    lead = {k: queued(steps[k], rounds) for k in steps if cuda and "captured" in k[1]}
-    rows = []
-    for (m, v), sec in sorted(t.items(), key=lambda kv: list(VARIANTS).index(kv[0][1])):
-        row = dict(mixer=m, variant=v, params=params[m], step_ms=1e3 * sec)
+    for v, sec in t.items():
+        row = dict(mixer=m, variant=v, params=params, step_ms=1e3 * sec)
         row["tokens_per_s"] = s["batch"] * s["l"] / sec
-        row["vs_sa"] = t["sa", v] / sec if ("sa", v) in t else None
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
-        if (m, v) in lead:
-            row["queued_ms"], row["done_ms"] = (1e3 * sec for sec in lead[m, v])
+        if cuda and "captured" in v:
+            row["queued_ms"], row["done_ms"] = (
+                1e3 * x for x in queued(steps[v], rounds)
+            )
         if floor:  # its FLOPs and bytes at the rates measured, overlapped at best
-            flops, moved = counts[m, VARIANTS[v]]
+            flops, moved = counts[VARIANTS[v]]
             rate, copy = rates[VARIANTS[v]], rates["copy"]
             row |= dict(flops=flops, bytes=moved, flop_ms=1e3 * flops / rate)
             row |= dict(byte_ms=1e3 * moved / copy, flop_rate=rate, byte_rate=copy)
             row["floor_ms"] = max(row["flop_ms"], row["byte_ms"])
             row["vs_floor"] = row["step_ms"] / row["floor_ms"]
         rows.append(row)
-    units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
-    measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
-    s["rates"] = f"; rates measured: {measured}" if floor else ""
-    return rows
+    return sorted(rows, key=lambda r: list(VARIANTS).index(r["variant"]))
+
+
+def free(device):
+    """What the last mixer held given back: its model, AdamW, graphs and their pools."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def section_memory(s, args, device):
@@ -612,13 +640,14 @@ TABLES = {
         " median of {step_rounds} rounds{rates}",
         "mixer variant params:si step_ms:.2f queued_ms:.2f done_ms:.2f tokens_per_s:.0f"
         " vs_sa:.2f flops:si bytes:si flop_ms:.3f byte_ms:.3f floor_ms:.3f vs_floor:.1f"
-        " paper_hours:.2f",
+        " paper_hours:.2f failed",
         "vs_sa: sa's step time over this one (above 1: faster); bytes: parameters,"
         " gradients, AdamW's moments, saved activations, logits\n"
         "queued_ms: per step of {queued} captured steps queued without waiting (CUDA),"
         " the host's time to queue them; done_ms: the time until the GPU ran them\n"
         "floor_ms: the larger of flop_ms and byte_ms, at the rates measured;"
-        f" paper_hours: the paper's {PAPER_BATCHES} batches at step_ms",
+        f" paper_hours: the paper's {PAPER_BATCHES} batches at step_ms; one mixer at a"
+        " time, freed after; failed: why a variant has no time",
     ),
     "memory": (
         "Memory of one training step (train.train_step), m = {n_layer}, l = d = {d},"
