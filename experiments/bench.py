@@ -44,7 +44,13 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E40
 import fir  # noqa: E402
 import machinery  # noqa: E402
 import train  # noqa: E402
-from extractor import MIXERS, SYNTHESIZERS, Config, SelfAttention, Transformer  # noqa: E402
+from extractor import (  # noqa: E402
+    MIXERS,
+    SYNTHESIZERS,
+    Config,
+    SelfAttention,
+    Transformer,
+)
 from machinery import atomic_write, fail  # noqa: E402
 
 # Table 1's shapes (d, l, batch, u, c, m); section step's rounds (5x on CUDA), the
