@@ -78,9 +78,8 @@ def read_books_tsv(path):
     """[(ebook id, title, author)]: rank, id, title, author by tabs, a line a book,
     after a header line if there is one (a first line whose id is not a number)."""
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
-        rows = [(line + "\t\t\t").split("\t") for line in lines]
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
+        rows = [(line + "\t\t\t").split("\t") for line in lines if line.strip()]
         if rows and not rows[0][1].strip().isdigit():
             rows = rows[1:]  # the header
         books = [(int(r[1]), r[2].strip(), r[3].strip()) for r in rows]
@@ -114,8 +113,7 @@ def fetch(url):
             if e.code < 500 and e.code != 429:
                 return None
             why = f"HTTP {e.code}"
-        # refused, timeout, reset, cut short
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, http.client.HTTPException) as e:  # no answer, reset, cut short
             why = str(e) or type(e).__name__
         if attempt < RETRIES:
             print(f"    {url}: {why}; retry {attempt + 1} of {RETRIES}", flush=True)
@@ -144,8 +142,7 @@ def download_books(books, mirror, raw_dir, pause):
             missing.append(str(book_id))
             continue
         atomic_write(path, data)
-        left = len(todo) - n - 1
-        eta = (time.time() - t0 + pause) / (n + 1) * left
+        eta = (time.time() - t0 + pause) / (n + 1) * (len(todo) - n - 1)
         print(f"  [{n + 1}/{len(todo)}] ebook {book_id}, {title[:40]}; eta {eta:.0f} s")
     if missing:
         fail(
@@ -157,9 +154,7 @@ def download_books(books, mirror, raw_dir, pause):
 
 def source_books(books, source):
     """Each book's file in the folder source or below it: <id>.txt or pg<id>.txt."""
-    found = {
-        name: os.path.join(d, name) for d, _, names in os.walk(source) for name in names
-    }
+    found = {p.name: str(p) for p in Path(source).rglob("*") if p.is_file()}
     paths = [found.get(f"{i}.txt") or found.get(f"pg{i}.txt") for i, _, _ in books]
     if None in paths:
         missing = ", ".join(str(i) for (i, _, _), p in zip(books, paths) if p is None)
@@ -305,14 +300,6 @@ def train_bpe(word_counts, n_tokens):
     return vocab
 
 
-def make_encoding(vocab):
-    ranks = {token: rank for rank, token in enumerate(vocab)}
-    special = {EOT: len(vocab)}
-    return tiktoken.Encoding(
-        "bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=special
-    )
-
-
 def encode_books(enc, texts):
     """uint16 token ids, each book followed by <|endoftext|> (one in a book is text)."""
     books = [enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
@@ -372,14 +359,15 @@ def prepare(args):
     for text in texts["train"]:
         words.update(regex.findall(SPLIT_PATTERN, text))
     vocab = train_bpe(words, args.vocab_size - 1)
-    enc = make_encoding(vocab)
+    ranks = {token: rank for rank, token in enumerate(vocab)}
+    special = {EOT: len(vocab)}
+    enc = tiktoken.Encoding(
+        "bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=special
+    )
     tokens = {s: encode_books(enc, t) for s, t in texts.items()}
     write_outputs(args.data_dir, vocab, source, ids, texts, tokens)
-    n_train = tokens["train"].size
-    n_val = tokens["val"].size
-    took = time.time() - t0
-    tokens = f"{n_train:,} + {n_val:,} tokens (train, val)"
-    print(f"wrote {args.data_dir}: {tokens}, {took:.0f} s")
+    sizes = f"{tokens['train'].size:,} + {tokens['val'].size:,} tokens (train, val)"
+    print(f"wrote {args.data_dir}: {sizes}, {time.time() - t0:.0f} s")
     return 0
 
 
@@ -394,9 +382,7 @@ def parse_args(argv):
     p.add_argument("--vocab_size", type=int, default=5000, help="u tokens (5000)")
     p.add_argument("--val_fraction", type=float, default=0.05, help="held out (0.05)")
     p.add_argument("--pause", type=float, default=1.0, help="s between downloads (1)")
-    p.add_argument(
-        "--min_chars", type=int, default=5000, help="chars a book needs (5000)"
-    )
+    p.add_argument("--min_chars", type=int, default=5000, help="min chars/book (5000)")
     args = p.parse_args(argv)
     if not 257 <= args.vocab_size <= 65536:
         p.error(
