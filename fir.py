@@ -9,12 +9,10 @@ ME's scalar taps. extractor.causal_fir_reference is that double sum as written; 
 path here computes the same numbers. fir_full(x, w) filters the whole sequence by the
 path that default_path picks; fir_last_row(x, w) gives the newest position only (one
 token of generation). The paths (PATHS: the taps' dims each computes):
-    toeplitz          scalar taps: a lower-triangular (t x t) matrix of the taps times
-                      X, one GEMM
+    toeplitz          scalar taps: one GEMM, a lower-triangular Toeplitz matrix times X
     toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too,
                       a matrix per channel)
-    fft               rfft, a product per frequency, irfft: O(t log t) per channel
-                      instead of O(t^2)
+    fft               rfft, a product per frequency, irfft: O(t log t), not O(t^2)
     fft-cuda          matrix taps on CUDA: the fft path in the layouts that cuBLAS and
                       cuFFT take as they are
 TF32: train.py lets CUDA's float32 matmuls run in TF32 (a 10-bit mantissa; cuBLAS's TF32
@@ -29,9 +27,7 @@ import torch.nn.functional as F
 
 # scalar taps: Toeplitz below this t (measured faster on the CPU), FFT from here on
 FFT_MIN_T_SCALAR = 1024
-# True: the FIR's GEMMs follow torch.backends.cuda.matmul.allow_tf32 (see TF32 above)
-ALLOW_TF32 = False
-# each path -> the w.dim()s it computes
+ALLOW_TF32 = False  # see TF32 above
 PATHS = {
     "toeplitz": (1,),
     "toeplitz-strided": (1, 2),
@@ -41,10 +37,9 @@ PATHS = {
 
 
 def default_path(device_type, taps_dim, t):
-    """fir_full's path on this device type for taps of taps_dim axes (1 scalars, 2
-    vectors, 3 matrices) over t positions; CPU and MPS take the paths measured on the
-    CPU, CUDA its own for matrix taps and short scalar taps (no scatter in the
-    backward)."""
+    """fir_full's path for taps of taps_dim axes (1 scalars, 2 vectors, 3 matrices) over
+    t positions: CPU and MPS take the CPU's measured ones, CUDA its own for matrix taps
+    and short scalar taps (no scatter in the backward)."""
     if device_type == "cuda" and taps_dim == 3:
         return "fft-cuda"
     if taps_dim == 1 and t < FFT_MIN_T_SCALAR:
@@ -53,10 +48,9 @@ def default_path(device_type, taps_dim, t):
 
 
 def fir_full(x, w, path=None):
-    """The filter over the whole sequence: x (B, t, d), taps w (l, ...) with l >= t ->
-    (B, t, d), from the first t taps. path: one of PATHS, else default_path's.
-    toeplitz follows autocast; the other paths compute in float32 under
-    it (float64 stays float64) and return the input's dtype."""
+    """The filter over the whole sequence, by the first t taps: x (B, t, d), taps w (l,
+    ...), l >= t -> (B, t, d); path: one of PATHS, else default_path's. toeplitz follows
+    autocast; the others use float32 under it (float64 stays) and return x's dtype."""
     t = x.shape[1]
     if t > w.shape[0]:
         raise ValueError(
@@ -84,18 +78,15 @@ def ieee_float32(device):
     on (not so with ALLOW_TF32). It sets allow_tf32, the flag train.py sets, which keeps
     PyTorch's old and new precision settings in step, and reads fp32_precision, which
     answers under either (allow_tf32 raises after a mix)."""
-    tf32 = (
-        device.type == "cuda"
-        and not ALLOW_TF32
-        and torch.backends.cuda.matmul.fp32_precision == "tf32"
-    )
+    matmul = torch.backends.cuda.matmul
+    tf32 = device.type == "cuda" and not ALLOW_TF32 and matmul.fp32_precision == "tf32"
     if tf32:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        matmul.allow_tf32 = False
     try:
         yield
     finally:
         if tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
+            matmul.allow_tf32 = True
 
 
 # ---- short sequences: the sum as a Toeplitz matrix times X
@@ -132,9 +123,7 @@ def diagonal_sums(m):
 
 
 def toeplitz_times(T, z):
-    """T z for z (B, t, d): T (t, t) of scalar taps, or T (d, t, t) of vector taps, a
-    matrix per channel.
-    """
+    """T z for z (B, t, d): T (t, t) of scalar taps, or (d, t, t) of vector taps."""
     if T.dim() == 2:  # one GEMM whose batch stride over T is 0 (neither T nor z copied)
         # Eq. (29): (B, t, t) @ (B, t, d)
         return torch.bmm(T.expand(z.shape[0], -1, -1), z)
@@ -171,8 +160,7 @@ class ToeplitzStrided(torch.autograd.Function):
 
 
 # ---- the rest: products in frequency space; zero-padded to n >= 2t - 1 points, the
-# circular convolution that the FFT computes equals the linear one (nothing wraps
-# around)
+# FFT's circular convolution equals the linear one (nothing wraps around)
 def fft_size(t):
     """The smallest n >= 2t - 1 with no prime factor above 5. FFTs of such lengths are
     fast; n = 2t can be slow: t = 127 gives 254 = 2 * 127, 2.1x the time of t = 128
@@ -191,9 +179,8 @@ def fft_size(t):
 
 
 def irfft_fbd(Y, n, t, cuda_layout):
-    """irfft's first t positions, Y (F, B, d) -> (B, t, d): along F (cuda_layout) or in
-    rfft's (B, d, F).
-    """
+    """irfft's first t positions, Y (F, B, d) -> (B, t, d): along F (cuda_layout), or
+    in rfft's (B, d, F)."""
     if cuda_layout:
         return torch.fft.irfft(Y, n=n, dim=0)[:t].transpose(0, 1)
     return torch.fft.irfft(Y.permute(1, 2, 0), n=n, dim=-1)[..., :t].transpose(1, 2)
@@ -235,9 +222,7 @@ class FIRFFT(torch.autograd.Function):
         dx = dw = None
         if W.dim() == 3:
             G = G.permute(2, 0, 1).contiguous()  # (F, B, d)
-            # views (cuda_layout), or with the conj resolved: MKL's fast path
-            W_H = W.mH
-            X_H = X.mH
+            W_H, X_H = W.mH, X.mH  # views (cuda_layout), or resolved: MKL's fast path
             if not cuda_layout:
                 W_H, X_H = W_H.resolve_conj(), X_H.resolve_conj()
             with ieee_float32(g.device):
