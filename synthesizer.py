@@ -43,22 +43,18 @@ def normal_weight(*shape):
 
 def _syn_factors(l):
     """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l)
-    (l = 128: 8 x 16). A prime l has only 1 x l, which factorizes nothing: a
-    ValueError."""
+    (l = 128: 8 x 16). A prime l (only 1 x l, no factors): a ValueError."""
     a = max(f for f in range(1, math.isqrt(l) + 1) if l % f == 0)
     if a == 1 < l:
-        fix = f"try block_size={max(4, l + 1)}"
         raise ValueError(
             f"dense-fact needs block_size l = a b with a, b > 1, "
-            f"but l={l} is prime: {fix}"
+            f"but l={l} is prime: try block_size={max(4, l + 1)}"
         )
     return a, l // a
 
 
 def _syn_cache(cache, name, z):
-    """Append z (B, n, t, e) to cache[name] (no cache: skip); return all positions (B,
-    n, T, e).
-    """
+    """z (B, n, t, e) appended to cache[name] (if any): all positions (B, n, T, e)."""
     if cache is None:
         return z
     if name in cache:
@@ -70,9 +66,7 @@ def _syn_cache(cache, name, z):
 def _syn_softmax(s, past):
     """Eq. (14) for synthesized logits: row i (absolute position past + i) keeps
     columns j <= past + i, normalises over them only. s (..., t, T) -> (..., t, T)."""
-    keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(
-        diagonal=past
-    )
+    keep = s.new_ones(s.shape[-2:], dtype=torch.bool).tril(past)
     return s.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # Eq. (14)
 
 
@@ -84,9 +78,7 @@ def _syn_attend(q, k, v, past, bias=None):
     if bias is None and past == 0:
         # Eq. (14), (15)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
-    keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(
-        diagonal=past
-    )
+    keep = q.new_ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(past)
     if bias is not None:
         keep = bias.to(q.dtype).masked_fill(~keep, float("-inf"))  # additive float mask
     # Eq. (14), (15)
@@ -196,8 +188,7 @@ class FactorizedDenseSynthesizer(_Synthesizer):
 
 class RandomSynthesizer(_Synthesizer):
     """Random Synthesizer, Synthesizer Eq. (4): a learned (l x l) R per head, the same
-    for every input, initialised N(0, 0.01²) like every weight of the Extractors paper
-    (Section 6)."""
+    for every input (normal_weight)."""
 
     fixed = False
 
@@ -226,9 +217,7 @@ class FixedRandomSynthesizer(RandomSynthesizer):
 
 
 class FactorizedRandomSynthesizer(_Synthesizer):
-    """Factorized Random Synthesizer, Synthesizer Eq. (7): R = R_1 R_2^T of rank k =
-    SYN_RANK.
-    """
+    """Factorized Random Synthesizer, Synthesizer Eq. (7): R = R_1 R_2^T of rank k."""
 
     def __init__(self, cfg, k=SYN_RANK):
         super().__init__(cfg)
@@ -264,9 +253,7 @@ class RandomDenseSynthesizer(DenseSynthesizer):
 
 
 class RandomSASynthesizer(_Synthesizer):
-    """Random + dot-product attention: alpha[:, 0] weighs R, alpha[:, 1] Q K^T /
-    sqrt(h).
-    """
+    """Random + dot product: alpha[:, 0] weighs R, alpha[:, 1] Q K^T / sqrt(h)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
