@@ -17,15 +17,9 @@ import time
 
 import torch
 
+import machinery
 from extractor import Config, Transformer, check_sampling
-from machinery import (
-    TOKENIZER_FILE,
-    fail,
-    load_checkpoint,
-    load_tokenizer,
-    peak_memory,
-    pick_device,
-)
+from machinery import fail
 
 
 def build_parser():
@@ -45,15 +39,14 @@ def build_parser():
 
 
 def load_model(out_dir, device):
-    """The model of a run's ckpt.pt (out_dir may name the file), in eval mode, and the
-    checkpoint."""
+    """(model in eval mode, checkpoint) of out_dir/ckpt.pt, or of out_dir if a file."""
     path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         fail(
             f"no checkpoint {path}: train a run there first"
             f" (python train.py --out_dir {out_dir} ...)"
         )
-    ckpt = load_checkpoint(path)
+    ckpt = machinery.load_checkpoint(path)
     try:  # fails for an unknown mixer or the weights of another model
         model = Transformer(Config(**ckpt["config"]))
         model.load_state_dict(ckpt["model"])
@@ -65,18 +58,17 @@ def load_model(out_dir, device):
 
 def load_run_tokenizer(data_dir, ckpt):
     """The tokenizer of data_dir, refused unless the run was trained with it."""
-    path = os.path.join(data_dir, TOKENIZER_FILE)
+    path = os.path.join(data_dir, machinery.TOKENIZER_FILE)
     if not os.path.isfile(path):
         fail(f"no tokenizer {path}; pass the run's --data_dir")
     with open(path, "rb") as f:
         if hashlib.sha256(f.read()).hexdigest() != ckpt["data"]["tokenizer_sha256"]:
             fail(f"{path} is not the run's tokenizer; pass the run's --data_dir")
-    return load_tokenizer(data_dir)
+    return machinery.load_tokenizer(data_dir)
 
 
 def stream(model, idx, enc, max_new_tokens, **kw):
-    """Print each new token as it is sampled, by an incremental decoder: it may end
-    inside a character."""
+    """Print each token as sampled, decoded incrementally: it may end mid-character."""
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for tok in model.generate(idx, max_new_tokens, **kw):  # (1, 1) each
         piece = text.decode(enc.decode_single_token_bytes(tok.item()))
@@ -99,7 +91,7 @@ def main(argv=None):
         check_sampling(**kw)
     except ValueError as e:
         p.error(str(e))
-    device = pick_device(args.device)
+    device = machinery.pick_device(args.device)
     model, ckpt = load_model(args.out_dir, device)
     enc = load_run_tokenizer(args.data_dir or ckpt["args"]["data_dir"], ckpt)
     # no prompt: a new document
@@ -118,12 +110,10 @@ def main(argv=None):
         print(args.prompt, end="", flush=True)
         idx = torch.tensor([ids], device=device)
         stream(model, idx, enc, args.max_new_tokens, **kw)
-    peak, what = peak_memory(device)
+    peak, what = machinery.peak_memory(device)
     n = args.num_samples * args.max_new_tokens
-    took = time.time() - t0
-    print(
-        f"# {n} tokens in {took:.1f} s; {what} {peak / 2**30:.2f} GB", file=sys.stderr
-    )
+    dt = time.time() - t0
+    print(f"# {n} tokens in {dt:.1f} s; {what} {peak / 2**30:.2f} GB", file=sys.stderr)
     return 0
 
 
