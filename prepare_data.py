@@ -165,10 +165,8 @@ def source_books(books, source):
 
 
 # a marker or the licence's end, to the line after it
-START_RE = re.compile(
-    r"^\*\*\* ?START OF TH(?:E|IS) PROJECT GUTENBERG EBOOK.*\n?", re.M
-)
-END_RE = re.compile(r"^\*\*\* ?END OF TH(?:E|IS) PROJECT GUTENBERG EBOOK", re.M)
+START_RE = re.compile(r"^\*{3} ?START OF TH(?:E|IS) PROJECT GUTENBERG EBOOK.*\n?", re.M)
+END_RE = re.compile(r"^\*{3} ?END OF TH(?:E|IS) PROJECT GUTENBERG EBOOK", re.M)
 # the 1990s files have no START marker: their licence ends "*END THE SMALL PRINT! ..."
 SMALL_PRINT_END_RE = re.compile(r"^\*END THE SMALL PRINT.*\n?", re.M)
 FOOTER_RE = re.compile(r"^End of (?:the )?Project Gutenberg", re.I | re.M)
@@ -205,9 +203,7 @@ def book_body(book, path, min_chars):
     """The stripped text of a book's file; refused if binary or too short for a book."""
     book_id, title, _ = book
     raw = Path(path).read_bytes()
-    fix = (
-        f"replace {path} with the book's text (or delete a download to fetch it again)"
-    )
+    fix = f"replace {path} with the book's text (or delete a download to get it again)"
     if b"\0" in raw:
         fail(f"ebook {book_id}: {path} is not a text file (NUL bytes); {fix}")
     try:
@@ -310,11 +306,8 @@ def encode_books(enc, texts):
 def write_outputs(data_dir, vocab, source, ids, texts, tokens):
     """train.bin, val.bin, tokenizer.tiktoken, then meta.json, vouching for them."""
     lines = [base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(vocab)]
-    files = {
-        "train.bin": tokens["train"].tobytes(),
-        "val.bin": tokens["val"].tobytes(),
-        TOKENIZER_FILE: b"".join(lines),
-    }
+    files = {f"{s}.bin": tokens[s].tobytes() for s in SPLITS}
+    files[TOKENIZER_FILE] = b"".join(lines)
     sha = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
     meta = {"vocab_size": len(vocab) + 1, "eot_token": len(vocab), "dtype": "uint16"}
     meta |= {f"{s}_tokens": int(tokens[s].size) for s in SPLITS}
