@@ -10,15 +10,12 @@ path here computes the same numbers. fir_full(x, w) filters the whole sequence b
 path that default_path picks; fir_last_row(x, w) gives the newest position only (one
 token of generation). The paths (PATHS: the taps' dims each computes):
     toeplitz          scalar taps: one GEMM, a lower-triangular Toeplitz matrix times X
-    toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too,
-                      a matrix per channel)
+    toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too)
     fft               rfft, a product per frequency, irfft: O(t log t), not O(t^2)
-    fft-cuda          matrix taps on CUDA: the fft path in the layouts that cuBLAS and
-                      cuFFT take as they are
-TF32: train.py lets CUDA's float32 matmuls run in TF32 (a 10-bit mantissa; cuBLAS's TF32
-mode covers complex64 GEMMs too). Every GEMM here runs in IEEE float32 instead
-(ieee_float32), unless ALLOW_TF32 = True, which lets them follow the global setting, to
-measure what TF32 does."""
+    fft-cuda          matrix taps on CUDA: fft in layouts cuBLAS and cuFFT take as is
+TF32: train.py lets CUDA's float32 matmuls (and cuBLAS's complex64 GEMMs) run in TF32, a
+10-bit mantissa; every GEMM here runs in IEEE float32 (ieee_float32) unless ALLOW_TF32 =
+True, which lets them follow the global setting, to measure what TF32 does."""
 
 import contextlib
 
@@ -162,9 +159,8 @@ class ToeplitzStrided(torch.autograd.Function):
 # ---- the rest: products in frequency space; zero-padded to n >= 2t - 1 points, the
 # FFT's circular convolution equals the linear one (nothing wraps around)
 def fft_size(t):
-    """The smallest n >= 2t - 1 with no prime factor above 5. FFTs of such lengths are
-    fast; n = 2t can be slow: t = 127 gives 254 = 2 * 127, 2.1x the time of t = 128
-    (measured)."""
+    """The smallest n >= 2t - 1 with no prime factor above 5, a fast FFT length; n = 2t
+    can be slow: t = 127 gives 254 = 2 * 127, 2.1x the time of t = 128 (measured)."""
     if t < 1:
         raise ValueError(f"an FFT over {t} positions: the sequence needs at least one")
     n = 2 * t - 1
@@ -208,7 +204,7 @@ class FIRFFT(torch.autograd.Function):
             ctx.save_for_backward(X, W)
             with ieee_float32(x.device):
                 # Eq. (23) per frequency, (B, t, d)
-                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout=cuda_layout)
+                return irfft_fbd(torch.bmm(X, W), n, t, cuda_layout)
         W = torch.fft.rfft(w.t(), n=n, dim=-1)  # vectors (d, F) or scalars (F,)
         ctx.save_for_backward(X, W)
         y = torch.fft.irfft(X * W, n=n, dim=-1)[..., :t]  # Eq. (26), (28), (29)
@@ -227,11 +223,10 @@ class FIRFFT(torch.autograd.Function):
                 W_H, X_H = W_H.resolve_conj(), X_H.resolve_conj()
             with ieee_float32(g.device):
                 if ctx.needs_input_grad[0]:  # (B, t, d)
-                    dx = irfft_fbd(torch.bmm(G, W_H), n, t, cuda_layout=cuda_layout)
+                    dx = irfft_fbd(torch.bmm(G, W_H), n, t, cuda_layout)
                 if ctx.needs_input_grad[1]:
                     # summed over the batch, (d, t, d) -> (t, d, d)
-                    XG = irfft_fbd(torch.bmm(X_H, G), n, t, cuda_layout=cuda_layout)
-                    dw = XG.transpose(0, 1)
+                    dw = irfft_fbd(torch.bmm(X_H, G), n, t, cuda_layout).transpose(0, 1)
             return dx, dw, None
         if ctx.needs_input_grad[0]:
             dx = torch.fft.irfft(G * W.conj(), n=n, dim=-1)[..., :t]  # (B, d, t)
@@ -246,8 +241,7 @@ class FIRFFT(torch.autograd.Function):
 
 def fir_last_row(x, w):
     """Row t-1 of the sum for x (B, t, d), the newest token's output (B, d): a direct
-    product, O(t d) for vector or scalar taps and O(t d^2) for matrix taps (Tables 5
-    and 6)."""
+    product, O(t d) for vector or scalar taps, O(t d^2) for matrices (Tables 5, 6)."""
     x_back = x.flip(1)  # x_back[:, k] is the token k steps back, which meets tap k
     w = w[: x.shape[1]]
     if w.dim() == 3:
