@@ -11,25 +11,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Synthesizer equations are cited as `# Synthesizer Eq. (k)`, to tell them from the
-# Extractors paper's `# Eq. (k)` (its self-attention equations, reused here). Each head
-# j replaces Q_j K_j^T / sqrt(h) of Eq. (13) by synthesized logits S_j, masks them as
-# Eq. (14) does, and keeps the values, concatenation and output map of Eq. (12),
-# (15)-(17): X_out_sub1 = (softmax(S_1) V_1, ..., softmax(S_n) V_n) W^[out_att],  V_j =
-# X W_j^[V]. Parameters that depend on the length (R, W_2, ...) are sized for l and
-# sliced to the t rows and columns in use, as the Synthesizer paper's "On Parameters
-# Depending on Sequence Length" says. Parameter counts follow its Table 1 and text;
-# their "d" is the model's d: Dense d^2 + d l for the whole sublayer: W_1 (d x d) gives
-# head j h = d/n hidden units computed from all of x_i (as W_Q (d x d) feeds the heads,
-# Table 1's "Dot Product 2 d^2" row), W_2 maps each head's h units to l logits (n h l =
-# d l, "the Dense Synthesizer adds d x N"); no biases (Eq. (2) and Table 1 have none).
-# Factorized Dense d^2 + d (a + b);  Random n l^2 ("each head adds N^2");  Factorized
-# Random 2 n l k ("for each head ... 2(Nk)");  Fixed Random 0 trainable;  mixtures add
-# their parts and 2n mixing weights.  W_V and W_out_att add 2 d^2 to every one. Cached
-# decoding: cache['v'] (and cache['k'] for the +sa mixtures) hold the earlier positions;
-# their number `past` is the absolute position of the first new token in the window,
-# which picks the rows of the position-indexed matrices. A new token costs one row of
-# logits plus the cached values.
+# Synthesizer equations are cited as `# Synthesizer Eq. (k)`, the Extractors paper's
+# (its self-attention, reused here) as `# Eq. (k)`. Each head j replaces Q_j K_j^T /
+# sqrt(h) of Eq. (13) by synthesized logits S_j, masks them as Eq. (14) does, and keeps
+# the values, concatenation and output map of Eq. (12), (15)-(17): X_out_sub1 =
+# (softmax(S_1) V_1, ..., softmax(S_n) V_n) W^[out_att],  V_j = X W_j^[V]. Parameters
+# that depend on the length (R, W_2, ...) are sized for l and sliced to the t rows and
+# columns in use (the Synthesizer paper's "On Parameters Depending on Sequence Length").
+# Parameter counts follow its Table 1 and text, its "d" the model's d: Dense d^2 + d l
+# for the whole sublayer: W_1 (d x d) gives head j h = d/n hidden units from all of x_i
+# (as W_Q (d x d) feeds the heads, Table 1's "Dot Product 2 d^2" row), W_2 maps each
+# head's h units to l logits (n h l = d l, "the Dense Synthesizer adds d x N"); no
+# biases (Eq. (2) and Table 1 have none). Factorized Dense d^2 + d (a + b);  Random n
+# l^2 ("each head adds N^2");  Factorized Random 2 n l k ("for each head ... 2(Nk)");
+# Fixed Random 0 trainable;  mixtures add their parts and 2n mixing weights.  W_V and
+# W_out_att add 2 d^2 to every one. Cached decoding: cache['v'] (and cache['k'] for the
+# +sa mixtures) holds the earlier positions; their number `past`, the absolute position
+# of the first new token in the window, picks the rows of the position-indexed matrices.
+# A new token costs one row of logits plus the cached values.
 
 # k of the Factorized Random Synthesizer ("In practice, we use a small value of k = 8")
 SYN_RANK = 8
@@ -71,10 +70,9 @@ def _syn_softmax(s, past):
 
 
 def _syn_attend(q, k, v, past, bias=None):
-    """softmax(q k^T + bias) v over the causal rows, Eq. (14), (15), by
-    F.scaled_dot_product_attention with no 1/sqrt scale (the caller scales). q (B, n, t,
-    e), k (B, n, T, e), v (B, n, T, h), bias (n, t, T): a float bias that needs a
-    gradient runs torch's plain math on the CPU."""
+    """softmax(q k^T + bias) v over the causal rows, Eq. (14), (15), by torch's fused
+    attention, unscaled (the caller scales): q (B, n, t, e), k (B, n, T, e), v (B, n, T,
+    h), bias (n, t, T); a float bias needing a gradient runs plain math on the CPU."""
     if bias is None and past == 0:
         # Eq. (14), (15)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
@@ -87,8 +85,7 @@ def _syn_attend(q, k, v, past, bias=None):
 
 class _Synthesizer(nn.Module):
     """What every Synthesizer shares: values, cache, concatenation and output map.
-    Subclasses define mix(x, v, past, cache) -> softmax(S) V for the new rows, (B, n, t,
-    h)."""
+    Subclasses define mix(x, v, past, cache) -> softmax(S) V, new rows (B, n, t, h)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -99,19 +96,16 @@ class _Synthesizer(nn.Module):
             )
         self.d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
         self.h = self.d // self.n
-        # G(X) = X W_j^[V] of all heads
-        self.W_V = nn.Linear(self.d, self.d, bias=False)
+        self.W_V = nn.Linear(self.d, self.d, bias=False)  # G(X) = X W_j^[V], all heads
         self.W_out_att = nn.Linear(self.d, self.d, bias=False)  # W^[out_att]
 
     def forward(self, x, cache=None):
         B, t, d = x.shape
         past = cache["v"].shape[2] if cache else 0  # positions cached before x
-        if past + t > self.l:
-            raise ValueError(
-                f"sequence length {past + t} exceeds block_size l={self.l}"
-            )
-        # Eq. (12), (B, n, T, h), T = past + t
-        v = _syn_cache(cache, "v", self.heads(self.W_V(x)))
+        T = past + t
+        if T > self.l:
+            raise ValueError(f"sequence length {T} exceeds block_size l={self.l}")
+        v = _syn_cache(cache, "v", self.heads(self.W_V(x)))  # Eq. (12), (B, n, T, h)
         r = self.mix(x, v, past, cache)  # Eq. (15), (B, n, t, h)
         return self.W_out_att(r.transpose(1, 2).reshape(B, t, d))  # Eq. (16), (17)
 
@@ -144,18 +138,15 @@ class DenseSynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        # W_{1,h} of all heads, h hidden units each
-        self.W_1 = nn.Linear(self.d, self.d, bias=False)
-        # W_{2,h}: h -> l per head, stored (out, in)
-        self.W_2 = normal_weight(self.n, self.l, self.h)
+        self.W_1 = nn.Linear(self.d, self.d, bias=False)  # W_{1,h}, h units per head
+        self.W_2 = normal_weight(self.n, self.l, self.h)  # W_{2,h} (out, in): h -> l
 
     def hidden(self, x):
         return self.heads(F.relu(self.W_1(x)))  # Synthesizer Eq. (2), (B, n, t, h)
 
     def keys(self, B, T):
-        """B_i = W_2 hidden_i (Synthesizer Eq. (1), (2)) dots the hidden units with the
-        rows of W_2 (l, h): they act as keys, so the fused attention kernel computes
-        Synthesizer Eq. (3)."""
+        """B_i = W_2 hidden_i (Synthesizer Eq. (1), (2)): the rows of W_2 (l, h) act as
+        keys, so the fused attention kernel computes Synthesizer Eq. (3)."""
         return self.W_2[:, :T].expand(B, -1, -1, -1)  # (B, n, T, h)
 
     def mix(self, x, v, past, cache):  # Synthesizer Eq. (1)-(3)
@@ -173,8 +164,7 @@ class FactorizedDenseSynthesizer(_Synthesizer):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.a, self.b = _syn_factors(self.l)
-        # as the Dense Synthesizer's W_{1,h}
-        self.W_1 = nn.Linear(self.d, self.d, bias=False)
+        self.W_1 = nn.Linear(self.d, self.d, bias=False)  # the Dense one's W_{1,h}
         self.W_A = normal_weight(self.n, self.h, self.a)  # F_{A,h}: h -> a per head
         self.W_B = normal_weight(self.n, self.h, self.b)  # F_{B,h}: h -> b per head
 
@@ -208,10 +198,9 @@ class FixedRandomSynthesizer(RandomSynthesizer):
     """Fixed Random Synthesizer (Synthesizer Eq. (4), "kept fixed"): R is drawn once
     from the model's RNG and never trained. Its logits are N(0, 1), not the trained
     Random's N(0, 0.01²): at 0.01 softmax(R) would be a uniform causal average to within
-    about 1%, a running mean rather than the random alignment the Synthesizer paper
-    tests. At l = 128 the rows' mean entropy is 3.43 nats against the uniform rows'
-    3.88 (N(0, 0.01²): 3.878), the last row's largest weight 0.071 against 1/l =
-    0.0078."""
+    about 1%, a running mean, not the random alignment the Synthesizer paper tests. At
+    l = 128 the rows' mean entropy is 3.43 nats against the uniform rows' 3.88 (N(0,
+    0.01²): 3.878), the last row's largest weight 0.071 against 1/l = 0.0078."""
 
     fixed = True
 
@@ -231,9 +220,8 @@ class FactorizedRandomSynthesizer(_Synthesizer):
 
 # Mixtures (Synthesizer Sec. 3.1, "Mixture of Synthesizers", unnumbered): Y_h =
 # softmax(alpha_{1,h} S_{1,h}(X) + alpha_{2,h} S_{2,h}(X)) G_h(X),  alpha_{1,h} +
-# alpha_{2,h} = 1, alpha = softmax of a learned (n, 2) `alpha`, one pair per head (the
-# paper's alpha_{i,h,l}), zeros at init. The dot-product part ("+V" in the paper, "+sa"
-# here) is Eq. (13), Q_j K_j^T / sqrt(h).
+# alpha_{2,h} = 1: the softmax of a learned (n, 2) `alpha`, a pair per head (the paper's
+# alpha_{i,h,l}); the dot-product part (the paper's "+V", "+sa" here) is Eq. (13).
 
 
 class RandomDenseSynthesizer(DenseSynthesizer):
@@ -257,8 +245,7 @@ class RandomSASynthesizer(_Synthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        # W_j^[Q], W_j^[K] of all heads
-        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)
+        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)  # all W_j^[Q], W_j^[K]
         self.R = normal_weight(self.n, self.l, self.l)  # Random's R_h
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
@@ -277,8 +264,7 @@ class DenseSASynthesizer(DenseSynthesizer):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        # W_j^[Q], W_j^[K] of all heads
-        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)
+        self.W_QK = nn.Linear(self.d, 2 * self.d, bias=False)  # all W_j^[Q], W_j^[K]
         self.alpha = nn.Parameter(torch.zeros(self.n, 2))
 
     def mix(self, x, v, past, cache):
