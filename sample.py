@@ -1,7 +1,6 @@
 """
 Continue a prompt with a trained run's model, token by token (Eq. 2; the paper's Table 2
-samples with top-p 0.6). The tokenizer comes from the run's data folder and must be the
-one it was trained with.
+samples with top-p 0.6), in the tokenizer it was trained with (from its data folder).
 
     python sample.py --prompt "Once upon a time"                           # out/me
     python sample.py --out_dir out/she --seed 1 \\
