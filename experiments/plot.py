@@ -28,6 +28,7 @@ import os
 import shlex
 import sys
 import zlib
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -55,19 +56,16 @@ def fail(msg):
 
 
 def atomic_write(path, data):
-    """data (bytes or str) whole at path or none of it: a temporary file, renamed;
-    path's folder made if it is missing."""
+    """data (bytes or str) whole at path or none of it (renamed); makes its folder."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        Path(tmp).write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except OSError as e:  # (named as the file it was for)
         raise OSError(e.errno, e.strerror, path) from e
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def read(path, parse, hint="pass folders written by train.py"):
@@ -97,10 +95,9 @@ def read_log(run_dir):
     if not good:
         fail(f"{path} has no row of train.py's log yet; wait for one, or restore it")
     it, loss, tok_s, val = np.array(good).T  # (rows,) each
-    it = it.astype(np.int64)
     has = ~np.isnan(val)
-    log = dict(iter=it, train_loss=loss, tokens_per_s=tok_s)
-    return log | dict(val_iter=it[has], val_loss=val[has])
+    log = dict(iter=it.astype(np.int64), train_loss=loss, tokens_per_s=tok_s)
+    return log | dict(val_iter=log["iter"][has], val_loss=val[has])
 
 
 def cut(log, until):
@@ -335,8 +332,8 @@ def read_rows(path, header, what):
         fail(f"{path}: not a number where one belongs; write it again with {what}")
 
 
-def seed_rows(runs, until, earlier):
-    """seeds.csv: each run at the shortest length (or `until`), `earlier`'s others."""
+def seed_rows(runs, until, csvs):
+    """seeds.csv: each run at the shortest length (or `until`), the others of `csvs`."""
     n = min([int(r["log"]["iter"][-1]) for r in runs] + ([until] if until else []))
     rows = []
     for r in runs:
@@ -344,6 +341,7 @@ def seed_rows(runs, until, earlier):
         first = {"mixer": label(s)} | {k: s.get(k, "") for k in ("seed", "data_seed")}
         rows.append(run_row(first, cut(r["log"], n), [1000]))
     given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
+    earlier = [e for path in csvs for e in read_rows(path, SEED_COLUMNS, "--seeds")]
     for e in earlier:
         if e["batches"] != n:
             at = e["batches"]
@@ -365,9 +363,8 @@ def by_batch(columns):
 
 
 def gap_rows(runs, path):
-    """gaps.csv: each run's median of the last 2000 batches and last validation loss,
-    their gaps to sa-32's, and a paper's gap in nats, ln(ppl / sa-32's ppl), from
-    `path`'s run and lm1b_ppl columns (--paper_ppl)."""
+    """gaps.csv: each run's run_row of the last 2000 batches, its gaps to sa-32's, and
+    a paper's gap in nats, ln(ppl / sa-32's ppl), from `path`'s lm1b_ppl column."""
     parse = lambda f: {r["run"]: float(r["lm1b_ppl"]) for r in csv.DictReader(f)}
     ppl = read(path, parse, "give --paper_ppl a CSV with run and lm1b_ppl columns")
     rows = [run_row({"run": r["name"]}, r["log"], [2000]) for r in runs]
@@ -385,8 +382,7 @@ def gap_rows(runs, path):
 
 def write_results(runs, folder, window, seed_table, paper_ppl=None):
     """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
-    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl);
-    returns their paths."""
+    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl)."""
     medians = {r["name"]: window_medians(r["log"]["train_loss"], window) for r in runs}
     vals = {r["name"]: (r["log"]["val_iter"], r["log"]["val_loss"]) for r in runs}
     tables = {"medians.csv": by_batch(medians), "val_loss.csv": by_batch(vals)}
@@ -399,7 +395,6 @@ def write_results(runs, folder, window, seed_table, paper_ppl=None):
 
 
 def write_csv(path, rows):
-    """rows: dicts, their keys the header. Returns path."""
     buf = io.StringIO()
     lines = [list(rows[0])] + [list(r.values()) for r in rows]
     csv.writer(buf, lineterminator="\n").writerows(lines)
@@ -463,11 +458,11 @@ def plot_logs(args):
     output = output_path(args.output, args.runs, "loss.png", args.raw or args.sweep)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
     runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
-    seeds = read_runs([p for p in args.seeds if not p.endswith(".csv")])
+    seed_csvs = [p for p in args.seeds if p.endswith(".csv")]
+    seeds = read_runs([p for p in args.seeds if p not in seed_csvs])
     check_corpus(runs + seeds)
     longest = max((len(r["log"]["train_loss"]) for r in runs), default=2000)
-    window = min(2000, longest if args.sweep else max(1, longest // 30))
-    window = args.window or window
+    window = args.window or min(2000, longest if args.sweep else max(1, longest // 30))
     for r in runs:
         n = len(r["log"]["train_loss"])
         if n < (1 if args.raw else window):  # --raw draws every batch
@@ -481,10 +476,7 @@ def plot_logs(args):
         plot_runs(runs, output, window, args.raw)
     if not args.results:
         return [output]
-    earlier = []
-    for path in [p for p in args.seeds if p.endswith(".csv")]:
-        earlier += read_rows(path, SEED_COLUMNS, "--seeds")
-    seed_table = seed_rows(runs + seeds, args.batches, earlier) if args.seeds else []
+    seed_table = seed_rows(runs + seeds, args.batches, seed_csvs) if args.seeds else []
     written = write_results(runs, args.results, window, seed_table, args.paper_ppl)
     return [output] + written
 

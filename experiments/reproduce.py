@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from plot import atomic_write, fail, read, read_log
 
@@ -98,8 +99,7 @@ def room(args):
 
 def failure(console, code):
     """Why a run failed, from its console: out of memory and what to do, or its exit."""
-    with open(console) as f:
-        ours = f.read().rsplit("$ ", 1)[-1]  # this call's: after its "$ command" line
+    ours = Path(console).read_text().rsplit("$ ", 1)[-1]  # this call's: after "$ "
     if "\nerror: out of memory" in ours:
         return "ran out of memory: run fewer at once (--jobs 1) or free the GPU"
     return f"failed (exit {code})"
@@ -184,10 +184,9 @@ def keep(name, code, args):
             why = f"{batches} batches on {device} against {old_batches} on {old_device}"
             print(f"{name}: not copied, {why} in {dst} (--replace copies it)")
             return False
-    with open(os.path.join(src, "log.csv"), "rb") as f:
-        atomic_write(os.path.join(dst, "log.csv.gz"), gzip.compress(f.read(), mtime=0))
-    with open(os.path.join(src, "run.json"), "rb") as f:
-        atomic_write(os.path.join(dst, "run.json"), f.read())
+    log = Path(src, "log.csv").read_bytes()
+    atomic_write(os.path.join(dst, "log.csv.gz"), gzip.compress(log, mtime=0))
+    atomic_write(os.path.join(dst, "run.json"), Path(src, "run.json").read_bytes())
     print(f"{name}: {batches} batches on {device}, copied into {dst}")
     return True
 
@@ -252,9 +251,8 @@ def main(argv=None):
         print(f"{stopped}; the same command goes on from there", file=sys.stderr)
         return 130
     kept = [keep(name, code, args) for name, code in zip(args.runs, codes)]
-    if any(kept) and not redraw(args.results):
-        return 1
-    return 1 if any(codes) else 0
+    failed = any(kept) and not redraw(args.results)
+    return 1 if failed or any(codes) else 0
 
 
 if __name__ == "__main__":

@@ -129,8 +129,7 @@ def plot_taps(run_dirs, path, data_dir=None):
         if hasattr(model.layers[0].mixer, "logits"):
             ylabel = "mean softmax(R) weight"
         panels.append((label(vars(cfg)), ckpt.get("iter", "?"), ylabel, profile))
-    rows = -(-len(panels) // 3)  # three panels a row
-    cols = min(3, len(panels))
+    rows, cols = -(-len(panels) // 3), min(3, len(panels))  # three panels a row
     size = (4.8 * cols, 3.6 * rows)
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
     panels.sort(key=lambda p: paper_rank(p[0]))
