@@ -35,7 +35,6 @@ import numpy as np
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others: matplotlib's cycle)
 STYLE = {"sa-1": "tab:gray", "sa-32": "black", "she": "tab:red", "he": "tab:orange"}
@@ -284,7 +283,7 @@ def finish(ax, title):
 def save(fig, path, title=None):
     """fig, titled, to path in the format its extension names (none: png)."""
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable ...", ...}
+    kinds = fig.canvas.get_supported_filetypes()  # {"png": "Portable ...", ...}
     if fmt not in kinds:
         known = ", .".join(sorted(kinds))
         fail(f"cannot write a .{fmt} image {shlex.quote(path)}; use one of .{known}")
@@ -436,8 +435,7 @@ def sweep(args, runs, csvs, output, window):
         rows += [p for p in points if (p["mixer"], p[x]) not in seen]
     lengths = sorted({r["batches"] for r in rows})
     if len(lengths) > 1:
-        least, most = lengths[0], lengths[-1]
-        fail(f"the sweep's points have {least} to {most} batches; pass --batches N")
+        fail(f"the points have {lengths[0]} to {lengths[-1]} batches; pass --batches N")
     rows.sort(key=lambda r: (paper_rank(r["mixer"]), r[x]))
     plot_sweep(rows, key, output, window, setting_title(runs, key) if runs else None)
     if not args.results:

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from plot import atomic_write, fail, read, read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +92,6 @@ def room(args):
     NEED_GIB the device's free memory holds; else all."""
     if args.jobs or not args.device.startswith("cuda"):
         return lambda names: not args.jobs or len(names) <= args.jobs
-    import torch  # (main imported it)
-
     free = torch.cuda.mem_get_info(args.device)[0] / 2**30
     print(f"{free:.1f} GiB free on {args.device}: as many runs at once as it holds")
     return lambda names: sum(NEED_GIB[n] + CONTEXT_GIB for n in names) <= free
@@ -124,8 +124,6 @@ def check_file(names, args):
 
 def check(names, args, flags, fits):
     """Each model's first 100 batches here against its committed CPU run: a table."""
-    import torch  # (main imported it)
-
     work = os.path.join(args.work, "check")
     shutil.rmtree(work, ignore_errors=True)  # the check trains anew
     flags = flags + ["--max_iters=100", "--log_interval=10"]
@@ -233,8 +231,6 @@ def main(argv=None):
     if args.jobs is not None and args.jobs < 1:
         fail(f"--jobs {args.jobs}: runs at once must be at least 1")
     args.runs = [name for name in RUNS if name in args.runs]  # each once, in order
-    import torch  # (only here: the rest of this script needs none)
-
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
     fits = room(args)

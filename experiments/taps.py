@@ -29,9 +29,8 @@ YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"
 
 
 def tap_profile(model, windows=None):
-    """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}: ME's |w_k|,
-    WE's and HE's ||w_k||_2, SHE's ||W_k||_F, attention's mean weight on `windows`,
-    a Random Synthesizer's mean softmax(R) weight."""
+    """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}, as this file's
+    docstring says for each kind of mixer; attention's on `windows` (N, l)."""
     if model.cfg.mixer == "sa":
         return attention_by_distance(model, windows)
     if hasattr(model.layers[0].mixer, "logits"):  # R: Random, Fixed, Factorized
