@@ -39,8 +39,7 @@ def tap_profile(model, windows=None):
     mixers = [L.mixer for L in model.layers]
     taps = [getattr(m, "W_ext", getattr(m, "w_ext", None)) for m in mixers]
     if any(w is None for w in taps):
-        mixer = model.cfg.mixer
-        fail(f"the {mixer!r} mixer has no Extractor taps and no attention weights")
+        fail(f"mixer {model.cfg.mixer!r} has no Extractor taps, no attention weights")
     norms = [w.detach().double().reshape(len(w), -1).norm(dim=1) for w in taps]
     return {i: norm.numpy() for i, norm in enumerate(norms, 1)}
 
@@ -78,9 +77,8 @@ def attention_by_distance(model, windows, chunk=32):
 def random_by_distance(mixer):
     """(l,) a Random Synthesizer's softmax(R) (Synthesizer Eq. (4), causal rows): its
     mean weight k - 1 tokens back over heads and positions i >= k - 1."""
-    l = mixer.l
     with torch.no_grad():
-        a = _syn_softmax(mixer.logits(0, l).double(), 0).sum(dim=0)  # (l, l)
+        a = _syn_softmax(mixer.logits(0, mixer.l).double(), 0).sum(dim=0)  # (l, l)
     return mean_by_distance(a, mixer.n)
 
 
