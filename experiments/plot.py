@@ -28,13 +28,13 @@ import os
 import shlex
 import sys
 import zlib
+from pathlib import Path
 
 import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others: matplotlib's cycle)
 STYLE = {"sa-1": "tab:gray", "sa-32": "black", "she": "tab:red", "he": "tab:orange"}
@@ -55,19 +55,16 @@ def fail(msg):
 
 
 def atomic_write(path, data):
-    """data (bytes or str) whole at path or none of it: a temporary file, renamed;
-    path's folder made if it is missing."""
+    """data (bytes or str) whole at path or none of it (renamed); makes its folder."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        Path(tmp).write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except OSError as e:  # (named as the file it was for)
         raise OSError(e.errno, e.strerror, path) from e
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def read(path, parse, hint="pass folders written by train.py"):
@@ -97,10 +94,9 @@ def read_log(run_dir):
     if not good:
         fail(f"{path} has no row of train.py's log yet; wait for one, or restore it")
     it, loss, tok_s, val = np.array(good).T  # (rows,) each
-    it = it.astype(np.int64)
     has = ~np.isnan(val)
-    log = dict(iter=it, train_loss=loss, tokens_per_s=tok_s)
-    return log | dict(val_iter=it[has], val_loss=val[has])
+    log = dict(iter=it.astype(np.int64), train_loss=loss, tokens_per_s=tok_s)
+    return log | dict(val_iter=log["iter"][has], val_loss=val[has])
 
 
 def cut(log, until):
@@ -287,7 +283,7 @@ def finish(ax, title):
 def save(fig, path, title=None):
     """fig, titled, to path in the format its extension names (none: png)."""
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    kinds = FigureCanvasBase.get_supported_filetypes()  # {"png": "Portable ...", ...}
+    kinds = fig.canvas.get_supported_filetypes()  # {"png": "Portable ...", ...}
     if fmt not in kinds:
         known = ", .".join(sorted(kinds))
         fail(f"cannot write a .{fmt} image {shlex.quote(path)}; use one of .{known}")
@@ -335,8 +331,8 @@ def read_rows(path, header, what):
         fail(f"{path}: not a number where one belongs; write it again with {what}")
 
 
-def seed_rows(runs, until, earlier):
-    """seeds.csv: each run at the shortest length (or `until`), `earlier`'s others."""
+def seed_rows(runs, until, csvs):
+    """seeds.csv: each run at the shortest length (or `until`), the others of `csvs`."""
     n = min([int(r["log"]["iter"][-1]) for r in runs] + ([until] if until else []))
     rows = []
     for r in runs:
@@ -344,6 +340,7 @@ def seed_rows(runs, until, earlier):
         first = {"mixer": label(s)} | {k: s.get(k, "") for k in ("seed", "data_seed")}
         rows.append(run_row(first, cut(r["log"], n), [1000]))
     given = {(r["mixer"], r["seed"], r["data_seed"]) for r in rows}
+    earlier = [e for path in csvs for e in read_rows(path, SEED_COLUMNS, "--seeds")]
     for e in earlier:
         if e["batches"] != n:
             at = e["batches"]
@@ -365,9 +362,8 @@ def by_batch(columns):
 
 
 def gap_rows(runs, path):
-    """gaps.csv: each run's median of the last 2000 batches and last validation loss,
-    their gaps to sa-32's, and a paper's gap in nats, ln(ppl / sa-32's ppl), from
-    `path`'s run and lm1b_ppl columns (--paper_ppl)."""
+    """gaps.csv: each run's run_row of the last 2000 batches, its gaps to sa-32's, and
+    a paper's gap in nats, ln(ppl / sa-32's ppl), from `path`'s lm1b_ppl column."""
     parse = lambda f: {r["run"]: float(r["lm1b_ppl"]) for r in csv.DictReader(f)}
     ppl = read(path, parse, "give --paper_ppl a CSV with run and lm1b_ppl columns")
     rows = [run_row({"run": r["name"]}, r["log"], [2000]) for r in runs]
@@ -385,8 +381,7 @@ def gap_rows(runs, path):
 
 def write_results(runs, folder, window, seed_table, paper_ppl=None):
     """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
-    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl);
-    returns their paths."""
+    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl)."""
     medians = {r["name"]: window_medians(r["log"]["train_loss"], window) for r in runs}
     vals = {r["name"]: (r["log"]["val_iter"], r["log"]["val_loss"]) for r in runs}
     tables = {"medians.csv": by_batch(medians), "val_loss.csv": by_batch(vals)}
@@ -399,7 +394,6 @@ def write_results(runs, folder, window, seed_table, paper_ppl=None):
 
 
 def write_csv(path, rows):
-    """rows: dicts, their keys the header. Returns path."""
     buf = io.StringIO()
     lines = [list(rows[0])] + [list(r.values()) for r in rows]
     csv.writer(buf, lineterminator="\n").writerows(lines)
@@ -441,8 +435,7 @@ def sweep(args, runs, csvs, output, window):
         rows += [p for p in points if (p["mixer"], p[x]) not in seen]
     lengths = sorted({r["batches"] for r in rows})
     if len(lengths) > 1:
-        least, most = lengths[0], lengths[-1]
-        fail(f"the sweep's points have {least} to {most} batches; pass --batches N")
+        fail(f"the points have {lengths[0]} to {lengths[-1]} batches; pass --batches N")
     rows.sort(key=lambda r: (paper_rank(r["mixer"]), r[x]))
     plot_sweep(rows, key, output, window, setting_title(runs, key) if runs else None)
     if not args.results:
@@ -463,11 +456,11 @@ def plot_logs(args):
     output = output_path(args.output, args.runs, "loss.png", args.raw or args.sweep)
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
     runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
-    seeds = read_runs([p for p in args.seeds if not p.endswith(".csv")])
+    seed_csvs = [p for p in args.seeds if p.endswith(".csv")]
+    seeds = read_runs([p for p in args.seeds if p not in seed_csvs])
     check_corpus(runs + seeds)
     longest = max((len(r["log"]["train_loss"]) for r in runs), default=2000)
-    window = min(2000, longest if args.sweep else max(1, longest // 30))
-    window = args.window or window
+    window = args.window or min(2000, longest if args.sweep else max(1, longest // 30))
     for r in runs:
         n = len(r["log"]["train_loss"])
         if n < (1 if args.raw else window):  # --raw draws every batch
@@ -481,10 +474,7 @@ def plot_logs(args):
         plot_runs(runs, output, window, args.raw)
     if not args.results:
         return [output]
-    earlier = []
-    for path in [p for p in args.seeds if p.endswith(".csv")]:
-        earlier += read_rows(path, SEED_COLUMNS, "--seeds")
-    seed_table = seed_rows(runs + seeds, args.batches, earlier) if args.seeds else []
+    seed_table = seed_rows(runs + seeds, args.batches, seed_csvs) if args.seeds else []
     written = write_results(runs, args.results, window, seed_table, args.paper_ppl)
     return [output] + written
 

@@ -27,6 +27,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import torch
 
 from plot import atomic_write, fail, read, read_log
 
@@ -89,8 +92,6 @@ def room(args):
     NEED_GIB the device's free memory holds; else all."""
     if args.jobs or not args.device.startswith("cuda"):
         return lambda names: not args.jobs or len(names) <= args.jobs
-    import torch  # (main imported it)
-
     free = torch.cuda.mem_get_info(args.device)[0] / 2**30
     print(f"{free:.1f} GiB free on {args.device}: as many runs at once as it holds")
     return lambda names: sum(NEED_GIB[n] + CONTEXT_GIB for n in names) <= free
@@ -98,8 +99,7 @@ def room(args):
 
 def failure(console, code):
     """Why a run failed, from its console: out of memory and what to do, or its exit."""
-    with open(console) as f:
-        ours = f.read().rsplit("$ ", 1)[-1]  # this call's: after its "$ command" line
+    ours = Path(console).read_text().rsplit("$ ", 1)[-1]  # this call's: after "$ "
     if "\nerror: out of memory" in ours:
         return "ran out of memory: run fewer at once (--jobs 1) or free the GPU"
     return f"failed (exit {code})"
@@ -124,8 +124,6 @@ def check_file(names, args):
 
 def check(names, args, flags, fits):
     """Each model's first 100 batches here against its committed CPU run: a table."""
-    import torch  # (main imported it)
-
     work = os.path.join(args.work, "check")
     shutil.rmtree(work, ignore_errors=True)  # the check trains anew
     flags = flags + ["--max_iters=100", "--log_interval=10"]
@@ -184,10 +182,9 @@ def keep(name, code, args):
             why = f"{batches} batches on {device} against {old_batches} on {old_device}"
             print(f"{name}: not copied, {why} in {dst} (--replace copies it)")
             return False
-    with open(os.path.join(src, "log.csv"), "rb") as f:
-        atomic_write(os.path.join(dst, "log.csv.gz"), gzip.compress(f.read(), mtime=0))
-    with open(os.path.join(src, "run.json"), "rb") as f:
-        atomic_write(os.path.join(dst, "run.json"), f.read())
+    log = Path(src, "log.csv").read_bytes()
+    atomic_write(os.path.join(dst, "log.csv.gz"), gzip.compress(log, mtime=0))
+    atomic_write(os.path.join(dst, "run.json"), Path(src, "run.json").read_bytes())
     print(f"{name}: {batches} batches on {device}, copied into {dst}")
     return True
 
@@ -234,8 +231,6 @@ def main(argv=None):
     if args.jobs is not None and args.jobs < 1:
         fail(f"--jobs {args.jobs}: runs at once must be at least 1")
     args.runs = [name for name in RUNS if name in args.runs]  # each once, in order
-    import torch  # (only here: the rest of this script needs none)
-
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
     fits = room(args)
@@ -252,9 +247,8 @@ def main(argv=None):
         print(f"{stopped}; the same command goes on from there", file=sys.stderr)
         return 130
     kept = [keep(name, code, args) for name, code in zip(args.runs, codes)]
-    if any(kept) and not redraw(args.results):
-        return 1
-    return 1 if any(codes) else 0
+    failed = any(kept) and not redraw(args.results)
+    return 1 if failed or any(codes) else 0
 
 
 if __name__ == "__main__":

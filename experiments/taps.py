@@ -29,9 +29,8 @@ YLABEL = {"sa": "mean attention weight", "she": r"$\|W_k\|_F$", "me": r"$|w_k|$"
 
 
 def tap_profile(model, windows=None):
-    """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}: ME's |w_k|,
-    WE's and HE's ||w_k||_2, SHE's ||W_k||_F, attention's mean weight on `windows`,
-    a Random Synthesizer's mean softmax(R) weight."""
+    """{layer (from 1): (l,) what its mixer weighs k - 1 tokens back}, as this file's
+    docstring says for each kind of mixer; attention's on `windows` (N, l)."""
     if model.cfg.mixer == "sa":
         return attention_by_distance(model, windows)
     if hasattr(model.layers[0].mixer, "logits"):  # R: Random, Fixed, Factorized
@@ -40,8 +39,7 @@ def tap_profile(model, windows=None):
     mixers = [L.mixer for L in model.layers]
     taps = [getattr(m, "W_ext", getattr(m, "w_ext", None)) for m in mixers]
     if any(w is None for w in taps):
-        mixer = model.cfg.mixer
-        fail(f"the {mixer!r} mixer has no Extractor taps and no attention weights")
+        fail(f"mixer {model.cfg.mixer!r} has no Extractor taps, no attention weights")
     norms = [w.detach().double().reshape(len(w), -1).norm(dim=1) for w in taps]
     return {i: norm.numpy() for i, norm in enumerate(norms, 1)}
 
@@ -79,9 +77,8 @@ def attention_by_distance(model, windows, chunk=32):
 def random_by_distance(mixer):
     """(l,) a Random Synthesizer's softmax(R) (Synthesizer Eq. (4), causal rows): its
     mean weight k - 1 tokens back over heads and positions i >= k - 1."""
-    l = mixer.l
     with torch.no_grad():
-        a = _syn_softmax(mixer.logits(0, l).double(), 0).sum(dim=0)  # (l, l)
+        a = _syn_softmax(mixer.logits(0, mixer.l).double(), 0).sum(dim=0)  # (l, l)
     return mean_by_distance(a, mixer.n)
 
 
@@ -129,8 +126,7 @@ def plot_taps(run_dirs, path, data_dir=None):
         if hasattr(model.layers[0].mixer, "logits"):
             ylabel = "mean softmax(R) weight"
         panels.append((label(vars(cfg)), ckpt.get("iter", "?"), ylabel, profile))
-    rows = -(-len(panels) // 3)  # three panels a row
-    cols = min(3, len(panels))
+    rows, cols = -(-len(panels) // 3), min(3, len(panels))  # three panels a row
     size = (4.8 * cols, 3.6 * rows)
     fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
     panels.sort(key=lambda p: paper_rank(p[0]))
