@@ -7,14 +7,12 @@
     python experiments/bench.py --sections length,generate --csv results  # minutes
     python experiments/bench.py --draw results/length_cpu.csv   # its figure, .png
 
-Sections: sublayer, a mixer's forward+backward at Table 1's l and batch (on CUDA each
-FIR path: fir.py's CUDA defaults come from it); by name only length, the same at l = 32
-.. 4096 (b l fixed), and generate, one new token with the cache at t = 32 .. 4096 (these
-three on one and on the default threads, beside Tables 3-6's counts and the FLOPs run);
-step, Table 1's training step (CUDA: captured, eager, bf16 of both) beside its floor
-(CUDA, --floor: its FLOPs and bytes at the rates measured); memory, its peak and the
-largest batch that fits a --gpu_gib GPU. Times: medians of interleaved rounds after
-warm-up (a noisy moment hits all the mixers), ratios to sa from the same run.
+Sections: sublayer, a mixer's forward+backward at Table 1's l (on CUDA each FIR path:
+fir.py's CUDA defaults come from it); step, Table 1's training step (on CUDA or with
+--floor beside its floor); memory, its peak and the largest batch that fits a --gpu_gib
+GPU; by name only length and generate, the sublayer at l and one new token at t = 32 ..
+4096. Times: medians of interleaved rounds after warm-up (a noisy moment hits all the
+mixers), the ratios to sa from the same run.
 """
 
 import argparse
