@@ -385,9 +385,9 @@ def complexity_inference(d, t, n=1):
     sa = dict(mult=2 * t * d + 4 * d * d, add=2 * t * d + 4 * d * d - 5 * d - n)
     sa |= dict(div=2 * t * n, exp=t * n)
     she = dict(none, mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d)
-    he = dict(mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d, **none)
-    we = dict(mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d, **none)
-    me = dict(mult=t * d, add=t * d - d, **none)
+    he = dict(none, mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d)
+    we = dict(none, mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d)
+    me = dict(none, mult=t * d, add=t * d - d)
     return dict(sa=sa, she=she, he=he, we=we, me=me)
 
 
