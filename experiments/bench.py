@@ -1,5 +1,4 @@
-"""
-The token mixers against attention on this device, and the paper's operation counts.
+"""The token mixers against attention on this device, and the paper's operation counts.
 
     python experiments/bench.py                 # sublayer, step, memory: Table 1's
     python experiments/bench.py --quick         # tiny shapes, few rounds: seconds
@@ -8,15 +7,12 @@ The token mixers against attention on this device, and the paper's operation cou
     python experiments/bench.py --sections length,generate --csv results  # minutes
     python experiments/bench.py --draw results/length_cpu.csv   # its figure, .png
 
-Sections: sublayer, a mixer's forward+backward at Table 1's l and batch (on CUDA each
-FIR path: fir.py's CUDA defaults come from it), and by name only length, the same at
-l = 32 .. 4096 (b l fixed), and generate, one new token with the cache at t = 32 ..
-4096: each on one and on the default threads, beside Tables 3-6's counts and the FLOPs
-run; step, train.py's training step of Table 1's model (on CUDA in a CUDA graph, eager,
-bf16 of both), on CUDA or with --floor beside its floor: its FLOPs and the bytes it
-must move at the rates measured in the run; memory, a step's peak and the largest batch
-that fits a --gpu_gib GPU. Times: medians of interleaved rounds after warm-up (a noisy
-moment hits all the mixers), the ratios to sa from the same run.
+Sections: sublayer, a mixer's forward+backward at Table 1's l (on CUDA each FIR path:
+fir.py's CUDA defaults come from it); step, Table 1's training step (on CUDA or with
+--floor beside its floor); memory, its peak and the largest batch that fits a --gpu_gib
+GPU; by name only length and generate, the sublayer at l and one new token at t = 32 ..
+4096. Times: medians of interleaved rounds after warm-up (a noisy moment hits all the
+mixers), the ratios to sa from the same run.
 """
 
 import argparse
@@ -41,16 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode, flop_registry  # noqa: E402
 
+import extractor  # noqa: E402
 import fir  # noqa: E402
 import machinery  # noqa: E402
 import train  # noqa: E402
-from extractor import (  # noqa: E402
-    MIXERS,
-    SYNTHESIZERS,
-    Config,
-    SelfAttention,
-    Transformer,
-)
 from machinery import atomic_write, fail  # noqa: E402
 
 # Table 1's shapes (d, l, batch, u, c, m); section step's rounds (5x on CUDA), the
@@ -103,13 +93,13 @@ def queued(step, k):
 def make_config(s, args, mixer):
     sizes = dict(vocab_size=s["vocab"], block_size=s["l"], n_embd=s["d"])
     sizes |= dict(n_hidden=s["hidden"], n_layer=s["n_layer"], n_head=args.n_head)
-    return Config(**sizes, mixer=mixer)
+    return extractor.Config(**sizes, mixer=mixer)
 
 
 def sublayer(cfg):
     """The first sublayer, the mixer that cfg names, as a Transformer builds it."""
     one_layer = dataclasses.replace(cfg, n_layer=1, vocab_size=1)
-    return Transformer(one_layer).layers[0].mixer
+    return extractor.Transformer(one_layer).layers[0].mixer
 
 
 def new_model(s, args, mixer, batch, device):
@@ -120,10 +110,9 @@ def new_model(s, args, mixer, batch, device):
     seeded = torch.Generator().manual_seed(0)
     data = torch.randint(0, s["vocab"], (batch, s["l"] + 1), generator=seeded)
     x, y = data[:, :-1].to(device), data[:, 1:].to(device)
-    scaler = torch.amp.GradScaler(device.type, enabled=False)  # (no float16)
 
     def make_step(dtype, captured=False):
-        ctx = machinery.precision(device, dtype)[0]
+        ctx, scaler = machinery.precision(device, dtype)  # (no float16: no scaling)
         fn = functools.partial(train.train_step, model, opt, scaler, ctx)
         if captured:  # as train.py on CUDA
             fn = machinery.CapturedStep(fn, opt)
@@ -138,7 +127,7 @@ def sublayer_paths(module, t, device):
     names = ("W_ext", "w_ext")
     taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in names]
     if not taps:
-        return ["sdpa" if isinstance(module, SelfAttention) else "matmul"]
+        return ["sdpa" if isinstance(module, extractor.SelfAttention) else "matmul"]
     dim = taps[0].dim()
     default = fir.default_path(device.type, dim, t)
     others = [p for p, dims in fir.PATHS.items() if dim in dims and p != default]
@@ -147,14 +136,12 @@ def sublayer_paths(module, t, device):
 
 def storage_bytes(tensors, skip=()):
     """Bytes of the tensors' storages, each once (views share one), not `skip`'s."""
-    sizes = {}  # data_ptr -> bytes
-    for t in tensors:
-        sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    storages = [t.untyped_storage() for t in tensors]
+    sizes = {st.data_ptr(): st.nbytes() for st in storages}
     return sum(n for ptr, n in sizes.items() if ptr not in skip)
 
 
 def state_bytes(model, optimizer):
-    """The parameters and AdamW's two moments, exp_avg and exp_avg_sq."""
     states = optimizer.state.values()
     moments = [st[k] for st in states for k in ("exp_avg", "exp_avg_sq")]
     return storage_bytes(model.parameters()) + storage_bytes(moments)
@@ -199,8 +186,12 @@ def completed_flops():
     6 if complex) and FFTs, estimated as 2.5 n log2(n) real flops per real transform of
     length n (half a complex radix-2 FFT's 5 n log2 n)."""
     aten = torch.ops.aten
-    flash = flop_registry[aten._scaled_dot_product_flash_attention]
-    flash_backward = flop_registry[aten._scaled_dot_product_flash_attention_backward]
+    # SDPA's CPU kernels as the flash kernels, by the shapes of their first arguments,
+    # (grad,) q, k, v: the registry's formulae unwrapped (the mode wraps them again)
+    flash = flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__
+    backward = flop_registry[
+        aten._scaled_dot_product_flash_attention_backward
+    ].__wrapped__
 
     def r2c(x, dim, *_, out_val, **kw):  # length n: 2.5 n log2(n)
         return int(2.5 * x.numel() * math.log2(math.prod(x.shape[d] for d in dim)))
@@ -215,17 +206,11 @@ def completed_flops():
     def mul(*_, out_val, **kw):
         return out_val.numel() * (6 if out_val.is_complex() else 1)
 
-    def sdpa(*args, out_val, **kw):
-        return flash(*args, out_val=out_val, **kw)
-
-    def sdpa_backward(grad, q, k, v, *_, out_val, **kw):
-        return flash_backward(grad, q, k, v, out_val=out_val)
-
     counts = {aten.bmm: bmm, aten.mul: mul, aten._fft_r2c: r2c, aten._fft_c2r: c2r}
-    counts[aten._scaled_dot_product_flash_attention_for_cpu] = sdpa
-    counts[aten._scaled_dot_product_flash_attention_for_cpu_backward] = sdpa_backward
     for f in counts.values():
         f._get_raw = True  # called with the op's arguments and output, not their shapes
+    counts[aten._scaled_dot_product_flash_attention_for_cpu] = flash
+    counts[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
     return counts
 
 
@@ -247,10 +232,9 @@ def measure_rates(device, dtypes, s):
 
 
 def step_counts(model, optimizer, step, logits):
-    """One training step counted, (FLOPs, bytes): its FLOPs, forward and backward
-    (AdamW's not), and the fewest bytes it must move: parameters, gradients and AdamW's
-    moments each read and written once, each activation saved for backward and the
-    logits (`logits` bytes) written once and read once."""
+    """(FLOPs, bytes) of one training step: its forward+backward FLOPs (not AdamW's) and
+    the fewest bytes it moves, each written and read once: parameters, gradients,
+    AdamW's moments, activations saved for backward, logits (`logits` bytes)."""
     with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
         saved = saved_for_backward(step, model.parameters())
     gradients = storage_bytes(model.parameters())  # as large as the parameters
@@ -259,7 +243,6 @@ def step_counts(model, optimizer, step, logits):
 
 
 def section_step(s, args, device):
-    """Each variant timed in interleaved rounds after warm-up, beside its floor."""
     cuda = device.type == "cuda"
     floor = cuda or args.floor
     variants = list(VARIANTS) if cuda else ["eager"]
@@ -273,13 +256,10 @@ def section_step(s, args, device):
         except torch.OutOfMemoryError as e:
             rows.append(dict(mixer=m, variant="-", failed=f"out of memory: {e}"[:80]))
         free(device)
-    sa = {
-        r["variant"]: r["step_ms"]
-        for r in rows
-        if r["mixer"] == "sa" and "step_ms" in r
-    }
-    for row in rows:
-        if row.get("variant") in sa and "step_ms" in row:
+    timed_rows = [r for r in rows if "step_ms" in r]  # (not the failed)
+    sa = {r["variant"]: r["step_ms"] for r in timed_rows if r["mixer"] == "sa"}
+    for row in timed_rows:
+        if row["variant"] in sa:
             row["vs_sa"] = sa[row["variant"]] / row["step_ms"]
     units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
     measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
@@ -314,9 +294,8 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
         row["tokens_per_s"] = s["batch"] * s["l"] / sec
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
         if cuda and "captured" in v:
-            row["queued_ms"], row["done_ms"] = (
-                1e3 * x for x in queued(steps[v], rounds)
-            )
+            host, done = queued(steps[v], rounds)
+            row |= dict(queued_ms=1e3 * host, done_ms=1e3 * done)
         if floor:  # its FLOPs and bytes at the rates measured, overlapped at best
             flops, moved = counts[VARIANTS[v]]
             rate, copy = rates[VARIANTS[v]], rates["copy"]
@@ -362,14 +341,12 @@ def section_memory(s, args, device):
 def memory_at_batch(s, args, mixer, batch, device):
     """Bytes of (parameters and AdamW's moments, saved activations, peak, on CUDA the
     peak reserved: the allocator's cache emptied first, all of it this model's)."""
-    cuda = device.type == "cuda"
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
+    free(device)
     model, opt, make_step = new_model(s, args, mixer, batch, device)
     step = make_step("float32")
     saved = saved_for_backward(step, model.parameters())
     peak = peak_bytes(step, device)
+    cuda = device.type == "cuda"
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     state = state_bytes(model, opt)
     return state, saved, None if peak is None else peak + state, reserved
@@ -407,11 +384,10 @@ def complexity_inference(d, t, n=1):
     none = dict(div=0, exp=0)
     sa = dict(mult=2 * t * d + 4 * d * d, add=2 * t * d + 4 * d * d - 5 * d - n)
     sa |= dict(div=2 * t * n, exp=t * n)
-    she = dict(mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d)
-    she |= none
-    he = dict(mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d, **none)
-    we = dict(mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d, **none)
-    me = dict(mult=t * d, add=t * d - d, **none)
+    she = dict(none, mult=t * d * d + 2 * d * d + d, add=t * d * d + 2 * d * d - 3 * d)
+    he = dict(none, mult=t * d + 3 * d * d + d, add=t * d + 3 * d * d - 4 * d)
+    we = dict(none, mult=t * d + 2 * d * d + d, add=t * d + 2 * d * d - 3 * d)
+    me = dict(none, mult=t * d, add=t * d - d)
     return dict(sa=sa, she=she, he=he, we=we, me=me)
 
 
@@ -432,7 +408,7 @@ def table7(d=128, l=128):
 def measured(mixer, d, l, n=1):
     """(parameters, FLOPs of one forward of one sequence) of a sublayer's module (no
     mixer has biases): FlopCounterMode's count, completed (completed_flops)."""
-    module = sublayer(Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
+    module = sublayer(extractor.Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
     counter = FlopCounterMode(display=False, custom_mapping=completed_flops())
     with torch.no_grad(), counter:
         module(torch.randn(1, l, d))  # (1, t, d)
@@ -748,7 +724,7 @@ def parse_args(argv):
         fail(f"--sections takes a comma list of {sections}, got {given!r}")
     names = args.mixers.split(",")
     if args.mixers.strip() == "all":
-        names = [*MIXERS, *SYNTHESIZERS]
+        names = [*extractor.MIXERS, *extractor.SYNTHESIZERS]
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
     args.sizes = QUICK if args.quick else SIZES
     for m in args.mixers:  # an unknown name, --n_head not dividing d: one line
