@@ -1,17 +1,11 @@
 """
 The run's machinery, beside the experiment of train.py: what keeps a run safe, exact
 and honest about how it computed. Each guarantee is a function (or a class) that says
-it in its docstring:
-
-- the command line: Table 1's settings name the run's folder; a bad flag is one line
-- the data: train.bin, val.bin and the tokenizer, each checked against meta.json
-- the run folder: made and locked; it holds one run; its files are written whole
-- ckpt.pt: plain dicts and tensors; --resume takes the run's settings from it and goes
-  on bit for bit
-- stopping: Ctrl-C, kill, a closed terminal and --time_limit stop at a checkpoint
-- the console and log.csv: a line at each log point, with the pace and an ETA
-- the device, precision, the step captured in a CUDA graph, DDP's processes, peak
-  memory; every failure one line that says what stays
+it in its docstring: the command line, the data checked against meta.json, the run
+folder (locked, one run, its files written whole), ckpt.pt (plain dicts and tensors)
+and --resume (bit for bit), stopping at a checkpoint, the console and log.csv, the
+device, precision, the captured step, DDP, peak memory; every failure is one line that
+says what stays.
 """
 
 import argparse
@@ -78,10 +72,10 @@ def fmt_time(s):
     return f"{int(s) // 3600}h{int(s) // 60 % 60:02d}m"
 
 
-def atomic_write(path, data, dir_fd=None):
+def atomic_write(path, data, dir_fd=None, shown=None):
     """data (bytes or str) whole at path, or nothing there: a temporary file first,
     then renamed over path (relative to the folder dir_fd, when given); an error names
-    path, not the temporary file."""
+    path (or shown), not the temporary file."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     try:
@@ -95,7 +89,7 @@ def atomic_write(path, data, dir_fd=None):
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         if isinstance(e, OSError) and e.errno is not None:
-            raise OSError(e.errno, e.strerror, path) from e
+            raise OSError(e.errno, e.strerror, shown or path) from e
         raise
 
 
@@ -210,12 +204,10 @@ def load_tokenizer(data_dir):
     _, data, meta = checked_file(data_dir, TOKENIZER_FILE, "tokenizer_sha256")
     lines = [line.split() for line in data.splitlines()]  # base64(token) rank
     ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
+    pattern = meta["split_pattern"]
     special = {"<|endoftext|>": len(ranks)}
     return tiktoken.Encoding(
-        "bpe",
-        pat_str=meta["split_pattern"],
-        mergeable_ranks=ranks,
-        special_tokens=special,
+        "bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special
     )
 
 
@@ -224,14 +216,13 @@ def load_data(data_dir, block_size, batch_size):
     fingerprint (the vocabulary and the files' sha256) for ckpt.pt."""
     tokens = []
     # a batch of windows of l + 1 tokens in train.bin, one in val.bin
-    for split, need in (("train", block_size + batch_size), ("val", block_size + 1)):
+    for split, need, batch, less in (
+        ("train", block_size + batch_size, "b + l", "--batch_size or --block_size"),
+        ("val", block_size + 1, "l + 1", "--block_size"),
+    ):
         path, raw, meta = checked_file(data_dir, f"{split}.bin", f"{split}_sha256")
         n = len(raw) // 2
         if n < need:
-            batch = "b + l" if split == "train" else "l + 1"
-            less = (
-                "--batch_size or --block_size" if split == "train" else "--block_size"
-            )
             fail(
                 f"{path}: {n} tokens, fewer than a batch needs ({batch} = {need}): "
                 f"use a smaller {less}"
@@ -269,14 +260,12 @@ class RunFolder:
         self.fd = os.open(path, os.O_RDONLY)
 
     def __enter__(self):
+        """Process 0's lock: refused if another train.py holds the folder, or if it
+        cannot be written (found at the start, not at a checkpoint); a killed write's
+        .*.tmp files go."""
         THIS_RUN["folder"] = self
-        if MASTER:
-            self.lock()
-        return self
-
-    def lock(self):
-        """Refused if another train.py holds the folder, or if it cannot be written
-        (found at the start, not at a checkpoint); a killed write's .*.tmp files go."""
+        if not MASTER:
+            return self
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -292,19 +281,17 @@ class RunFolder:
             os.unlink(".written", dir_fd=self.fd)
         except OSError as e:
             fail(f"cannot write in --out_dir {self.path} ({e.strerror}): pick another")
+        return self
 
     def has(self, name):
         return name in os.listdir(self.fd)
 
     def write(self, name, data):
         """The file `name` whole in this folder, or as it was; an error names it."""
-        try:
-            atomic_write(name, data, dir_fd=self.fd)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from e
+        atomic_write(name, data, self.fd, os.path.join(self.path, name))
 
-    def remove(self, name):
-        if self.has(name):
+    def remove(self, names):
+        for name in set(names) & set(os.listdir(self.fd)):
             os.unlink(name, dir_fd=self.fd)
 
     def __exit__(self, *error):
@@ -318,7 +305,7 @@ class RunFolder:
         os.close(self.fd)
 
 
-def checkpoint_to_resume(args, parser, argv, settings, may_change, folder):
+def checkpoint_to_resume(args, argv, settings, may_change, folder):
     """The checkpoint to resume (args then set from it), or None to start: a folder
     holds a run once a checkpoint (and log.csv) was written in it, and a plain command
     refuses it; --resume goes on only from a checkpoint of as many processes,
@@ -354,7 +341,7 @@ def checkpoint_to_resume(args, parser, argv, settings, may_change, folder):
         fail(f"{path} was trained by {ckpt['world_size']} processes: run as many")
     saved = {k: v for k, v in ckpt["args"].items() if k in settings}
     vars(args).update(saved)
-    parser.parse_args(argv, args)  # the flags given, over the saved settings
+    build_parser(settings).parse_args(argv, args)  # the flags given, over saved ones
     differ = [k for k in saved if k not in may_change and vars(args)[k] != saved[k]]
     if differ:
         flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
@@ -384,33 +371,6 @@ def check_same_data(ckpt, data, args):
     """A resumed run trains on the data of its checkpoint (meta.json's sha256s)."""
     if ckpt and ckpt["data"] != data:
         fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
-
-
-def save_checkpoint(info, rows, model, optimizer, scaler):
-    """ckpt.pt (run.json's info, log.csv's rows, all processes' RNG states), log.csv,
-    run.json, each whole or none, in the locked folder."""
-    state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    rngs = [state] * WORLD
-    if WORLD > 1:
-        dist.all_gather_object(rngs, state)
-    if not MASTER:
-        return
-    ckpt = dict(
-        info,
-        model=model.state_dict(),
-        optimizer=optimizer.state_dict(),
-        scaler=scaler.state_dict(),
-        rng=rngs,
-        log=rows,
-    )
-    buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
-    torch.save(ckpt, buffer)
-    folder = THIS_RUN["folder"]
-    folder.write("ckpt.pt", buffer.getvalue())
-    folder.write("log.csv", LOG_HEADER + "".join(rows))
-    folder.write("run.json", json.dumps(info, indent=1) + "\n")
 
 
 def restore(ckpt, model, optimizer, scaler, device):
@@ -448,12 +408,12 @@ def say(line):
     as a signal does; the lines go to stderr from then on, where it can be written."""
     if not MASTER:
         return
+    console = sys.stderr if THIS_RUN["stderr"] else sys.stdout
     try:
-        print(line, file=sys.stderr if THIS_RUN["stderr"] else sys.stdout, flush=True)
+        print(line, file=console, flush=True)
     except OSError as e:
-        gone = sys.stderr if THIS_RUN["stderr"] else sys.stdout
         with contextlib.suppress(OSError, ValueError):  # (written to nowhere from now)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), gone.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), console.fileno())
         closed = signal.SIGPIPE if isinstance(e, BrokenPipeError) else signal.SIGHUP
         STOP["signal"] = STOP["signal"] or closed
         if not THIS_RUN["stderr"]:
@@ -511,9 +471,8 @@ class Progress:
         self.pause = 5.0  # the longest log point's work, s (a guess until measured)
         self.since = time.time()  # the end of the last log point
         self.t0 = self.since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (its time counts)
-        if MASTER and args.overwrite:
-            for name in RUN_FILES:  # the old run's, once the new one could start
-                THIS_RUN["folder"].remove(name)
+        if MASTER and args.overwrite:  # the old run's files, once the new one can start
+            THIS_RUN["folder"].remove(RUN_FILES)
 
     def batch_done(self, loss):
         """The batch's loss (a tensor on the device, not read) and its end."""
@@ -525,17 +484,20 @@ class Progress:
         """Whether the batch just done must be the last, in every process alike: a
         signal came, or from train.py's start the time limit leaves no room for 2
         batches, the next validation (if the next batch has one) and a log point."""
-        signalled = STOP["signal"] is not None
-        return any_process(signalled or self.out_of_time(evaluates_next))
-
-    def out_of_time(self, evaluates_next):
-        if self.args.time_limit is None:
-            return False
-        now = self.t0 + self.times[-1]
-        per_batch = (now - self.since) / len(self.times)
-        batches = 2 + self.args.eval_batches * evaluates_next
-        elapsed = now - self.start_time
-        return elapsed + batches * per_batch + self.pause > self.args.time_limit
+        late = False
+        if self.args.time_limit is not None:
+            now = self.t0 + self.times[-1]
+            per_batch = (now - self.since) / len(self.times)
+            batches = 2 + self.args.eval_batches * evaluates_next
+            elapsed = now - self.start_time
+            late = elapsed + batches * per_batch + self.pause > self.args.time_limit
+        stop = STOP["signal"] is not None or late
+        if WORLD == 1:
+            return stop
+        # any process's, over the CPU process group: it waits for no GPU
+        t = torch.tensor(float(stop))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
+        return t.item() > 0
 
     def log(self, it, val):
         """log.csv's rows since the last log point and a console line with the pace and
@@ -562,15 +524,37 @@ class Progress:
         say(f"{line} | ETA {fmt_time(eta)}")
 
     def save(self, it, model, optimizer, scaler):
-        """ckpt.pt, log.csv and run.json, with this session's peak memory (on CUDA the
-        allocator's reserve too: a captured step's pool is reserved, not allocated)."""
+        """ckpt.pt (run.json's info, log.csv's rows, all processes' RNG states), log.csv
+        and run.json, each whole or none; info has this session's peak memory (on CUDA
+        the reserve too: a captured step's pool is reserved, not allocated)."""
         peak, what = peak_memory(self.device)
         self.info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
         if self.device.type == "cuda":
             reserved = torch.cuda.max_memory_reserved(self.device)
             self.info["peak_reserved_mb"] = round(reserved / 2**20, 1)
         self.info.update(iter=it, elapsed_s=time.time() - self.t0)
-        save_checkpoint(self.info, self.rows, model, optimizer, scaler)
+        state = {"torch": torch.get_rng_state()}  # (dropout's; random is unused)
+        if torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        rngs = [state] * WORLD
+        if WORLD > 1:
+            dist.all_gather_object(rngs, state)
+        if not MASTER:
+            return
+        ckpt = dict(
+            self.info,
+            model=model.state_dict(),
+            optimizer=optimizer.state_dict(),
+            scaler=scaler.state_dict(),
+            rng=rngs,
+            log=self.rows,
+        )
+        buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
+        torch.save(ckpt, buffer)
+        folder = THIS_RUN["folder"]
+        folder.write("ckpt.pt", buffer.getvalue())
+        folder.write("log.csv", LOG_HEADER + "".join(self.rows))
+        folder.write("run.json", json.dumps(self.info, indent=1) + "\n")
 
     def log_point_done(self):
         """The pace counts again from here; the longest log point's work is kept."""
@@ -592,16 +576,6 @@ class Progress:
         why = "--time_limit" if signum is None else signal.Signals(signum).name
         say(f"{why}: stopped at batch {it} with a checkpoint; go on with --resume")
         return 0 if signum is None else 128 + signum
-
-
-def any_process(flag):
-    """Whether any process's flag is set (under DDP each calls this at one point),
-    over a CPU process group: it waits for no GPU."""
-    if WORLD == 1:
-        return flag
-    t = torch.tensor(float(flag))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
-    return t.item() > 0
 
 
 def mean_over_processes(t):
@@ -678,17 +652,15 @@ def first_line(error):
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def start_processes(device):
-    """Under torchrun, the process group (NCCL between GPUs, else gloo) and a gloo group
-    beside it for the flags the processes agree on between the batches."""
-    if WORLD > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        CPU_GROUP["group"] = dist.new_group(backend="gloo")
-
-
-def ddp(model):
-    """The model as DDP wraps it under torchrun (one device a process), else itself."""
-    return DDP(model) if WORLD > 1 else model
+def ddp(model, device):
+    """Under torchrun the model as DDP wraps it (one device a process), in the process
+    group (NCCL between GPUs, else gloo) with a gloo group beside it for the flags the
+    processes agree on between the batches; else the model itself."""
+    if WORLD == 1:
+        return model
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    CPU_GROUP["group"] = dist.new_group(backend="gloo")
+    return DDP(model)
 
 
 def precision(device, dtype, tf32=True):
@@ -747,9 +719,7 @@ class CapturedStep:
     (said in `how`, run.json's, when given); one that CUDA fails stops the run."""
 
     def __init__(self, step, optimizer, how=None):
-        self.step = step
-        self.optimizer = optimizer
-        self.how = how
+        self.step, self.optimizer, self.how = step, optimizer, how
         self.warmup = 3
         self.graph = None
         self.stream = torch.cuda.Stream()
@@ -798,8 +768,7 @@ class CapturedStep:
                     )
 
     def fall_back(self, error, x, y):
-        """The eager step from now on, said on the console and in run.json; the graph
-        and its memory pool freed."""
+        """Eager from now on, said on the console and in run.json; the graph freed."""
         why = first_line(error)
         say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
         self.how["step"] = f"eager, the capture failed ({why})"
@@ -826,9 +795,7 @@ def run_command(settings, may_change, train, argv=None):
         args = parser.parse_args(argv)
         args.out_dir = args.out_dir or default_out_dir(args, settings)
         with RunFolder(args.out_dir) as folder:
-            ckpt = checkpoint_to_resume(
-                args, parser, argv, settings, may_change, folder
-            )
+            ckpt = checkpoint_to_resume(args, argv, settings, may_change, folder)
             args.data_dir = os.path.abspath(args.data_dir)
             if (ckpt["iter"] if ckpt else 0) >= args.max_iters:
                 return nothing_to_train(args, ckpt, folder)
@@ -845,7 +812,11 @@ def run_command(settings, may_change, train, argv=None):
     except (RuntimeError, MemoryError) as e:
         if not out_of_memory(e):
             raise
-        fail(f"out of memory {memory_advice()}; {kept(args.out_dir)}")
+        batch = THIS_RUN["batch"]  # (None while the model is built)
+        where = "building the model" if batch is None else f"at batch {batch}"
+        shrink = "--n_layer, --n_embd" if batch is None else "--batch_size"
+        left = kept(args.out_dir)
+        fail(f"out of memory {where}: use a smaller {shrink} or --block_size; {left}")
     finally:
         STOP["signal"] = None
         THIS_RUN.update(batch=None, stderr=False)
@@ -873,11 +844,3 @@ def out_of_memory(error):
     RuntimeError that says so)."""
     cpu = "can't allocate memory" in str(error)
     return cpu or isinstance(error, (torch.OutOfMemoryError, MemoryError))
-
-
-def memory_advice():
-    """Where memory ran out and what shrinks it."""
-    if THIS_RUN["batch"] is None:
-        return "building the model: use a smaller --n_layer, --n_embd or --block_size"
-    batch = THIS_RUN["batch"]
-    return f"at batch {batch}: use a smaller --batch_size or --block_size"

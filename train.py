@@ -35,12 +35,7 @@ SETTINGS = {
     "block_size": ("l", Config.block_size, COUNT, "context length"),
     "n_embd": ("d", Config.n_embd, COUNT, "dimension of the model"),
     "n_hidden": ("c", Config.n_hidden, COUNT, "nodes in the FFN's hidden layer"),
-    "n_head": (
-        "n",
-        Config.n_head,
-        COUNT,
-        "heads of self-attention, the Synthesizers",
-    ),
+    "n_head": ("n", Config.n_head, COUNT, "heads of self-attention, the Synthesizers"),
     "dropout": ("p", Config.dropout, FRACTION, "dropout rate"),
     "batch_size": ("b", 64, COUNT, "batch size, over all processes"),
     "lr": ("lr", 1e-3, NON_NEGATIVE, "AdamW's learning rate gamma, constant"),
@@ -171,13 +166,12 @@ def train(args, ckpt, start_time):
     )
     machinery.check_same_data(ckpt, fingerprint, args)
     device = machinery.pick_device(args.device)
-    machinery.start_processes(device)
     ctx, scaler = machinery.precision(device, args.dtype, args.tf32)
     cfg = dataclasses.replace(cfg, vocab_size=fingerprint["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
         machinery.restore(ckpt, raw_model, optimizer, scaler, device)
-    model = machinery.ddp(raw_model)
+    model = machinery.ddp(raw_model, device)
     how = machinery.computed(device, args)
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
