@@ -199,8 +199,7 @@ def checked_file(data_dir, name, key):
 
 
 def load_tokenizer(data_dir):
-    """data_dir's tokenizer as a tiktoken.Encoding, checked by meta.json: prepare_data's
-    ranks and split pattern, <|endoftext|> after the ranks."""
+    """data_dir's tokenizer, checked by meta.json, as a tiktoken.Encoding."""
     _, data, meta = checked_file(data_dir, TOKENIZER_FILE, "tokenizer_sha256")
     lines = [line.split() for line in data.splitlines()]  # base64(token) rank
     ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
@@ -247,10 +246,9 @@ RESUME_KEYS |= {"world_size", "elapsed_s"}
 
 
 class RunFolder:
-    """The run folder for the command's whole run: process 0 makes it, locks it against
-    a second train.py and writes through the handle it locked, so a run whose folder is
-    renamed while it trains keeps writing into its own folder, never into a new one at
-    the old path."""
+    """The command's run folder: process 0 makes it, locks it against a second train.py
+    and writes through the handle it locked, so that a run whose folder is renamed
+    while it trains writes into its own folder, never into a new one at the old path."""
 
     def __init__(self, path):
         if os.path.isfile(path):
@@ -260,9 +258,8 @@ class RunFolder:
         self.fd = os.open(path, os.O_RDONLY)
 
     def __enter__(self):
-        """Process 0's lock: refused if another train.py holds the folder, or if it
-        cannot be written (found at the start, not at a checkpoint); a killed write's
-        .*.tmp files go."""
+        """Process 0's lock, refused if another train.py holds the folder or if it
+        cannot be written (seen now, not at a checkpoint); killed writes' .*.tmp go."""
         THIS_RUN["folder"] = self
         if not MASTER:
             return self
@@ -367,14 +364,12 @@ def load_checkpoint(path):
     return ckpt
 
 
-def check_same_data(ckpt, data, args):
-    """A resumed run trains on the data of its checkpoint (meta.json's sha256s)."""
-    if ckpt and ckpt["data"] != data:
-        fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
-
-
-def restore(ckpt, model, optimizer, scaler, device):
-    """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
+def restore(ckpt, data, model, optimizer, scaler, device):
+    """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs, once
+    data (meta.json's sha256s) is the data of its checkpoint."""
+    if ckpt["data"] != data:
+        out_dir = THIS_RUN["folder"].path
+        fail(f"{out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # a mixer of one's own whose parameters changed since
@@ -653,9 +648,8 @@ def first_line(error):
 
 
 def ddp(model, device):
-    """Under torchrun the model as DDP wraps it (one device a process), in the process
-    group (NCCL between GPUs, else gloo) with a gloo group beside it for the flags the
-    processes agree on between the batches; else the model itself."""
+    """Under torchrun the model DDP wraps, in a process group (NCCL between GPUs, else
+    gloo) and a gloo group for the flags agreed on between the batches; else itself."""
     if WORLD == 1:
         return model
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -675,18 +669,14 @@ def precision(device, dtype, tf32=True):
 
 
 def computed(device, args):
-    """How the run computes, for run.json: TF32 only where the card has it (compute
-    capability 8.0 and up)."""
+    """How the run computes, for run.json: TF32 where the card has it (8.0 and up)."""
     tf32 = device.type == "cuda" and args.tf32
     tf32 = tf32 and torch.cuda.get_device_capability(device) >= (8, 0)
     matmul = "tf32" if tf32 else "ieee"
-    how = dict(
-        device=str(device),
-        torch=str(torch.__version__),  # (a plain str: weights_only loads it)
-        dtype=args.dtype,
-        float32_matmul=matmul,
-        fir_matmul=matmul if fir.ALLOW_TF32 else "ieee",
-    )
+    fir_matmul = matmul if fir.ALLOW_TF32 else "ieee"
+    # (torch's version a plain str: weights_only loads it)
+    how = dict(device=str(device), torch=str(torch.__version__), dtype=args.dtype)
+    how.update(float32_matmul=matmul, fir_matmul=fir_matmul)
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
@@ -829,8 +819,7 @@ def run_command(settings, may_change, train, argv=None):
 
 
 def nothing_to_train(args, ckpt, folder):
-    """A run at its last batch already: said, and a lost log.csv written again from
-    ckpt.pt's rows."""
+    """At its last batch: said; a lost log.csv written again from ckpt.pt's rows."""
     if ckpt and MASTER and not folder.has("log.csv"):
         folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
         say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
@@ -840,7 +829,6 @@ def nothing_to_train(args, ckpt, folder):
 
 
 def out_of_memory(error):
-    """Whether the error is memory running out (torch's CPU allocator raises a plain
-    RuntimeError that says so)."""
+    """Whether memory ran out (torch's CPU allocator: a RuntimeError that says so)."""
     cpu = "can't allocate memory" in str(error)
     return cpu or isinstance(error, (torch.OutOfMemoryError, MemoryError))

@@ -8,11 +8,8 @@ checkpoint before 40 minutes, one run over 4 GPUs (DDP).
     python train.py --mixer=she --time_limit=40m
     torchrun --standalone --nproc_per_node=4 train.py --mixer=she
 
-This file is the experiment: its settings, the batches, the model and AdamW, the
-training step, the evaluation and the loop. Every run sees the same batches, seeded by
---data_seed alone. What keeps a run safe and exact (its folder, ckpt.pt and --resume,
-the signals and --time_limit, the console, the device, the step captured in a CUDA
-graph) is machinery.py's.
+This file is the experiment, where every run sees the same batches, seeded by
+--data_seed alone; what keeps a run safe and exact is machinery.py's.
 """
 
 import dataclasses
@@ -101,14 +98,13 @@ def build_model(cfg, args, device):
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + machinery.RANK)
-    cuda = device.type == "cuda"
     adamw = torch.optim.AdamW(
         model.parameters(),
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=1e-8,
         weight_decay=args.weight_decay,
-        fused=cuda,
+        fused=device.type == "cuda",
     )
     return model, adamw
 
@@ -164,13 +160,12 @@ def train(args, ckpt, start_time):
     train_data, val_data, fingerprint = machinery.load_data(
         args.data_dir, args.block_size, args.batch_size
     )
-    machinery.check_same_data(ckpt, fingerprint, args)
     device = machinery.pick_device(args.device)
     ctx, scaler = machinery.precision(device, args.dtype, args.tf32)
     cfg = dataclasses.replace(cfg, vocab_size=fingerprint["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
-        machinery.restore(ckpt, raw_model, optimizer, scaler, device)
+        machinery.restore(ckpt, fingerprint, raw_model, optimizer, scaler, device)
     model = machinery.ddp(raw_model, device)
     how = machinery.computed(device, args)
     step = functools.partial(
