@@ -26,7 +26,6 @@ import sys
 import textwrap
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -303,11 +302,10 @@ class RunFolder:
 
 
 def checkpoint_to_resume(args, argv, settings, may_change, folder):
-    """The checkpoint to resume (args then set from it), or None to start: a folder
-    holds a run once a checkpoint (and log.csv) was written in it, and a plain command
-    refuses it; --resume goes on only from a checkpoint of as many processes,
-    with the same settings but those it may change; a finished run's log.csv.gz (as
-    results/logs/ keeps runs) is never written over."""
+    """The checkpoint to resume (args then set from it), or None: a folder holds a run
+    once ckpt.pt (or log.csv) is in it, and a plain command refuses it; --resume needs
+    a checkpoint of as many processes and the same settings but those it may change; a
+    finished run's log.csv.gz (as results/logs/ keeps runs) is never written over."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     if folder.has("log.csv.gz"):
         fail(
@@ -587,7 +585,7 @@ def pick_device(name):
     one, else the CPU (said where CUDA is there but unusable). One line for a device
     torch does not see, or a GPU this build of torch has no kernels for."""
     if name == "auto":
-        why = why_not_cuda()
+        why = no_kernel(torch.device(f"cuda:{LOCAL_RANK}"))
         if why:
             say(f"note: CUDA is unusable here ({why}); --device auto runs on the CPU")
         name = "cpu" if why is not None else "cuda"
@@ -613,19 +611,14 @@ def pick_device(name):
     return device
 
 
-def why_not_cuda():
-    """None where CUDA runs a kernel here; else why not ("" where torch or the machine
-    has no CUDA at all, torch's warning where it has, as with a driver too old)."""
+def no_kernel(device):
+    """None once a kernel ran on the GPU, else why not: "" where torch or the machine
+    has no CUDA at all, torch's warning where it has (as with a driver too old), or the
+    build has no kernels for the card's compute capability, and what to install."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if not torch.cuda.is_available():
             return str(caught[0].message).splitlines()[0] if caught else ""
-    return no_kernel(torch.device(f"cuda:{LOCAL_RANK}"))
-
-
-def no_kernel(device):
-    """None once a kernel ran on the GPU, else why not: the build has no kernels for
-    the card's compute capability (its list does not hold it), and what to install."""
     try:
         torch.ones(1, device=device).add_(1).item()  # (waited for: its error is here)
         return None
@@ -662,7 +655,7 @@ def precision(device, dtype, tf32=True):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     cache = device.type != "cuda"  # (CUDA graphs want no autocast cache)
-    cast = nullcontext()
+    cast = contextlib.nullcontext()
     if dtype != "float32":
         cast = torch.autocast(device.type, getattr(torch, dtype), cache_enabled=cache)
     return cast, torch.amp.GradScaler(device.type, enabled=dtype == "float16")
@@ -778,11 +771,10 @@ def run_command(settings, may_change, train, argv=None):
     the signals that stop at a checkpoint, then train(args, ckpt, start_time); every
     failure one line with what stays, and the process group torn down together."""
     start_time = time.time()  # --time_limit counts from here
-    parser = build_parser(settings)
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
-        args = parser.parse_args(argv)
+        args = build_parser(settings).parse_args(argv)
         args.out_dir = args.out_dir or default_out_dir(args, settings)
         with RunFolder(args.out_dir) as folder:
             ckpt = checkpoint_to_resume(args, argv, settings, may_change, folder)
