@@ -221,18 +221,14 @@ def load_data(data_dir, block_size, batch_size):
         path, raw, meta = checked_file(data_dir, f"{split}.bin", f"{split}_sha256")
         n = len(raw) // 2
         if n < need:
-            fail(
-                f"{path}: {n} tokens, fewer than a batch needs ({batch} = {need}): "
-                f"use a smaller {less}"
-            )
+            few = f"{n} tokens, fewer than a batch needs ({batch} = {need})"
+            fail(f"{path}: {few}: use a smaller {less}")
         tokens.append(np.memmap(path, dtype=np.uint16, mode="r"))
         top = int(tokens[-1].max())
         vocab_size = meta.get("vocab_size", 0)
         if top >= vocab_size:
-            fail(
-                f"{path} holds token {top} >= meta.json's vocab_size {vocab_size}:"
-                " run prepare_data.py"
-            )
+            vocab = f"meta.json's vocab_size {vocab_size}"
+            fail(f"{path} holds token {top} >= {vocab}: run prepare_data.py")
     keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
     fingerprint = {k: meta.get(k) for k in keys}
     return tokens[0], tokens[1], fingerprint
@@ -265,10 +261,8 @@ class RunFolder:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fail(
-                f"{self.path} is in use: a run of another train.py is in progress "
-                "there; wait for it, or pick another --out_dir"
-            )
+            busy = "is in use: a run of another train.py is in progress there"
+            fail(f"{self.path} {busy}; wait for it, or pick another --out_dir")
         for name in os.listdir(self.fd):
             if name.startswith(".") and name.endswith(".tmp"):
                 os.unlink(name, dir_fd=self.fd)
@@ -328,10 +322,8 @@ def checkpoint_to_resume(args, argv, settings, may_change, folder):
     ckpt = load_checkpoint(path)
     missing = ", ".join(sorted(RESUME_KEYS - set(ckpt)))
     if missing:
-        fail(
-            f"{path} has no {missing}: an older train.py wrote it; resume it with that "
-            "version, or --overwrite starts the run again"
-        )
+        older = "an older train.py wrote it; resume it with that version"
+        fail(f"{path} has no {missing}: {older}, or --overwrite starts the run again")
     if ckpt["world_size"] != WORLD:
         fail(f"{path} was trained by {ckpt['world_size']} processes: run as many")
     saved = {k: v for k, v in ckpt["args"].items() if k in settings}
@@ -534,14 +526,8 @@ class Progress:
             dist.all_gather_object(rngs, state)
         if not MASTER:
             return
-        ckpt = dict(
-            self.info,
-            model=model.state_dict(),
-            optimizer=optimizer.state_dict(),
-            scaler=scaler.state_dict(),
-            rng=rngs,
-            log=self.rows,
-        )
+        ckpt = dict(self.info, model=model.state_dict(), rng=rngs, log=self.rows)
+        ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
         buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
         torch.save(ckpt, buffer)
         folder = THIS_RUN["folder"]
