@@ -173,10 +173,9 @@ def check_mixer(cfg):
     except Exception as e:  # not a module of the config that maps x to x's shape
         if out_of_memory(e):
             raise  # (said as such by run_command)
-        fail(
-            f"--mixer {cfg.mixer} is not a mixer ({type(e).__name__}: {e}): a mixer is "
-            "an nn.Module of the config whose forward(x, cache) keeps x's shape"
-        )
+        why = f"{type(e).__name__}: {e}"
+        what = "an nn.Module of the config whose forward(x, cache) keeps x's shape"
+        fail(f"--mixer {cfg.mixer} is not a mixer ({why}): a mixer is {what}")
     return cfg
 
 
@@ -313,10 +312,8 @@ def checkpoint_to_resume(args, argv, settings, may_change, folder):
         fail(f"no checkpoint {path} to resume; {how}")
     if not (args.resume or args.overwrite) and has_run:
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
-        fail(
-            f"{args.out_dir} holds a run ({how}; --overwrite starts it again); "
-            "or pick another --out_dir"
-        )
+        how += "; --overwrite starts it again"
+        fail(f"{args.out_dir} holds a run ({how}); or pick another --out_dir")
     if not args.resume:
         return None
     ckpt = load_checkpoint(path)
@@ -333,12 +330,10 @@ def checkpoint_to_resume(args, argv, settings, may_change, folder):
     if differ:
         flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
         fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
-    moved = not os.path.isdir(saved["data_dir"])  # (ckpt.pt keeps an absolute path)
-    if moved and args.data_dir == saved["data_dir"]:
-        fail(
-            f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
-            "pass --data_dir with the folder where that data is now"
-        )
+    old = saved["data_dir"]  # (ckpt.pt keeps an absolute path)
+    if not os.path.isdir(old) and args.data_dir == old:
+        now = "pass --data_dir with the folder where that data is now"
+        fail(f"{path} was trained on the data in {old}, which is gone: {now}")
     return ckpt
 
 
@@ -440,11 +435,9 @@ class Progress:
     def __init__(self, args, ckpt, start_time, info):
         self.args, self.info, self.start_time = args, info, start_time
         if args.time_limit is not None and time.time() - start_time > args.time_limit:
-            took = f"{time.time() - start_time:.1f} s"
-            fail(
-                f"--time_limit passed before the first batch ({took} to start): "
-                "nothing was trained; give a longer one"
-            )
+            took = f"{time.time() - start_time:.1f} s to start"
+            late = f"--time_limit passed before the first batch ({took})"
+            fail(f"{late}: nothing was trained; give a longer one")
         self.start_iter = ckpt["iter"] if ckpt else 0
         THIS_RUN["batch"] = self.start_iter + 1
         self.rows = ckpt["log"] if ckpt else []  # log.csv's lines
@@ -496,10 +489,8 @@ class Progress:
             if not math.isfinite(cost):
                 left = kept(args.out_dir)
                 again = "(--overwrite) " if "stays" in left else ""
-                fail(
-                    f"the training cost became {cost} at batch {i}; {left}. Start "
-                    f"again {again}with a smaller --lr or with --grad_clip"
-                )
+                fix = f"Start again {again}with a smaller --lr or with --grad_clip"
+                fail(f"the training cost became {cost} at batch {i}; {left}. {fix}")
             val_i = repr(val) if i == it and val is not None else ""
             self.rows.append(f"{i},{cost!r},{val_i},{args.lr},{tok_s:.1f},{t:.3f}\n")
         line = f"iter {it}/{args.max_iters} | loss {np.mean(costs):.4f}"
