@@ -1,11 +1,7 @@
 """
 The run's machinery, beside the experiment of train.py: what keeps a run safe, exact
 and honest about how it computed. Each guarantee is a function (or a class) that says
-it in its docstring: the command line, the data checked against meta.json, the run
-folder (locked, one run, its files written whole), ckpt.pt (plain dicts and tensors)
-and --resume (bit for bit), stopping at a checkpoint, the console and log.csv, the
-device, precision, the captured step, DDP, peak memory; every failure is one line that
-says what stays.
+it in its docstring; every failure is one line that says what stays.
 """
 
 import argparse
@@ -51,6 +47,7 @@ TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
+NO_GRAPH = "the step cannot be captured in a CUDA graph"  # (CapturedStep's failures)
 
 
 def fail(msg):
@@ -301,10 +298,9 @@ def checkpoint_to_resume(args, argv, settings, may_change, folder):
     finished run's log.csv.gz (as results/logs/ keeps runs) is never written over."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     if folder.has("log.csv.gz"):
-        fail(
-            f"{args.out_dir} holds a finished run's log.csv.gz (as results/logs/ keeps "
-            "runs): train.py writes no such folder; pick another --out_dir"
-        )
+        gz = "a finished run's log.csv.gz (as results/logs/ keeps runs)"
+        fix = "train.py writes no such folder; pick another --out_dir"
+        fail(f"{args.out_dir} holds {gz}: {fix}")
     has_ckpt = folder.has("ckpt.pt")
     has_run = has_ckpt or folder.has("log.csv")
     if args.resume and not has_ckpt:
@@ -722,15 +718,13 @@ class CapturedStep:
                 try:
                     self.graph.capture_end()
                 except Exception as error:
-                    fail(
-                        f"the step cannot be captured in a CUDA graph "
-                        f"({first_line(error)}); --no-cuda_graph runs it eagerly"
-                    )
+                    why = first_line(error)
+                    fail(f"{NO_GRAPH} ({why}); --no-cuda_graph runs it eagerly")
 
     def fall_back(self, error, x, y):
         """Eager from now on, said on the console and in run.json; the graph freed."""
         why = first_line(error)
-        say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
+        say(f"{NO_GRAPH} ({why}); it runs eagerly")
         self.how["step"] = f"eager, the capture failed ({why})"
         self.graph.reset()
         self.graph = None

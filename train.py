@@ -1,7 +1,6 @@
 """
 Train a language model whose first sublayer is a token mixer of extractor.py, as the
-paper's Section 6 does: Table 1's run, a longer run of out/me, a run that stops at a
-checkpoint before 40 minutes, one run over 4 GPUs (DDP).
+paper's Section 6 does: Table 1's run, a longer one, one that stops by 40 minutes, DDP.
 
     python prepare_data.py && python train.py --mixer=me
     python train.py --mixer=me --max_iters=80000 --resume
@@ -110,8 +109,7 @@ def build_model(cfg, args, device):
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: the forward pass and its loss, the backward pass, clipping if it is
-    on, and AdamW's step. The loss comes back unread, so that the GPU need not wait."""
+    """One batch's step; the loss comes back unread, so that the GPU need not wait."""
     with ctx:
         _, loss = model(x, y)  # the mean cross-entropy of the batch, Eq. (3)
     # (only float16 scales its loss; else scale and unscale_ do nothing)
@@ -127,8 +125,7 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 # ---- the evaluation ------------------------------------------------------------------
 def validates(args, it):
-    """Whether batch `it` ends with a validation: every eval_interval batches, and the
-    last batch."""
+    """Whether batch `it` ends with a validation (every eval_interval, and the last)."""
     at = it % args.eval_interval == 0 or it == args.max_iters
     return args.eval_batches > 0 and at
 
@@ -153,8 +150,7 @@ def evaluate(model, args, val_data, device, ctx):
 
 # ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, start_time):
-    """Load the data and build the model; then batch, step, and at a log point
-    evaluate, log, checkpoint and stop if the run must."""
+    """The data, the model and AdamW; then the loop of batches and log points."""
     model_settings = {f.name: getattr(args, f.name) for f in MODEL_SETTINGS}
     cfg = machinery.check_mixer(Config(**model_settings))  # before the data
     train_data, val_data, fingerprint = machinery.load_data(
