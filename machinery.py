@@ -153,8 +153,7 @@ def default_out_dir(args, settings):
         v = getattr(args, flag)
         if not symbol or v == value or flag == "n_head" and args.mixer == "sa":
             continue
-        # (Python's shortest exact form, 0.0 as 0)
-        name += f"-{symbol}{str(v).removesuffix('.0')}"
+        name += f"-{symbol}{str(v).removesuffix('.0')}"  # (shortest exact, 0.0 as 0)
     return os.path.join("out", name)
 
 
@@ -465,13 +464,10 @@ class Progress:
             batches = 2 + self.args.eval_batches * evaluates_next
             elapsed = now - self.start_time
             late = elapsed + batches * per_batch + self.pause > self.args.time_limit
-        stop = STOP["signal"] is not None or late
-        if WORLD == 1:
-            return stop
-        # any process's, over the CPU process group: it waits for no GPU
-        t = torch.tensor(float(stop))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
-        return t.item() > 0
+        stop = torch.tensor(float(STOP["signal"] is not None or late))
+        if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
+        return stop.item() > 0
 
     def log(self, it, val):
         """log.csv's rows since the last log point and a console line with the pace and
@@ -750,8 +746,13 @@ def run_command(settings, may_change, train, argv=None):
         with RunFolder(args.out_dir) as folder:
             ckpt = checkpoint_to_resume(args, argv, settings, may_change, folder)
             args.data_dir = os.path.abspath(args.data_dir)
-            if (ckpt["iter"] if ckpt else 0) >= args.max_iters:
-                return nothing_to_train(args, ckpt, folder)
+            start = ckpt["iter"] if ckpt else 0
+            if start >= args.max_iters:
+                if ckpt and MASTER and not folder.has("log.csv"):
+                    folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
+                    say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
+                say(f"{args.out_dir} is at batch {start}: nothing to train")
+                return 0
             for s in signals:
                 signal.signal(s, ask_to_stop)
             return train(args, ckpt, start_time)
@@ -765,7 +766,7 @@ def run_command(settings, may_change, train, argv=None):
     except (RuntimeError, MemoryError) as e:
         if not out_of_memory(e):
             raise
-        batch = THIS_RUN["batch"]  # (None while the model is built)
+        batch = THIS_RUN["batch"]
         where = "building the model" if batch is None else f"at batch {batch}"
         shrink = "--n_layer, --n_embd" if batch is None else "--batch_size"
         left = kept(args.out_dir)
@@ -779,16 +780,6 @@ def run_command(settings, may_change, train, argv=None):
             # tear the process group down together (gloo may abort if one leaves early)
             dist.barrier()
             dist.destroy_process_group()
-
-
-def nothing_to_train(args, ckpt, folder):
-    """At its last batch: said; a lost log.csv written again from ckpt.pt's rows."""
-    if ckpt and MASTER and not folder.has("log.csv"):
-        folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
-        say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
-    start = ckpt["iter"] if ckpt else 0
-    say(f"{args.out_dir} is at batch {start}: nothing to train")
-    return 0
 
 
 def out_of_memory(error):

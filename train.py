@@ -83,8 +83,7 @@ def get_batch(data, starts, block_size, device):
     windows = [data[s : s + block_size + 1] for s in mine.tolist()]
     w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
     pin = device.type == "cuda"  # pinned, so that the host need not wait for the copy
-    if pin:
-        w = w.pin_memory()
+    w = w.pin_memory() if pin else w
     w = w.to(device, non_blocking=pin)
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x (b, l), y (b, l)
 
