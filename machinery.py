@@ -1,17 +1,7 @@
 """
 The run's machinery, beside the experiment of train.py: what keeps a run safe, exact
 and honest about how it computed. Each guarantee is a function (or a class) that says
-it in its docstring:
-
-- the command line: Table 1's settings name the run's folder; a bad flag is one line
-- the data: train.bin, val.bin and the tokenizer, each checked against meta.json
-- the run folder: made and locked; it holds one run; its files are written whole
-- ckpt.pt: plain dicts and tensors; --resume takes the run's settings from it and goes
-  on bit for bit
-- stopping: Ctrl-C, kill, a closed terminal and --time_limit stop at a checkpoint
-- the console and log.csv: a line at each log point, with the pace and an ETA
-- the device, precision, the step captured in a CUDA graph, DDP's processes, peak
-  memory; every failure one line that says what stays
+it in its docstring; every failure is one line that says what stays.
 """
 
 import argparse
@@ -32,7 +22,6 @@ import sys
 import textwrap
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +47,7 @@ TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
+NO_GRAPH = "the step cannot be captured in a CUDA graph"  # (CapturedStep's failures)
 
 
 def fail(msg):
@@ -78,10 +68,10 @@ def fmt_time(s):
     return f"{int(s) // 3600}h{int(s) // 60 % 60:02d}m"
 
 
-def atomic_write(path, data, dir_fd=None):
+def atomic_write(path, data, dir_fd=None, shown=None):
     """data (bytes or str) whole at path, or nothing there: a temporary file first,
     then renamed over path (relative to the folder dir_fd, when given); an error names
-    path, not the temporary file."""
+    path (or shown), not the temporary file."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     try:
@@ -95,7 +85,7 @@ def atomic_write(path, data, dir_fd=None):
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         if isinstance(e, OSError) and e.errno is not None:
-            raise OSError(e.errno, e.strerror, path) from e
+            raise OSError(e.errno, e.strerror, shown or path) from e
         raise
 
 
@@ -163,8 +153,7 @@ def default_out_dir(args, settings):
         v = getattr(args, flag)
         if not symbol or v == value or flag == "n_head" and args.mixer == "sa":
             continue
-        # (Python's shortest exact form, 0.0 as 0)
-        name += f"-{symbol}{str(v).removesuffix('.0')}"
+        name += f"-{symbol}{str(v).removesuffix('.0')}"  # (shortest exact, 0.0 as 0)
     return os.path.join("out", name)
 
 
@@ -180,10 +169,9 @@ def check_mixer(cfg):
     except Exception as e:  # not a module of the config that maps x to x's shape
         if out_of_memory(e):
             raise  # (said as such by run_command)
-        fail(
-            f"--mixer {cfg.mixer} is not a mixer ({type(e).__name__}: {e}): a mixer is "
-            "an nn.Module of the config whose forward(x, cache) keeps x's shape"
-        )
+        why = f"{type(e).__name__}: {e}"
+        what = "an nn.Module of the config whose forward(x, cache) keeps x's shape"
+        fail(f"--mixer {cfg.mixer} is not a mixer ({why}): a mixer is {what}")
     return cfg
 
 
@@ -205,17 +193,14 @@ def checked_file(data_dir, name, key):
 
 
 def load_tokenizer(data_dir):
-    """data_dir's tokenizer as a tiktoken.Encoding, checked by meta.json: prepare_data's
-    ranks and split pattern, <|endoftext|> after the ranks."""
+    """data_dir's tokenizer, checked by meta.json, as a tiktoken.Encoding."""
     _, data, meta = checked_file(data_dir, TOKENIZER_FILE, "tokenizer_sha256")
     lines = [line.split() for line in data.splitlines()]  # base64(token) rank
     ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
+    pattern = meta["split_pattern"]
     special = {"<|endoftext|>": len(ranks)}
     return tiktoken.Encoding(
-        "bpe",
-        pat_str=meta["split_pattern"],
-        mergeable_ranks=ranks,
-        special_tokens=special,
+        "bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special
     )
 
 
@@ -224,26 +209,21 @@ def load_data(data_dir, block_size, batch_size):
     fingerprint (the vocabulary and the files' sha256) for ckpt.pt."""
     tokens = []
     # a batch of windows of l + 1 tokens in train.bin, one in val.bin
-    for split, need in (("train", block_size + batch_size), ("val", block_size + 1)):
+    for split, need, batch, less in (
+        ("train", block_size + batch_size, "b + l", "--batch_size or --block_size"),
+        ("val", block_size + 1, "l + 1", "--block_size"),
+    ):
         path, raw, meta = checked_file(data_dir, f"{split}.bin", f"{split}_sha256")
         n = len(raw) // 2
         if n < need:
-            batch = "b + l" if split == "train" else "l + 1"
-            less = (
-                "--batch_size or --block_size" if split == "train" else "--block_size"
-            )
-            fail(
-                f"{path}: {n} tokens, fewer than a batch needs ({batch} = {need}): "
-                f"use a smaller {less}"
-            )
+            few = f"{n} tokens, fewer than a batch needs ({batch} = {need})"
+            fail(f"{path}: {few}: use a smaller {less}")
         tokens.append(np.memmap(path, dtype=np.uint16, mode="r"))
         top = int(tokens[-1].max())
         vocab_size = meta.get("vocab_size", 0)
         if top >= vocab_size:
-            fail(
-                f"{path} holds token {top} >= meta.json's vocab_size {vocab_size}:"
-                " run prepare_data.py"
-            )
+            vocab = f"meta.json's vocab_size {vocab_size}"
+            fail(f"{path} holds token {top} >= {vocab}: run prepare_data.py")
     keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
     fingerprint = {k: meta.get(k) for k in keys}
     return tokens[0], tokens[1], fingerprint
@@ -256,10 +236,9 @@ RESUME_KEYS |= {"world_size", "elapsed_s"}
 
 
 class RunFolder:
-    """The run folder for the command's whole run: process 0 makes it, locks it against
-    a second train.py and writes through the handle it locked, so a run whose folder is
-    renamed while it trains keeps writing into its own folder, never into a new one at
-    the old path."""
+    """The command's run folder: process 0 makes it, locks it against a second train.py
+    and writes through the handle it locked, so that a run whose folder is renamed
+    while it trains writes into its own folder, never into a new one at the old path."""
 
     def __init__(self, path):
         if os.path.isfile(path):
@@ -269,21 +248,16 @@ class RunFolder:
         self.fd = os.open(path, os.O_RDONLY)
 
     def __enter__(self):
+        """Process 0's lock, refused if another train.py holds the folder or if it
+        cannot be written (seen now, not at a checkpoint); killed writes' .*.tmp go."""
         THIS_RUN["folder"] = self
-        if MASTER:
-            self.lock()
-        return self
-
-    def lock(self):
-        """Refused if another train.py holds the folder, or if it cannot be written
-        (found at the start, not at a checkpoint); a killed write's .*.tmp files go."""
+        if not MASTER:
+            return self
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fail(
-                f"{self.path} is in use: a run of another train.py is in progress "
-                "there; wait for it, or pick another --out_dir"
-            )
+            busy = "is in use: a run of another train.py is in progress there"
+            fail(f"{self.path} {busy}; wait for it, or pick another --out_dir")
         for name in os.listdir(self.fd):
             if name.startswith(".") and name.endswith(".tmp"):
                 os.unlink(name, dir_fd=self.fd)
@@ -292,19 +266,17 @@ class RunFolder:
             os.unlink(".written", dir_fd=self.fd)
         except OSError as e:
             fail(f"cannot write in --out_dir {self.path} ({e.strerror}): pick another")
+        return self
 
     def has(self, name):
         return name in os.listdir(self.fd)
 
     def write(self, name, data):
         """The file `name` whole in this folder, or as it was; an error names it."""
-        try:
-            atomic_write(name, data, dir_fd=self.fd)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from e
+        atomic_write(name, data, self.fd, os.path.join(self.path, name))
 
-    def remove(self, name):
-        if self.has(name):
+    def remove(self, names):
+        for name in set(names) & set(os.listdir(self.fd)):
             os.unlink(name, dir_fd=self.fd)
 
     def __exit__(self, *error):
@@ -318,18 +290,16 @@ class RunFolder:
         os.close(self.fd)
 
 
-def checkpoint_to_resume(args, parser, argv, settings, may_change, folder):
-    """The checkpoint to resume (args then set from it), or None to start: a folder
-    holds a run once a checkpoint (and log.csv) was written in it, and a plain command
-    refuses it; --resume goes on only from a checkpoint of as many processes,
-    with the same settings but those it may change; a finished run's log.csv.gz (as
-    results/logs/ keeps runs) is never written over."""
+def checkpoint_to_resume(args, argv, settings, may_change, folder):
+    """The checkpoint to resume (args then set from it), or None: a folder holds a run
+    once ckpt.pt (or log.csv) is in it, and a plain command refuses it; --resume needs
+    a checkpoint of as many processes and the same settings but those it may change; a
+    finished run's log.csv.gz (as results/logs/ keeps runs) is never written over."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     if folder.has("log.csv.gz"):
-        fail(
-            f"{args.out_dir} holds a finished run's log.csv.gz (as results/logs/ keeps "
-            "runs): train.py writes no such folder; pick another --out_dir"
-        )
+        gz = "a finished run's log.csv.gz (as results/logs/ keeps runs)"
+        fix = "train.py writes no such folder; pick another --out_dir"
+        fail(f"{args.out_dir} holds {gz}: {fix}")
     has_ckpt = folder.has("ckpt.pt")
     has_run = has_ckpt or folder.has("log.csv")
     if args.resume and not has_ckpt:
@@ -337,34 +307,28 @@ def checkpoint_to_resume(args, parser, argv, settings, may_change, folder):
         fail(f"no checkpoint {path} to resume; {how}")
     if not (args.resume or args.overwrite) and has_run:
         how = "--resume continues it" if has_ckpt else "its ckpt.pt is gone"
-        fail(
-            f"{args.out_dir} holds a run ({how}; --overwrite starts it again); "
-            "or pick another --out_dir"
-        )
+        how += "; --overwrite starts it again"
+        fail(f"{args.out_dir} holds a run ({how}); or pick another --out_dir")
     if not args.resume:
         return None
     ckpt = load_checkpoint(path)
     missing = ", ".join(sorted(RESUME_KEYS - set(ckpt)))
     if missing:
-        fail(
-            f"{path} has no {missing}: an older train.py wrote it; resume it with that "
-            "version, or --overwrite starts the run again"
-        )
+        older = "an older train.py wrote it; resume it with that version"
+        fail(f"{path} has no {missing}: {older}, or --overwrite starts the run again")
     if ckpt["world_size"] != WORLD:
         fail(f"{path} was trained by {ckpt['world_size']} processes: run as many")
     saved = {k: v for k, v in ckpt["args"].items() if k in settings}
     vars(args).update(saved)
-    parser.parse_args(argv, args)  # the flags given, over the saved settings
+    build_parser(settings).parse_args(argv, args)  # the flags given, over saved ones
     differ = [k for k in saved if k not in may_change and vars(args)[k] != saved[k]]
     if differ:
         flags = ", ".join(f"--{k} {saved[k]}" for k in differ)
         fail(f"{path} was trained with {flags}: --resume keeps them; drop those flags")
-    moved = not os.path.isdir(saved["data_dir"])  # (ckpt.pt keeps an absolute path)
-    if moved and args.data_dir == saved["data_dir"]:
-        fail(
-            f"{path} was trained on the data in {saved['data_dir']}, which is gone: "
-            "pass --data_dir with the folder where that data is now"
-        )
+    old = saved["data_dir"]  # (ckpt.pt keeps an absolute path)
+    if not os.path.isdir(old) and args.data_dir == old:
+        now = "pass --data_dir with the folder where that data is now"
+        fail(f"{path} was trained on the data in {old}, which is gone: {now}")
     return ckpt
 
 
@@ -380,41 +344,12 @@ def load_checkpoint(path):
     return ckpt
 
 
-def check_same_data(ckpt, data, args):
-    """A resumed run trains on the data of its checkpoint (meta.json's sha256s)."""
-    if ckpt and ckpt["data"] != data:
-        fail(f"{args.out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
-
-
-def save_checkpoint(info, rows, model, optimizer, scaler):
-    """ckpt.pt (run.json's info, log.csv's rows, all processes' RNG states), log.csv,
-    run.json, each whole or none, in the locked folder."""
-    state = {"torch": torch.get_rng_state()}  # (dropout's; Python's random is unused)
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    rngs = [state] * WORLD
-    if WORLD > 1:
-        dist.all_gather_object(rngs, state)
-    if not MASTER:
-        return
-    ckpt = dict(
-        info,
-        model=model.state_dict(),
-        optimizer=optimizer.state_dict(),
-        scaler=scaler.state_dict(),
-        rng=rngs,
-        log=rows,
-    )
-    buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
-    torch.save(ckpt, buffer)
-    folder = THIS_RUN["folder"]
-    folder.write("ckpt.pt", buffer.getvalue())
-    folder.write("log.csv", LOG_HEADER + "".join(rows))
-    folder.write("run.json", json.dumps(info, indent=1) + "\n")
-
-
-def restore(ckpt, model, optimizer, scaler, device):
-    """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs."""
+def restore(ckpt, data, model, optimizer, scaler, device):
+    """A resumed run's model, AdamW (as this device runs it), loss scaler and RNGs, once
+    data (meta.json's sha256s) is the data of its checkpoint."""
+    if ckpt["data"] != data:
+        out_dir = THIS_RUN["folder"].path
+        fail(f"{out_dir}/ckpt.pt was trained on other data: pass its --data_dir")
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # a mixer of one's own whose parameters changed since
@@ -448,12 +383,12 @@ def say(line):
     as a signal does; the lines go to stderr from then on, where it can be written."""
     if not MASTER:
         return
+    console = sys.stderr if THIS_RUN["stderr"] else sys.stdout
     try:
-        print(line, file=sys.stderr if THIS_RUN["stderr"] else sys.stdout, flush=True)
+        print(line, file=console, flush=True)
     except OSError as e:
-        gone = sys.stderr if THIS_RUN["stderr"] else sys.stdout
         with contextlib.suppress(OSError, ValueError):  # (written to nowhere from now)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), gone.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), console.fileno())
         closed = signal.SIGPIPE if isinstance(e, BrokenPipeError) else signal.SIGHUP
         STOP["signal"] = STOP["signal"] or closed
         if not THIS_RUN["stderr"]:
@@ -495,11 +430,9 @@ class Progress:
     def __init__(self, args, ckpt, start_time, info):
         self.args, self.info, self.start_time = args, info, start_time
         if args.time_limit is not None and time.time() - start_time > args.time_limit:
-            took = f"{time.time() - start_time:.1f} s"
-            fail(
-                f"--time_limit passed before the first batch ({took} to start): "
-                "nothing was trained; give a longer one"
-            )
+            took = f"{time.time() - start_time:.1f} s to start"
+            late = f"--time_limit passed before the first batch ({took})"
+            fail(f"{late}: nothing was trained; give a longer one")
         self.start_iter = ckpt["iter"] if ckpt else 0
         THIS_RUN["batch"] = self.start_iter + 1
         self.rows = ckpt["log"] if ckpt else []  # log.csv's lines
@@ -511,9 +444,8 @@ class Progress:
         self.pause = 5.0  # the longest log point's work, s (a guess until measured)
         self.since = time.time()  # the end of the last log point
         self.t0 = self.since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (its time counts)
-        if MASTER and args.overwrite:
-            for name in RUN_FILES:  # the old run's, once the new one could start
-                THIS_RUN["folder"].remove(name)
+        if MASTER and args.overwrite:  # the old run's files, once the new one can start
+            THIS_RUN["folder"].remove(RUN_FILES)
 
     def batch_done(self, loss):
         """The batch's loss (a tensor on the device, not read) and its end."""
@@ -525,17 +457,17 @@ class Progress:
         """Whether the batch just done must be the last, in every process alike: a
         signal came, or from train.py's start the time limit leaves no room for 2
         batches, the next validation (if the next batch has one) and a log point."""
-        signalled = STOP["signal"] is not None
-        return any_process(signalled or self.out_of_time(evaluates_next))
-
-    def out_of_time(self, evaluates_next):
-        if self.args.time_limit is None:
-            return False
-        now = self.t0 + self.times[-1]
-        per_batch = (now - self.since) / len(self.times)
-        batches = 2 + self.args.eval_batches * evaluates_next
-        elapsed = now - self.start_time
-        return elapsed + batches * per_batch + self.pause > self.args.time_limit
+        late = False
+        if self.args.time_limit is not None:
+            now = self.t0 + self.times[-1]
+            per_batch = (now - self.since) / len(self.times)
+            batches = 2 + self.args.eval_batches * evaluates_next
+            elapsed = now - self.start_time
+            late = elapsed + batches * per_batch + self.pause > self.args.time_limit
+        stop = torch.tensor(float(STOP["signal"] is not None or late))
+        if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
+        return stop.item() > 0
 
     def log(self, it, val):
         """log.csv's rows since the last log point and a console line with the pace and
@@ -549,10 +481,8 @@ class Progress:
             if not math.isfinite(cost):
                 left = kept(args.out_dir)
                 again = "(--overwrite) " if "stays" in left else ""
-                fail(
-                    f"the training cost became {cost} at batch {i}; {left}. Start "
-                    f"again {again}with a smaller --lr or with --grad_clip"
-                )
+                fix = f"Start again {again}with a smaller --lr or with --grad_clip"
+                fail(f"the training cost became {cost} at batch {i}; {left}. {fix}")
             val_i = repr(val) if i == it and val is not None else ""
             self.rows.append(f"{i},{cost!r},{val_i},{args.lr},{tok_s:.1f},{t:.3f}\n")
         line = f"iter {it}/{args.max_iters} | loss {np.mean(costs):.4f}"
@@ -562,15 +492,31 @@ class Progress:
         say(f"{line} | ETA {fmt_time(eta)}")
 
     def save(self, it, model, optimizer, scaler):
-        """ckpt.pt, log.csv and run.json, with this session's peak memory (on CUDA the
-        allocator's reserve too: a captured step's pool is reserved, not allocated)."""
+        """ckpt.pt (run.json's info, log.csv's rows, all processes' RNG states), log.csv
+        and run.json, each whole or none; info has this session's peak memory (on CUDA
+        the reserve too: a captured step's pool is reserved, not allocated)."""
         peak, what = peak_memory(self.device)
         self.info.update(peak_memory_mb=round(peak / 2**20, 1), peak_memory_is=what)
         if self.device.type == "cuda":
             reserved = torch.cuda.max_memory_reserved(self.device)
             self.info["peak_reserved_mb"] = round(reserved / 2**20, 1)
         self.info.update(iter=it, elapsed_s=time.time() - self.t0)
-        save_checkpoint(self.info, self.rows, model, optimizer, scaler)
+        state = {"torch": torch.get_rng_state()}  # (dropout's; random is unused)
+        if torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        rngs = [state] * WORLD
+        if WORLD > 1:
+            dist.all_gather_object(rngs, state)
+        if not MASTER:
+            return
+        ckpt = dict(self.info, model=model.state_dict(), rng=rngs, log=self.rows)
+        ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
+        buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
+        torch.save(ckpt, buffer)
+        folder = THIS_RUN["folder"]
+        folder.write("ckpt.pt", buffer.getvalue())
+        folder.write("log.csv", LOG_HEADER + "".join(self.rows))
+        folder.write("run.json", json.dumps(self.info, indent=1) + "\n")
 
     def log_point_done(self):
         """The pace counts again from here; the longest log point's work is kept."""
@@ -594,16 +540,6 @@ class Progress:
         return 0 if signum is None else 128 + signum
 
 
-def any_process(flag):
-    """Whether any process's flag is set (under DDP each calls this at one point),
-    over a CPU process group: it waits for no GPU."""
-    if WORLD == 1:
-        return flag
-    t = torch.tensor(float(flag))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
-    return t.item() > 0
-
-
 def mean_over_processes(t):
     """Under DDP the mean of t over the processes (each calls this at one point)."""
     if WORLD > 1:
@@ -618,7 +554,7 @@ def pick_device(name):
     one, else the CPU (said where CUDA is there but unusable). One line for a device
     torch does not see, or a GPU this build of torch has no kernels for."""
     if name == "auto":
-        why = why_not_cuda()
+        why = no_kernel(torch.device(f"cuda:{LOCAL_RANK}"))
         if why:
             say(f"note: CUDA is unusable here ({why}); --device auto runs on the CPU")
         name = "cpu" if why is not None else "cuda"
@@ -644,19 +580,14 @@ def pick_device(name):
     return device
 
 
-def why_not_cuda():
-    """None where CUDA runs a kernel here; else why not ("" where torch or the machine
-    has no CUDA at all, torch's warning where it has, as with a driver too old)."""
+def no_kernel(device):
+    """None once a kernel ran on the GPU, else why not: "" where torch or the machine
+    has no CUDA at all, torch's warning where it has (as with a driver too old), or the
+    build has no kernels for the card's compute capability, and what to install."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if not torch.cuda.is_available():
             return str(caught[0].message).splitlines()[0] if caught else ""
-    return no_kernel(torch.device(f"cuda:{LOCAL_RANK}"))
-
-
-def no_kernel(device):
-    """None once a kernel ran on the GPU, else why not: the build has no kernels for
-    the card's compute capability (its list does not hold it), and what to install."""
     try:
         torch.ones(1, device=device).add_(1).item()  # (waited for: its error is here)
         return None
@@ -678,17 +609,14 @@ def first_line(error):
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def start_processes(device):
-    """Under torchrun, the process group (NCCL between GPUs, else gloo) and a gloo group
-    beside it for the flags the processes agree on between the batches."""
-    if WORLD > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        CPU_GROUP["group"] = dist.new_group(backend="gloo")
-
-
-def ddp(model):
-    """The model as DDP wraps it under torchrun (one device a process), else itself."""
-    return DDP(model) if WORLD > 1 else model
+def ddp(model, device):
+    """Under torchrun the model DDP wraps, in a process group (NCCL between GPUs, else
+    gloo) and a gloo group for the flags agreed on between the batches; else itself."""
+    if WORLD == 1:
+        return model
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    CPU_GROUP["group"] = dist.new_group(backend="gloo")
+    return DDP(model)
 
 
 def precision(device, dtype, tf32=True):
@@ -696,25 +624,21 @@ def precision(device, dtype, tf32=True):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     cache = device.type != "cuda"  # (CUDA graphs want no autocast cache)
-    cast = nullcontext()
+    cast = contextlib.nullcontext()
     if dtype != "float32":
         cast = torch.autocast(device.type, getattr(torch, dtype), cache_enabled=cache)
     return cast, torch.amp.GradScaler(device.type, enabled=dtype == "float16")
 
 
 def computed(device, args):
-    """How the run computes, for run.json: TF32 only where the card has it (compute
-    capability 8.0 and up)."""
+    """How the run computes, for run.json: TF32 where the card has it (8.0 and up)."""
     tf32 = device.type == "cuda" and args.tf32
     tf32 = tf32 and torch.cuda.get_device_capability(device) >= (8, 0)
     matmul = "tf32" if tf32 else "ieee"
-    how = dict(
-        device=str(device),
-        torch=str(torch.__version__),  # (a plain str: weights_only loads it)
-        dtype=args.dtype,
-        float32_matmul=matmul,
-        fir_matmul=matmul if fir.ALLOW_TF32 else "ieee",
-    )
+    fir_matmul = matmul if fir.ALLOW_TF32 else "ieee"
+    # (torch's version a plain str: weights_only loads it)
+    how = dict(device=str(device), torch=str(torch.__version__), dtype=args.dtype)
+    how.update(float32_matmul=matmul, fir_matmul=fir_matmul)
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
@@ -747,9 +671,7 @@ class CapturedStep:
     (said in `how`, run.json's, when given); one that CUDA fails stops the run."""
 
     def __init__(self, step, optimizer, how=None):
-        self.step = step
-        self.optimizer = optimizer
-        self.how = how
+        self.step, self.optimizer, self.how = step, optimizer, how
         self.warmup = 3
         self.graph = None
         self.stream = torch.cuda.Stream()
@@ -792,16 +714,13 @@ class CapturedStep:
                 try:
                     self.graph.capture_end()
                 except Exception as error:
-                    fail(
-                        f"the step cannot be captured in a CUDA graph "
-                        f"({first_line(error)}); --no-cuda_graph runs it eagerly"
-                    )
+                    why = first_line(error)
+                    fail(f"{NO_GRAPH} ({why}); --no-cuda_graph runs it eagerly")
 
     def fall_back(self, error, x, y):
-        """The eager step from now on, said on the console and in run.json; the graph
-        and its memory pool freed."""
+        """Eager from now on, said on the console and in run.json; the graph freed."""
         why = first_line(error)
-        say(f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly")
+        say(f"{NO_GRAPH} ({why}); it runs eagerly")
         self.how["step"] = f"eager, the capture failed ({why})"
         self.graph.reset()
         self.graph = None
@@ -819,19 +738,21 @@ def run_command(settings, may_change, train, argv=None):
     the signals that stop at a checkpoint, then train(args, ckpt, start_time); every
     failure one line with what stays, and the process group torn down together."""
     start_time = time.time()  # --time_limit counts from here
-    parser = build_parser(settings)
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
-        args = parser.parse_args(argv)
+        args = build_parser(settings).parse_args(argv)
         args.out_dir = args.out_dir or default_out_dir(args, settings)
         with RunFolder(args.out_dir) as folder:
-            ckpt = checkpoint_to_resume(
-                args, parser, argv, settings, may_change, folder
-            )
+            ckpt = checkpoint_to_resume(args, argv, settings, may_change, folder)
             args.data_dir = os.path.abspath(args.data_dir)
-            if (ckpt["iter"] if ckpt else 0) >= args.max_iters:
-                return nothing_to_train(args, ckpt, folder)
+            start = ckpt["iter"] if ckpt else 0
+            if start >= args.max_iters:
+                if ckpt and MASTER and not folder.has("log.csv"):
+                    folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
+                    say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
+                say(f"{args.out_dir} is at batch {start}: nothing to train")
+                return 0
             for s in signals:
                 signal.signal(s, ask_to_stop)
             return train(args, ckpt, start_time)
@@ -845,7 +766,11 @@ def run_command(settings, may_change, train, argv=None):
     except (RuntimeError, MemoryError) as e:
         if not out_of_memory(e):
             raise
-        fail(f"out of memory {memory_advice()}; {kept(args.out_dir)}")
+        batch = THIS_RUN["batch"]
+        where = "building the model" if batch is None else f"at batch {batch}"
+        shrink = "--n_layer, --n_embd" if batch is None else "--batch_size"
+        left = kept(args.out_dir)
+        fail(f"out of memory {where}: use a smaller {shrink} or --block_size; {left}")
     finally:
         STOP["signal"] = None
         THIS_RUN.update(batch=None, stderr=False)
@@ -857,27 +782,7 @@ def run_command(settings, may_change, train, argv=None):
             dist.destroy_process_group()
 
 
-def nothing_to_train(args, ckpt, folder):
-    """A run at its last batch already: said, and a lost log.csv written again from
-    ckpt.pt's rows."""
-    if ckpt and MASTER and not folder.has("log.csv"):
-        folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
-        say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
-    start = ckpt["iter"] if ckpt else 0
-    say(f"{args.out_dir} is at batch {start}: nothing to train")
-    return 0
-
-
 def out_of_memory(error):
-    """Whether the error is memory running out (torch's CPU allocator raises a plain
-    RuntimeError that says so)."""
+    """Whether memory ran out (torch's CPU allocator: a RuntimeError that says so)."""
     cpu = "can't allocate memory" in str(error)
     return cpu or isinstance(error, (torch.OutOfMemoryError, MemoryError))
-
-
-def memory_advice():
-    """Where memory ran out and what shrinks it."""
-    if THIS_RUN["batch"] is None:
-        return "building the model: use a smaller --n_layer, --n_embd or --block_size"
-    batch = THIS_RUN["batch"]
-    return f"at batch {batch}: use a smaller --batch_size or --block_size"

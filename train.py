@@ -1,18 +1,14 @@
 """
 Train a language model whose first sublayer is a token mixer of extractor.py, as the
-paper's Section 6 does: Table 1's run, a longer run of out/me, a run that stops at a
-checkpoint before 40 minutes, one run over 4 GPUs (DDP).
+paper's Section 6 does: Table 1's run, a longer one, one that stops by 40 minutes, DDP.
 
     python prepare_data.py && python train.py --mixer=me
     python train.py --mixer=me --max_iters=80000 --resume
     python train.py --mixer=she --time_limit=40m
     torchrun --standalone --nproc_per_node=4 train.py --mixer=she
 
-This file is the experiment: its settings, the batches, the model and AdamW, the
-training step, the evaluation and the loop. Every run sees the same batches, seeded by
---data_seed alone. What keeps a run safe and exact (its folder, ckpt.pt and --resume,
-the signals and --time_limit, the console, the device, the step captured in a CUDA
-graph) is machinery.py's.
+This file is the experiment, where every run sees the same batches, seeded by
+--data_seed alone; what keeps a run safe and exact is machinery.py's.
 """
 
 import dataclasses
@@ -35,12 +31,7 @@ SETTINGS = {
     "block_size": ("l", Config.block_size, COUNT, "context length"),
     "n_embd": ("d", Config.n_embd, COUNT, "dimension of the model"),
     "n_hidden": ("c", Config.n_hidden, COUNT, "nodes in the FFN's hidden layer"),
-    "n_head": (
-        "n",
-        Config.n_head,
-        COUNT,
-        "heads of self-attention, the Synthesizers",
-    ),
+    "n_head": ("n", Config.n_head, COUNT, "heads of self-attention, the Synthesizers"),
     "dropout": ("p", Config.dropout, FRACTION, "dropout rate"),
     "batch_size": ("b", 64, COUNT, "batch size, over all processes"),
     "lr": ("lr", 1e-3, NON_NEGATIVE, "AdamW's learning rate gamma, constant"),
@@ -92,8 +83,7 @@ def get_batch(data, starts, block_size, device):
     windows = [data[s : s + block_size + 1] for s in mine.tolist()]
     w = torch.from_numpy(np.stack(windows).astype(np.int64))  # (b, l + 1)
     pin = device.type == "cuda"  # pinned, so that the host need not wait for the copy
-    if pin:
-        w = w.pin_memory()
+    w = w.pin_memory() if pin else w
     w = w.to(device, non_blocking=pin)
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x (b, l), y (b, l)
 
@@ -106,21 +96,19 @@ def build_model(cfg, args, device):
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     torch.manual_seed(args.seed + machinery.RANK)
-    cuda = device.type == "cuda"
     adamw = torch.optim.AdamW(
         model.parameters(),
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=1e-8,
         weight_decay=args.weight_decay,
-        fused=cuda,
+        fused=device.type == "cuda",
     )
     return model, adamw
 
 
 def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
-    """One batch: the forward pass and its loss, the backward pass, clipping if it is
-    on, and AdamW's step. The loss comes back unread, so that the GPU need not wait."""
+    """One batch's step; the loss comes back unread, so that the GPU need not wait."""
     with ctx:
         _, loss = model(x, y)  # the mean cross-entropy of the batch, Eq. (3)
     # (only float16 scales its loss; else scale and unscale_ do nothing)
@@ -136,8 +124,7 @@ def train_step(model, optimizer, scaler, ctx, x, y, grad_clip=0.0):
 
 # ---- the evaluation ------------------------------------------------------------------
 def validates(args, it):
-    """Whether batch `it` ends with a validation: every eval_interval batches, and the
-    last batch."""
+    """Whether batch `it` ends with a validation (every eval_interval, and the last)."""
     at = it % args.eval_interval == 0 or it == args.max_iters
     return args.eval_batches > 0 and at
 
@@ -162,22 +149,19 @@ def evaluate(model, args, val_data, device, ctx):
 
 # ---- the run -------------------------------------------------------------------------
 def train(args, ckpt, start_time):
-    """Load the data and build the model; then batch, step, and at a log point
-    evaluate, log, checkpoint and stop if the run must."""
+    """The data, the model and AdamW; then the loop of batches and log points."""
     model_settings = {f.name: getattr(args, f.name) for f in MODEL_SETTINGS}
     cfg = machinery.check_mixer(Config(**model_settings))  # before the data
     train_data, val_data, fingerprint = machinery.load_data(
         args.data_dir, args.block_size, args.batch_size
     )
-    machinery.check_same_data(ckpt, fingerprint, args)
     device = machinery.pick_device(args.device)
-    machinery.start_processes(device)
     ctx, scaler = machinery.precision(device, args.dtype, args.tf32)
     cfg = dataclasses.replace(cfg, vocab_size=fingerprint["vocab_size"])
     raw_model, optimizer = build_model(cfg, args, device)
     if ckpt:
-        machinery.restore(ckpt, raw_model, optimizer, scaler, device)
-    model = machinery.ddp(raw_model)
+        machinery.restore(ckpt, fingerprint, raw_model, optimizer, scaler, device)
+    model = machinery.ddp(raw_model, device)
     how = machinery.computed(device, args)
     step = functools.partial(
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
