@@ -6,13 +6,9 @@ causal FIR filter along time, Eq. (23), (26), (28), (29):
 
 (*) is x_j @ W for SHE's matrix taps, x_j o w for WE's and HE's vector taps, x_j w for
 ME's scalar taps. extractor.causal_fir_reference is that double sum as written; every
-path here computes the same numbers. fir_full(x, w) filters the whole sequence by the
-path that default_path picks; fir_last_row(x, w) gives the newest position only (one
-token of generation). The paths (PATHS: the taps' dims each computes):
-    toeplitz          scalar taps: one GEMM, a lower-triangular Toeplitz matrix times X
-    toeplitz-strided  the same without index tensor or scatter (CUDA; vector taps too)
-    fft               rfft, a product per frequency, irfft: O(t log t), not O(t^2)
-    fft-cuda          matrix taps on CUDA: fft in layouts cuBLAS and cuFFT take as is
+path here computes the same numbers. fir_full(x, w) filters the whole sequence by a
+path of PATHS, default_path's unless told; fir_last_row(x, w) gives the newest position
+only (one token of generation).
 TF32: train.py lets CUDA's float32 matmuls (and cuBLAS's complex64 GEMMs) run in TF32, a
 10-bit mantissa; every GEMM here runs in IEEE float32 (ieee_float32) unless ALLOW_TF32 =
 True, which lets them follow the global setting, to measure what TF32 does."""
@@ -25,11 +21,11 @@ import torch.nn.functional as F
 # scalar taps: Toeplitz below this t (measured faster on the CPU), FFT from here on
 FFT_MIN_T_SCALAR = 1024
 ALLOW_TF32 = False  # see TF32 above
-PATHS = {
-    "toeplitz": (1,),
-    "toeplitz-strided": (1, 2),
-    "fft": (1, 2, 3),
-    "fft-cuda": (3,),
+PATHS = {  # the taps' dims each path computes
+    "toeplitz": (1,),  # one GEMM, a lower-triangular Toeplitz matrix times X
+    "toeplitz-strided": (1, 2),  # the same without index tensor or scatter (CUDA)
+    "fft": (1, 2, 3),  # rfft, a product per frequency, irfft: O(t log t), not O(t^2)
+    "fft-cuda": (3,),  # on CUDA: fft in layouts cuBLAS and cuFFT take as is
 }
 
 
@@ -71,10 +67,9 @@ def fir_full(x, w, path=None):
 
 @contextlib.contextmanager
 def ieee_float32(device):
-    """Inside, CUDA's float32 and complex64 GEMMs run in IEEE float32 even where TF32 is
-    on (not so with ALLOW_TF32). It sets allow_tf32, the flag train.py sets, which keeps
-    PyTorch's old and new precision settings in step, and reads fp32_precision, which
-    answers under either (allow_tf32 raises after a mix)."""
+    """Inside, CUDA's GEMMs run in IEEE float32 (see TF32 above). It sets allow_tf32,
+    train.py's flag, which keeps PyTorch's old and new precision settings in step, and
+    reads fp32_precision, which answers under either (allow_tf32 raises after a mix)."""
     matmul = torch.backends.cuda.matmul
     tf32 = device.type == "cuda" and not ALLOW_TF32 and matmul.fp32_precision == "tf32"
     if tf32:
