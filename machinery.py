@@ -423,7 +423,8 @@ class Progress:
 
     def __init__(self, args, ckpt, start_time, info):
         self.args, self.info, self.start_time = args, info, start_time
-        if args.time_limit is not None and time.time() - start_time > args.time_limit:
+        self.limit = math.inf if args.time_limit is None else args.time_limit  # (s)
+        if time.time() - start_time > self.limit:
             took = f"{time.time() - start_time:.1f} s to start"
             late = f"--time_limit passed before the first batch ({took})"
             fail(f"{late}: nothing was trained; give a longer one")
@@ -451,13 +452,11 @@ class Progress:
         """Whether the batch just done must be the last, in every process alike: a
         signal came, or from train.py's start the time limit leaves no room for 2
         batches, the next validation (if the next batch has one) and a log point."""
-        late = False
-        if self.args.time_limit is not None:
-            now = self.t0 + self.times[-1]
-            per_batch = (now - self.since) / len(self.times)
-            batches = 2 + self.args.eval_batches * evaluates_next
-            elapsed = now - self.start_time
-            late = elapsed + batches * per_batch + self.pause > self.args.time_limit
+        now = self.t0 + self.times[-1]
+        per_batch = (now - self.since) / len(self.times)
+        batches = 2 + self.args.eval_batches * evaluates_next
+        elapsed = now - self.start_time
+        late = elapsed + batches * per_batch + self.pause > self.limit
         stop = torch.tensor(float(STOP["signal"] is not None or late))
         if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
@@ -629,10 +628,9 @@ def computed(device, args):
     tf32 = device.type == "cuda" and args.tf32
     tf32 = tf32 and torch.cuda.get_device_capability(device) >= (8, 0)
     matmul = "tf32" if tf32 else "ieee"
-    fir_matmul = matmul if fir.ALLOW_TF32 else "ieee"
     # (torch's version a plain str: weights_only loads it)
     how = dict(device=str(device), torch=str(torch.__version__), dtype=args.dtype)
-    how.update(float32_matmul=matmul, fir_matmul=fir_matmul)
+    how.update(float32_matmul=matmul, fir_matmul=matmul if fir.ALLOW_TF32 else "ieee")
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
