@@ -9,6 +9,7 @@ import base64
 import contextlib
 import ctypes
 import fcntl  # (Linux and macOS, as resource: train.py runs on Unix; Windows: WSL)
+import fnmatch
 import hashlib
 import io
 import json
@@ -69,9 +70,8 @@ def fmt_time(s):
 
 
 def atomic_write(path, data, dir_fd=None, shown=None):
-    """data (bytes or str) whole at path, or nothing there: a temporary file first,
-    then renamed over path (relative to the folder dir_fd, when given); an error names
-    path (or shown), not the temporary file."""
+    """data (bytes or str) whole at path (relative to the folder dir_fd), or nothing
+    there; an error names path (or shown), not the temporary file."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     try:
@@ -258,9 +258,7 @@ class RunFolder:
         except BlockingIOError:
             busy = "is in use: a run of another train.py is in progress there"
             fail(f"{self.path} {busy}; wait for it, or pick another --out_dir")
-        for name in os.listdir(self.fd):
-            if name.startswith(".") and name.endswith(".tmp"):
-                os.unlink(name, dir_fd=self.fd)
+        self.remove(fnmatch.filter(os.listdir(self.fd), ".*.tmp"))
         try:
             self.write(".written", b"")
             os.unlink(".written", dir_fd=self.fd)
@@ -291,10 +289,8 @@ class RunFolder:
 
 
 def checkpoint_to_resume(args, argv, settings, may_change, folder):
-    """The checkpoint to resume (args then set from it), or None: a folder holds a run
-    once ckpt.pt (or log.csv) is in it, and a plain command refuses it; --resume needs
-    a checkpoint of as many processes and the same settings but those it may change; a
-    finished run's log.csv.gz (as results/logs/ keeps runs) is never written over."""
+    """The checkpoint to resume (args then set from it), or None; a folder holds a run
+    once ckpt.pt (or log.csv) is in it (each refusal's line says what to do)."""
     path = os.path.join(args.out_dir, "ckpt.pt")
     if folder.has("log.csv.gz"):
         gz = "a finished run's log.csv.gz (as results/logs/ keeps runs)"
@@ -368,11 +364,9 @@ def restore(ckpt, data, model, optimizer, scaler, device):
 
 
 def kept(out_dir):
-    """What a run that fails leaves, said as the folder is."""
-    folder = THIS_RUN["folder"]
-    with contextlib.suppress(OSError):  # (a name too long, a folder gone)
-        if folder.has("ckpt.pt") if folder else os.path.exists(f"{out_dir}/ckpt.pt"):
-            return f"the last checkpoint, {out_dir}/ckpt.pt, stays"
+    """What a run that fails leaves, said as the folder at out_dir is."""
+    if os.path.exists(f"{out_dir}/ckpt.pt"):
+        return f"the last checkpoint, {out_dir}/ckpt.pt, stays"
     return "no checkpoint was written"
 
 
@@ -429,7 +423,8 @@ class Progress:
 
     def __init__(self, args, ckpt, start_time, info):
         self.args, self.info, self.start_time = args, info, start_time
-        if args.time_limit is not None and time.time() - start_time > args.time_limit:
+        self.limit = math.inf if args.time_limit is None else args.time_limit  # (s)
+        if time.time() - start_time > self.limit:
             took = f"{time.time() - start_time:.1f} s to start"
             late = f"--time_limit passed before the first batch ({took})"
             fail(f"{late}: nothing was trained; give a longer one")
@@ -457,13 +452,11 @@ class Progress:
         """Whether the batch just done must be the last, in every process alike: a
         signal came, or from train.py's start the time limit leaves no room for 2
         batches, the next validation (if the next batch has one) and a log point."""
-        late = False
-        if self.args.time_limit is not None:
-            now = self.t0 + self.times[-1]
-            per_batch = (now - self.since) / len(self.times)
-            batches = 2 + self.args.eval_batches * evaluates_next
-            elapsed = now - self.start_time
-            late = elapsed + batches * per_batch + self.pause > self.args.time_limit
+        now = self.t0 + self.times[-1]
+        per_batch = (now - self.since) / len(self.times)
+        batches = 2 + self.args.eval_batches * evaluates_next
+        elapsed = now - self.start_time
+        late = elapsed + batches * per_batch + self.pause > self.limit
         stop = torch.tensor(float(STOP["signal"] is not None or late))
         if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
@@ -635,10 +628,9 @@ def computed(device, args):
     tf32 = device.type == "cuda" and args.tf32
     tf32 = tf32 and torch.cuda.get_device_capability(device) >= (8, 0)
     matmul = "tf32" if tf32 else "ieee"
-    fir_matmul = matmul if fir.ALLOW_TF32 else "ieee"
     # (torch's version a plain str: weights_only loads it)
     how = dict(device=str(device), torch=str(torch.__version__), dtype=args.dtype)
-    how.update(float32_matmul=matmul, fir_matmul=fir_matmul)
+    how.update(float32_matmul=matmul, fir_matmul=matmul if fir.ALLOW_TF32 else "ieee")
     if device.type == "cuda":
         how["device_name"] = torch.cuda.get_device_name(device)
     return how
@@ -734,9 +726,8 @@ class CapturedStep:
 
 # ---- train.py's main -----------------------------------------------------------------
 def run_command(settings, may_change, train, argv=None):
-    """train.py's command: the flags, the run folder locked, a resume or a fresh start,
-    the signals that stop at a checkpoint, then train(args, ckpt, start_time); every
-    failure one line with what stays, and the process group torn down together."""
+    """train.py's command, around train(args, ckpt, start_time): every failure one
+    line with what stays, and the process group torn down together."""
     start_time = time.time()  # --time_limit counts from here
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     handlers = {s: signal.getsignal(s) for s in signals}

@@ -66,15 +66,6 @@ def load_run_tokenizer(data_dir, ckpt):
     return machinery.load_tokenizer(data_dir)
 
 
-def stream(model, idx, enc, max_new_tokens, **kw):
-    """Print each token as sampled, decoded incrementally: it may end mid-character."""
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for tok in model.generate(idx, max_new_tokens, **kw):  # (1, 1) each
-        piece = text.decode(enc.decode_single_token_bytes(tok.item()))
-        print(piece, end="", flush=True)
-    print(text.decode(b"", final=True))
-
-
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
@@ -108,7 +99,12 @@ def main(argv=None):
             print("-" * 40)
         print(args.prompt, end="", flush=True)
         idx = torch.tensor([ids], device=device)
-        stream(model, idx, enc, args.max_new_tokens, **kw)
+        # each token printed as sampled, decoded incrementally: it may end mid-character
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for tok in model.generate(idx, args.max_new_tokens, **kw):  # (1, 1) each
+            piece = text.decode(enc.decode_single_token_bytes(tok.item()))
+            print(piece, end="", flush=True)
+        print(text.decode(b"", final=True))
     peak, what = machinery.peak_memory(device)
     n = args.num_samples * args.max_new_tokens
     dt = time.time() - t0
