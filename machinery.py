@@ -364,9 +364,11 @@ def restore(ckpt, data, model, optimizer, scaler, device):
 
 
 def kept(out_dir):
-    """What a run that fails leaves, said as the folder at out_dir is."""
-    if os.path.exists(f"{out_dir}/ckpt.pt"):
-        return f"the last checkpoint, {out_dir}/ckpt.pt, stays"
+    """What a run that fails leaves, said as the folder is."""
+    folder = THIS_RUN["folder"]
+    with contextlib.suppress(OSError):  # (a name too long, a folder gone)
+        if folder.has("ckpt.pt") if folder else os.path.exists(f"{out_dir}/ckpt.pt"):
+            return f"the last checkpoint, {out_dir}/ckpt.pt, stays"
     return "no checkpoint was written"
 
 
