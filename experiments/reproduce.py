@@ -134,9 +134,8 @@ def check(args):
         if code != 0:
             console = os.path.join(work, name, "console.txt")
             fail(f"the check's {name} run {failure(console, code)}; see {console}")
-    card = ""
-    if args.device.startswith("cuda"):
-        card = f" ({torch.cuda.get_device_name(args.device)})"
+    cuda = args.device.startswith("cuda")
+    card = f" ({torch.cuda.get_device_name(args.device)})" if cuda else ""
     lines = [f"device {args.device}{card}, torch {torch.__version__}"]
     minus = f"mean training cost here minus on the CPU, windows of {WINDOW} batches"
     ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
