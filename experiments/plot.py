@@ -112,18 +112,16 @@ def read_runs(run_dirs, until=None):
     if len(set(paths)) < len(paths):
         same = " and ".join(d for d, p in zip(run_dirs, paths) if paths.count(p) > 1)
         fail(f"{same} are one run folder; pass each run once")
-    runs = []
-    for d in run_dirs:
-        settings = read(os.path.join(d, "run.json"), run_settings)
-        log = cut(read_log(d), until or np.inf)
-        runs.append({"dir": d, "settings": settings, "log": log})
-    names = [label(r["settings"]) for r in runs]
+    settings = [read(os.path.join(d, "run.json"), run_settings) for d in run_dirs]
+    names = [label(s) for s in settings]
     depth = 0
     while len(set(names)) < len(names):  # two of one label: the paths' last parts
         depth += 1
         names = ["/".join(p.split(os.sep)[-depth:]) for p in paths]
-    for r, name in zip(runs, names):
-        r["name"] = name
+    runs = []
+    for d, name, s in zip(run_dirs, names, settings):
+        log = cut(read_log(d), until or np.inf)
+        runs.append({"dir": d, "name": name, "settings": s, "log": log})
     return sorted(runs, key=lambda r: paper_rank(r["name"]))
 
 
