@@ -112,18 +112,16 @@ def read_runs(run_dirs, until=None):
     if len(set(paths)) < len(paths):
         same = " and ".join(d for d, p in zip(run_dirs, paths) if paths.count(p) > 1)
         fail(f"{same} are one run folder; pass each run once")
-    runs = []
-    for d in run_dirs:
-        settings = read(os.path.join(d, "run.json"), run_settings)
-        log = cut(read_log(d), until or np.inf)
-        runs.append({"dir": d, "settings": settings, "log": log})
-    names = [label(r["settings"]) for r in runs]
+    settings = [read(os.path.join(d, "run.json"), run_settings) for d in run_dirs]
+    names = [label(s) for s in settings]
     depth = 0
     while len(set(names)) < len(names):  # two of one label: the paths' last parts
         depth += 1
         names = ["/".join(p.split(os.sep)[-depth:]) for p in paths]
-    for r, name in zip(runs, names):
-        r["name"] = name
+    runs = []
+    for d, name, s in zip(run_dirs, names, settings):
+        log = cut(read_log(d), until or np.inf)
+        runs.append({"dir": d, "name": name, "settings": s, "log": log})
     return sorted(runs, key=lambda r: paper_rank(r["name"]))
 
 
@@ -197,21 +195,20 @@ def plot_runs(runs, path, window, raw=False):
     size = (15, 5) if ref else (8, 5)
     fig, axes = plt.subplots(1, 2 if ref else 1, figsize=size, squeeze=False)
     ax = axes[0][0]
+    curves = {r["name"]: (r["log"]["iter"], r["log"]["train_loss"]) for r in runs}
+    if not raw:  # each full window's last batch and median, once for both panels
+        curves = {name: window_medians(y, window) for name, (_, y) in curves.items()}
+    style = dict(lw=0.5, alpha=0.6) if raw else dict(marker="o", ms=3)
     for r in runs:
-        if raw:
-            x, y = r["log"]["iter"], r["log"]["train_loss"]
-            ax.plot(x, y, lw=0.5, alpha=0.6, label=r["name"], **line(r))
-        else:
-            ends, med = window_medians(r["log"]["train_loss"], window)
-            ax.plot(ends, med, marker="o", ms=3, label=r["name"], **line(r))
+        ax.plot(*curves[r["name"]], label=r["name"], **style, **line(r))
     medians = f"median training cost of every {window} batches"
     finish(ax, "training cost of every batch" if raw else medians)
     if ref:
         ax = axes[0][1]
         ax.axhline(0, color=STYLE["sa-32"], lw=1, label="sa-32")
-        ref_med = window_medians(ref["log"]["train_loss"], window)[1]
+        ref_med = curves["sa-32"][1]
         for r in [r for r in runs if r is not ref]:
-            ends, med = window_medians(r["log"]["train_loss"], window)
+            ends, med = curves[r["name"]]
             n = min(len(med), len(ref_med))  # the windows both runs have
             gap = med[:n] - ref_med[:n]
             ax.plot(ends[:n], gap, marker="o", ms=3, label=r["name"], **line(r))
@@ -331,9 +328,9 @@ def read_rows(path, header, what):
         fail(f"{path}: not a number where one belongs; write it again with {what}")
 
 
-def seed_rows(runs, until, csvs):
-    """seeds.csv: each run at the shortest length (or `until`), the others of `csvs`."""
-    n = min([int(r["log"]["iter"][-1]) for r in runs] + ([until] if until else []))
+def seed_rows(runs, csvs):
+    """seeds.csv: each run at the shortest run's length, the others of `csvs`."""
+    n = min(int(r["log"]["iter"][-1]) for r in runs)
     rows = []
     for r in runs:
         s = r["settings"]
@@ -367,10 +364,9 @@ def gap_rows(runs, path):
     parse = lambda f: {r["run"]: float(r["lm1b_ppl"]) for r in csv.DictReader(f)}
     ppl = read(path, parse, "give --paper_ppl a CSV with run and lm1b_ppl columns")
     rows = [run_row({"run": r["name"]}, r["log"], [2000]) for r in runs]
-    names = [r["run"] for r in rows]
-    if "sa-32" not in names or "sa-32" not in ppl:
+    base = {r["run"]: r for r in rows}.get("sa-32")
+    if base is None or "sa-32" not in ppl:
         fail(f"--paper_ppl: the gaps are to sa-32: give its run and its row in {path}")
-    base = rows[names.index("sa-32")]
     for r in rows:
         r["gap_median"] = r["median_last_2000"] - base["median_last_2000"]
         r["gap_val"] = r["val_loss"] - base["val_loss"]
@@ -457,7 +453,7 @@ def plot_logs(args):
     csvs = [p for p in args.runs if args.sweep and p.endswith(".csv")]
     runs = read_runs([p for p in args.runs if p not in csvs], args.batches)
     seed_csvs = [p for p in args.seeds if p.endswith(".csv")]
-    seeds = read_runs([p for p in args.seeds if p not in seed_csvs])
+    seeds = read_runs([p for p in args.seeds if p not in seed_csvs], args.batches)
     check_corpus(runs + seeds)
     longest = max((len(r["log"]["train_loss"]) for r in runs), default=2000)
     window = args.window or min(2000, longest if args.sweep else max(1, longest // 30))
@@ -474,7 +470,7 @@ def plot_logs(args):
         plot_runs(runs, output, window, args.raw)
     if not args.results:
         return [output]
-    seed_table = seed_rows(runs + seeds, args.batches, seed_csvs) if args.seeds else []
+    seed_table = seed_rows(runs + seeds, seed_csvs) if args.seeds else []
     written = write_results(runs, args.results, window, seed_table, args.paper_ppl)
     return [output] + written
 

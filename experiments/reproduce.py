@@ -69,17 +69,20 @@ def start(name, flags, work):
         return subprocess.Popen(cmd, **output, preexec_fn=die_with_parent)
 
 
-def train_all(names, flags, work, fits):
-    """train.py for each run in turn, started once fits(the running runs and it) or
-    none runs; their exit codes. A stop of this script stops each at a checkpoint."""
+def train_all(args, work, *more):
+    """train.py (args' device and data, `more` flags) for each of args.runs in turn,
+    started once room(args) holds it and those running, or none runs; their exit codes.
+    A stop of this script stops each at a checkpoint."""
+    flags = [f"--device={args.device}", f"--data_dir={args.data_dir}", *more]
+    fits = room(args)
     procs = {}
     running = lambda: [n for n, p in procs.items() if p.poll() is None]
     try:
-        for name in names:
+        for name in args.runs:
             while running() and not fits(running() + [name]):
                 time.sleep(1)
             procs[name] = start(name, flags, work)
-        return [procs[name].wait() for name in names]
+        return [procs[name].wait() for name in args.runs]
     finally:  # Ctrl-C, kill, an error: every child gets SIGTERM, checkpoints and stops
         for p in procs.values():
             p.send_signal(signal.SIGTERM)  # (nothing for a child that has exited)
@@ -112,35 +115,33 @@ def window_means(run_dir):
     return [sum(costs[i : i + WINDOW]) / WINDOW for i in starts]
 
 
-def check_file(names, args):
+def check_file(args):
     """results/gpu/check.txt for the six on CUDA; a check of fewer or on another kind
     of device names them (check-cpu-me.txt), so that it keeps the six's."""
     kind = args.device.split(":")[0]
     parts = ["check"] if kind == "cuda" else ["check", kind]
-    if names != list(RUNS):
-        parts += names
+    if args.runs != list(RUNS):
+        parts += args.runs
     return os.path.join(args.results, "gpu", "-".join(parts) + ".txt")
 
 
-def check(names, args, flags, fits):
+def check(args):
     """Each model's first 100 batches here against its committed CPU run: a table."""
     work = os.path.join(args.work, "check")
     shutil.rmtree(work, ignore_errors=True)  # the check trains anew
-    flags = flags + ["--max_iters=100", "--log_interval=10"]
-    codes = train_all(names, flags, work, fits)
-    for name, code in zip(names, codes):
+    codes = train_all(args, work, "--max_iters=100", "--log_interval=10")
+    for name, code in zip(args.runs, codes):
         if code != 0:
             console = os.path.join(work, name, "console.txt")
             fail(f"the check's {name} run {failure(console, code)}; see {console}")
-    card = ""
-    if args.device.startswith("cuda"):
-        card = f" ({torch.cuda.get_device_name(args.device)})"
+    cuda = args.device.startswith("cuda")
+    card = f" ({torch.cuda.get_device_name(args.device)})" if cuda else ""
     lines = [f"device {args.device}{card}, torch {torch.__version__}"]
     minus = f"mean training cost here minus on the CPU, windows of {WINDOW} batches"
     ends = " ".join(f"{i + WINDOW:>7d}" for i in range(0, 100, WINDOW))
     lines += [minus, f"{'run':6s} {ends}   worst"]
     worst = 0
-    for name in names:
+    for name in args.runs:
         here = window_means(os.path.join(work, name))
         cpu = window_means(os.path.join(args.results, "logs", "table1-cpu", name))
         gaps = [a - b for a, b in zip(here, cpu)]
@@ -154,7 +155,7 @@ def check(names, args, flags, fits):
     within = f"every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
     lines.append(f"{verdict}: {within} (worst {worst:.4f})")
     text = "\n".join(lines) + "\n"
-    atomic_write(check_file(names, args), text)
+    atomic_write(check_file(args), text)
     print(text, end="")
     return 0 if verdict == "passed" else 1
 
@@ -233,15 +234,12 @@ def main(argv=None):
     args.runs = [name for name in RUNS if name in args.runs]  # each once, in order
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
-    fits = room(args)
-    flags = [f"--device={args.device}", f"--data_dir={args.data_dir}"]
     # SIGTERM as Ctrl-C: `finally` stops the children
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.check:
-            return check(args.runs, args, flags, fits)
-        flags.append(f"--time_limit={args.time_limit}")
-        codes = train_all(args.runs, flags, args.work, fits)
+            return check(args)
+        codes = train_all(args, args.work, f"--time_limit={args.time_limit}")
     except KeyboardInterrupt:
         stopped = f"stopped: each run at its last checkpoint in {args.work}"
         print(f"{stopped}; the same command goes on from there", file=sys.stderr)
