@@ -2642,11 +2642,28 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
 
 
 def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
-    monkeypatch, capsys
+    monkeypatch, capsys, tmp_path
 ):
     """CUDA stubbed. The step clock records an event a step and reads the host's clock
-    once the GPU has done the step before: one step ahead, no more. --device auto on a
-    driver too old or a GPU the build cannot run says so and runs on the CPU."""
+    once the GPU has done the step before: one step ahead, no more. run.json keeps the
+    peak reserved (a captured step's pool). --device auto on a driver too old or a GPU
+    the build cannot run says so and runs on the CPU."""
+    args = argparse.Namespace(time_limit=None, overwrite=False, out_dir=str(tmp_path))
+    vars(args).update(log_interval=1, max_iters=1)
+    model = torch.nn.Linear(2, 2)
+    adamw, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu")
+    with machinery.RunFolder(str(tmp_path)):
+        on_cpu = dict(computed=dict(device="cpu"))
+        progress = machinery.Progress(args, None, 0.0, on_cpu)
+        progress.device = torch.device("cuda")
+        allocated = (2**30, "peak CUDA memory allocated")
+        monkeypatch.setattr(machinery, "peak_memory", lambda device: allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 3 * 2**30)
+        progress.save(1, model, adamw, scaler)
+        assert progress.finish(1, stop=False) == 0
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert (info["peak_memory_mb"], info["peak_reserved_mb"]) == (1024.0, 3072.0)
+    assert f"{allocated[1]}: 1.00 GB, reserved 3.00 GB\n" in capsys.readouterr().out
     seen, events = [], itertools.count(1)
 
     class Event:  # torch.cuda.Event: numbered as made, its calls recorded in `seen`
