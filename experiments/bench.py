@@ -179,19 +179,13 @@ def peak_bytes(step, device):
     return machinery.peak_memory(device)[0] - before
 
 
-def completed_flops():
-    """FlopCounterMode's custom_mapping for the ops it leaves out here: SDPA's CPU
-    kernel (the flash kernel's formula: the full t x t, the causal half not subtracted),
+def flop_counter():
+    """A FlopCounterMode completed for the ops it leaves out here: SDPA's CPU kernel
+    (the flash kernel's formula: the full t x t, the causal half not subtracted),
     complex bmm (8 real flops per complex multiply-add, not 2), elementwise mul (1 flop,
     6 if complex) and FFTs, estimated as 2.5 n log2(n) real flops per real transform of
     length n (half a complex radix-2 FFT's 5 n log2 n)."""
     aten = torch.ops.aten
-    # SDPA's CPU kernels as the flash kernels, by the shapes of their first arguments,
-    # (grad,) q, k, v: the registry's formulae unwrapped (the mode wraps them again)
-    flash = flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__
-    backward = flop_registry[
-        aten._scaled_dot_product_flash_attention_backward
-    ].__wrapped__
 
     def r2c(x, dim, *_, out_val, **kw):  # length n: 2.5 n log2(n)
         return int(2.5 * x.numel() * math.log2(math.prod(x.shape[d] for d in dim)))
@@ -209,9 +203,13 @@ def completed_flops():
     counts = {aten.bmm: bmm, aten.mul: mul, aten._fft_r2c: r2c, aten._fft_c2r: c2r}
     for f in counts.values():
         f._get_raw = True  # called with the op's arguments and output, not their shapes
-    counts[aten._scaled_dot_product_flash_attention_for_cpu] = flash
-    counts[aten._scaled_dot_product_flash_attention_for_cpu_backward] = backward
-    return counts
+    # SDPA's CPU kernels as the flash kernels, by the shapes of their first arguments,
+    # (grad,) q, k, v: the registry's formulae unwrapped (the mode wraps them again)
+    flash = "_scaled_dot_product_flash_attention"
+    for kernel in ("", "_backward"):
+        formula = flop_registry[getattr(aten, flash + kernel)].__wrapped__
+        counts[getattr(aten, f"{flash}_for_cpu{kernel}")] = formula
+    return FlopCounterMode(display=False, custom_mapping=counts)
 
 
 def measure_rates(device, dtypes, s):
@@ -235,7 +233,7 @@ def step_counts(model, optimizer, step, logits):
     """(FLOPs, bytes) of one training step: its forward+backward FLOPs (not AdamW's) and
     the fewest bytes it moves, each written and read once: parameters, gradients,
     AdamW's moments, activations saved for backward, logits (`logits` bytes)."""
-    with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
+    with flop_counter() as counter:
         saved = saved_for_backward(step, model.parameters())
     gradients = storage_bytes(model.parameters())  # as large as the parameters
     state = gradients + state_bytes(model, optimizer)
@@ -256,10 +254,9 @@ def section_step(s, args, device):
         except torch.OutOfMemoryError as e:
             rows.append(dict(mixer=m, variant="-", failed=f"out of memory: {e}"[:80]))
         free(device)
-    timed_rows = [r for r in rows if "step_ms" in r]  # (not the failed)
-    sa = {r["variant"]: r["step_ms"] for r in timed_rows if r["mixer"] == "sa"}
-    for row in timed_rows:
-        if row["variant"] in sa:
+    sa = {r["variant"]: r.get("step_ms") for r in rows if r["mixer"] == "sa"}
+    for row in rows:
+        if sa.get(row["variant"]) and "step_ms" in row:  # (not the failed)
             row["vs_sa"] = sa[row["variant"]] / row["step_ms"]
     units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
     measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
@@ -270,11 +267,10 @@ def section_step(s, args, device):
 def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
     """One mixer's rows: each variant timed in interleaved rounds after warm-up (a
     capture that fails is a row that says why), beside its floor."""
-    cuda, floor = device.type == "cuda", bool(rates)
     model, opt, make_step = new_model(s, args, m, s["batch"], device)
     params = sum(p.numel() for p in model.parameters())
     counts = {}
-    for dt in dtypes if floor else []:  # (also AdamW's first step: its moments)
+    for dt in dtypes if rates else []:  # (also AdamW's first step: its moments)
         logits = s["batch"] * s["l"] * s["vocab"] * (2 if "bf" in dt else 4)
         counts[dt] = step_counts(model, opt, make_step(dt), logits)
     steps, rows = {}, []
@@ -293,10 +289,10 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
         row = dict(mixer=m, variant=v, params=params, step_ms=1e3 * sec)
         row["tokens_per_s"] = s["batch"] * s["l"] / sec
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
-        if cuda and "captured" in v:
+        if "captured" in v:  # (timed: CUDA ran its graph)
             host, done = queued(steps[v], rounds)
             row |= dict(queued_ms=1e3 * host, done_ms=1e3 * done)
-        if floor:  # its FLOPs and bytes at the rates measured, overlapped at best
+        if rates:  # its FLOPs and bytes at the rates measured, overlapped at best
             flops, moved = counts[VARIANTS[v]]
             rate, copy = rates[VARIANTS[v]], rates["copy"]
             row |= dict(flops=flops, bytes=moved, flop_ms=1e3 * flops / rate)
@@ -346,8 +342,7 @@ def memory_at_batch(s, args, mixer, batch, device):
     step = make_step("float32")
     saved = saved_for_backward(step, model.parameters())
     peak = peak_bytes(step, device)
-    cuda = device.type == "cuda"
-    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     state = state_bytes(model, opt)
     return state, saved, None if peak is None else peak + state, reserved
 
@@ -407,10 +402,9 @@ def table7(d=128, l=128):
 
 def measured(mixer, d, l, n=1):
     """(parameters, FLOPs of one forward of one sequence) of a sublayer's module (no
-    mixer has biases): FlopCounterMode's count, completed (completed_flops)."""
+    mixer has biases): FlopCounterMode's count, completed (flop_counter)."""
     module = sublayer(extractor.Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
-    counter = FlopCounterMode(display=False, custom_mapping=completed_flops())
-    with torch.no_grad(), counter:
+    with torch.no_grad(), flop_counter() as counter:
         module(torch.randn(1, l, d))  # (1, t, d)
     return sum(p.numel() for p in module.parameters()), counter.get_total_flops()
 
@@ -465,7 +459,7 @@ def counted(step, device, counts, batch):
     None for a mixer they lack), then from one call of step, outside the rounds (a
     warm-up too), its FLOPs and its peak."""
     ops = None if counts is None else batch * sum(counts[k] for k in OPS)
-    with FlopCounterMode(display=False, custom_mapping=completed_flops()) as counter:
+    with flop_counter() as counter:
         peak = peak_bytes(step, device)
     row = dict(paper_ops_fwd=ops, flops=counter.get_total_flops())
     return row | {"peak_mib": None if peak is None else peak / 2**20}
