@@ -1885,8 +1885,7 @@ def run(tmp_path, data, *flags, name="run"):
 
 
 def log_rows(out):
-    with open(os.path.join(out, "log.csv")) as f:
-        return list(csv.DictReader(f))
+    return _read_csv(os.path.join(out, "log.csv"))
 
 
 def losses(out):
@@ -2785,10 +2784,9 @@ def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, 
 def prepared(clean, tmp_path_factory):
     """The made-up books' data folder (prepare_data.py's, from the data tests), and a
     tiny sa run trained on it (dropout 0.1, the default)."""
-    out = str(tmp_path_factory.mktemp("prepared") / "run")
-    flags = ["--mixer=sa", f"--data_dir={clean[0]}", f"--out_dir={out}"]
-    assert train.main(TINY + flags + ["--max_iters=30"]) == 0
-    return str(clean[0]), out
+    folder = tmp_path_factory.mktemp("prepared")
+    assert run(folder, str(clean[0]), "--mixer=sa", "--max_iters=30") == 0
+    return str(clean[0]), str(folder / "run")
 
 
 def test_sample_prints_a_character_split_over_tokens_once_whole(prepared, monkeypatch):
