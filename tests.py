@@ -1091,9 +1091,8 @@ def test_bench_quick_prints_rows_and_their_arithmetic(tmp_path, monkeypatch, cap
     argv = ["--quick", "--floor", "--mixers", "me,he", "--device", str(DEVICE)]
     bench.main(argv + ["--json", str(out)])
     args, cpu = bench.parse_args(argv), torch.device("cpu")
-    rows = bench.mixer_steps(
-        "me", args.sizes, args, cpu, ["eager", "captured"], [], {}, 1
-    )
+    variants = ["eager", "captured"]
+    rows = bench.mixer_steps("me", args.sizes, args, cpu, variants, [], {}, 1)
     assert "CUDA" in rows[0]["failed"] and rows[1]["step_ms"] > 0, rows
     blocks = capsys.readouterr().out.split("\n\n")[1:4]
     res = json.loads(out.read_text())["sections"]
@@ -1166,9 +1165,8 @@ def test_bench_counts_a_known_steps_flops_bytes_and_peak():
 def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, capsys):
     cuda = torch.device("cuda")
     module = lambda m: bench.sublayer(Config(n_embd=8, n_head=2, mixer=m))
-    paths = {
-        m: bench.sublayer_paths(module(m), 16, cuda) for m in ("sa", "me", "we", "she")
-    }
+    mixers = ("sa", "me", "we", "she")
+    paths = {m: bench.sublayer_paths(module(m), 16, cuda) for m in mixers}
     for m, dim in (("me", 1), ("we", 2), ("she", 3)):  # the default, then every path
         want = sorted(p for p, dims in fir.PATHS.items() if dim in dims)
         assert paths[m][0] == fir.default_path("cuda", dim, 16), m
@@ -1180,16 +1178,14 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     taken = record_fir_paths(monkeypatch)
     ran = []  # (a timed step's key, the paths its FIRs took) per call
 
+    def watch(key, fn):  # fn, recording the paths its FIRs take
+        taken.clear()
+        fn()
+        ran.append((key, tuple(taken)))
+
     def watched(fns, *args, **kw):
-        def watch(key, fn):
-            def call():
-                taken.clear()
-                fn()
-                ran.append((key, tuple(taken)))
-
-            return call
-
-        return interleaved({k: watch(k, fn) for k, fn in fns.items()}, *args, **kw)
+        watching = {k: functools.partial(watch, k, fn) for k, fn in fns.items()}
+        return interleaved(watching, *args, **kw)
 
     # the CUDA paths, run here
     on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)
@@ -1263,9 +1259,8 @@ def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
     for block, rows in zip(blocks, (length, generate)):
         printed = [ln.split()[:2] for ln in block.splitlines()[3:] if ln[0] != " "]
         assert printed == [[r["mixer"], r["threads"]] for r in rows]
-    assert "--csv takes a folder" in error_line(
-        capsys, bench.main, argv + ["--csv", str(tmp_path / "none")]
-    )
+    said = error_line(capsys, bench.main, argv + ["--csv", str(tmp_path / "none")])
+    assert "--csv takes a folder" in said
 
 
 @pytest.mark.parametrize("mixer", ["sa", "we"])
@@ -1317,15 +1312,13 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
     drawn, save = [], plot.save
 
     def keep(fig, out, title):
-        drawn.append(
-            [(ln.get_linestyle(), ln.get_xydata().tolist()) for ln in fig.axes[0].lines]
-        )
+        lines = fig.axes[0].lines
+        drawn.append([(ln.get_linestyle(), ln.get_xydata().tolist()) for ln in lines])
         save(fig, out, title)
 
     monkeypatch.setattr(plot, "save", keep)
     bench.main(["--draw", str(path)])
-    out = capsys.readouterr().out
-    assert out == (
+    assert capsys.readouterr().out == (
         "he, threads 1: vs_sa crosses 1 at l = 91\n"
         "me, threads 1: vs_sa crosses 1 at l = none in range\n"
     )
@@ -1347,9 +1340,8 @@ def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
     ]
     bad = tmp_path / "bad.csv"
     bad.write_text("mixer,threads,l\nsa,1,64\n")  # no ms_per_token
-    assert "as a length or generate CSV" in error_line(
-        capsys, bench.main, ["--draw", str(bad)]
-    )
+    said = error_line(capsys, bench.main, ["--draw", str(bad)])
+    assert "as a length or generate CSV" in said
     assert not os.path.exists(tmp_path / "bad.png")
 
 
