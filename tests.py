@@ -108,9 +108,7 @@ def _test_device():
 DEVICE, _NO_DEVICE = _test_device()
 FLOAT = torch.float32 if DEVICE.type == "mps" else torch.float64  # MPS has no float64
 TOL = 1e-9 if FLOAT == torch.float64 else 1e-4
-on_cuda = pytest.mark.skipif(
-    DEVICE.type != "cuda", reason="a CUDA device test: TEST_DEVICE=cuda"
-)
+on_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs TEST_DEVICE=cuda")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -1094,6 +1092,10 @@ def test_bench_quick_prints_rows_and_their_arithmetic(tmp_path, monkeypatch, cap
     variants = ["eager", "captured"]
     rows = bench.mixer_steps("me", args.sizes, args, cpu, variants, [], {}, 1)
     assert "CUDA" in rows[0]["failed"] and rows[1]["step_ms"] > 0, rows
+    fake = lambda *a: (0, 0, 2**30 * a[3], 9 * 2**30)  # peak b GiB, CUDA's reserve 9
+    monkeypatch.setattr(bench, "memory_at_batch", fake)  # fits: judged by the reserve
+    memory = bench.section_memory(args.sizes, args, cpu)
+    assert [(r["reserved_mib"], r["fits"]) for r in memory] == [(9216, "no")] * 3
     blocks = capsys.readouterr().out.split("\n\n")[1:4]
     res = json.loads(out.read_text())["sections"]
     formats = (("vs_sa", ".3f"), ("vs_floor", ".1f"), ("fits", ""))
