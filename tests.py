@@ -2360,16 +2360,16 @@ def test_resident_memory_does_not_grow_with_the_batches_between_log_points(tmp_p
     data = make_data(tmp_path / "data", vocab=10000)
     logits = 64 * 16 * 10000 * 4  # (b, l, u) float32: 41 MB
     flags = "--mixer me --n_layer 1 --n_embd 16 --n_hidden 32 --block_size 16"
-    flags += f" --batch_size 64 --max_iters 12 --eval_batches 0 --data_dir {data}"
+    flags += f" --batch_size 64 --max_iters 30 --eval_batches 0 --data_dir {data}"
     peaks = []
-    for every in (1, 12):
+    for every in (1, 30):
         out = str(tmp_path / f"log{every}")
         argv = [*flags.split(), "--device", "cpu", "--out_dir", out]
         rc, _, err = run_script("train.py", *argv, "--log_interval", str(every))
         assert rc == 0, err
         peaks.append(json.load(open(os.path.join(out, "run.json")))["peak_memory_mb"])
-    # 11 batches kept before the one log point would be 11 logits' blocks more
-    assert peaks[1] - peaks[0] < 2 * logits / 2**20, peaks
+    # losses kept per batch cost 980-1170 MB more; runs vary by up to 3 logits' blocks
+    assert peaks[1] - peaks[0] < 8 * logits / 2**20, peaks
 
 
 FOLDER_NAMES = {
