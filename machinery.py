@@ -665,7 +665,9 @@ class CapturedStep:
     (said in `how`, run.json's, when given); one that CUDA fails stops the run."""
 
     def __init__(self, step, optimizer, how=None):
-        self.step, self.optimizer, self.how = step, optimizer, how
+        self.step = step
+        self.optimizer = optimizer
+        self.how = how
         self.warmup = 3
         self.graph = None
         self.stream = torch.cuda.Stream()
