@@ -509,7 +509,7 @@ class Progress:
         buffer = io.BytesIO()  # (a full disk then fails in the write: an OSError)
         torch.save(ckpt, buffer)
         folder = THIS_RUN["folder"]
-        folder.write("ckpt.pt", buffer.getvalue())
+        folder.write("ckpt.pt", buffer.getvalue())  # first: log.csv is never ahead
         folder.write("log.csv", LOG_HEADER + "".join(self.rows))
         folder.write("run.json", json.dumps(self.info, indent=1) + "\n")
 
@@ -742,10 +742,9 @@ def run_command(settings, may_change, train, argv=None):
             ckpt = checkpoint_to_resume(args, argv, settings, may_change, folder)
             args.data_dir = os.path.abspath(args.data_dir)
             start = ckpt["iter"] if ckpt else 0
+            if ckpt and MASTER:  # a log.csv lost, or behind (a kill -9 in a save)
+                folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
             if start >= args.max_iters:
-                if ckpt and MASTER and not folder.has("log.csv"):
-                    folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
-                    say(f"{args.out_dir}/log.csv was lost: written again from ckpt.pt")
                 say(f"{args.out_dir} is at batch {start}: nothing to train")
                 return 0
             for s in signals:
