@@ -1212,9 +1212,7 @@ def _read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_bench_length_and_generate_rows_hold_the_tables_counts_and_arithmetic(
-    tmp_path, capsys
-):
+def test_bench_length_generate_rows_hold_the_counts_and_arithmetic(tmp_path, capsys):
     threads = torch.get_num_threads()
     argv = ["--quick", "--sections", "length,generate", "--mixers", "me,she,he,we"]
     bench.main(argv + ["--csv", str(tmp_path), "--device", str(DEVICE)])
@@ -1301,9 +1299,7 @@ def test_bench_length_stops_a_mixer_out_of_memory_and_goes_on(tmp_path, monkeypa
     assert got == want * len({1, torch.get_num_threads()})
 
 
-def test_bench_draw_scales_the_counts_and_marks_where_vs_sa_crosses_1(
-    tmp_path, capsys, monkeypatch
-):
+def test_bench_draw_scales_counts_marks_vs_sa_crossing_1(tmp_path, capsys, monkeypatch):
     path = tmp_path / "length.csv"
     path.write_text(  # he: 0.5 of sa's time at l = 64, twice it at 128
         "mixer,threads,l,ms_per_token,vs_sa,paper_ops_fwd,flops,stop\n"
@@ -2644,9 +2640,7 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     assert len(pinned) == 1 and moved == [("cuda", True), ("cpu", False)]
 
 
-def test_on_cuda_the_clock_waits_for_the_step_before_and_unusable_cuda_says_why(
-    monkeypatch, capsys, tmp_path
-):
+def test_cuda_clock_waits_a_step_unusable_cuda_says_why(monkeypatch, capsys, tmp_path):
     """CUDA stubbed. The step clock records an event a step and reads the host's clock
     once the GPU has done the step before: one step ahead, no more. run.json keeps the
     peak reserved (a captured step's pool). --device auto on a driver too old or a GPU
@@ -2959,9 +2953,7 @@ def test_reproduce_without_cuda_says_so_touching_nothing(tmp_path, capsys, monke
     assert files(results) == before and not work.exists()
 
 
-def test_reproduce_copies_a_run_only_if_as_long_from_the_same_device_and_it_ended_well(
-    tmp_path, children
-):
+def test_reproduce_copies_a_run_as_long_same_device_that_ended_well(tmp_path, children):
     results, work = tmp_path / "results", tmp_path / "work"
     committed = results / "logs" / "table1" / "me"
     _run(committed, "me", FALLING[:40], device="cuda:0")
@@ -3079,9 +3071,7 @@ def test_reproduce_stopped_stops_each_child_starts_no_more(tmp_path, capsys, chi
     assert err == f"{stopped}; the same command goes on from there\n"
 
 
-def test_reproduce_a_child_out_of_memory_or_stopped_says_so_uncopied(
-    tmp_path, capsys, children
-):
+def test_reproduce_a_child_oom_or_stopped_says_so_uncopied(tmp_path, capsys, children):
     work, results = tmp_path / "work", tmp_path / "results"
     argv = [f"--work={work}", f"--results={results}"]
     children.codes = {"she": 1}  # as train.py ends when CUDA runs out of memory
@@ -3584,9 +3574,7 @@ def _readme_commands():
     return commands
 
 
-def test_results_csvs_are_the_readmes_commands_output(
-    tmp_path, monkeypatch, figures, capsys
-):
+def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, capsys):
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
     # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1; the
