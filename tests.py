@@ -1986,9 +1986,7 @@ def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys)
 
 
 # ---- the step: AdamW written out from its definition, with Table 1's settings
-def literal_adamw(
-    params, grads, state, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, decay=0.01
-):
+def literal_adamw(params, grads, state, t, b1, b2, decay, lr=1e-3, eps=1e-8):
     """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the
     bias-corrected moments."""
     for p, g, (m, v) in zip(params, grads, state):
