@@ -636,18 +636,16 @@ def test_generation_beyond_block_size_is_a_sliding_window_of_l_tokens(name):
 
 def sampled_from(monkeypatch, logits, **kw):
     """What sample_next hands torch.multinomial (the probabilities), and its token."""
-    drawn = []
-    multinomial = torch.multinomial
-
-    spy = lambda p, num_samples: drawn.append(p) or multinomial(p, num_samples)
+    spy = mock.Mock(wraps=torch.multinomial)  # each call recorded
     monkeypatch.setattr(torch, "multinomial", spy)
     token = extractor.sample_next(torch.tensor(logits, dtype=torch.float64), **kw)
     monkeypatch.undo()
     assert token.shape == (len(logits), 1)
-    if not drawn:
+    if not spy.called:
         return None, token
-    assert drawn[0][0, token[0, 0]] > 0
-    return drawn[0].double(), token
+    p = spy.call_args_list[0].args[0]
+    assert p[0, token[0, 0]] > 0
+    return p.double(), token
 
 
 def test_temperature_top_k_and_top_p_draw_from_exactly_these_probabilities(monkeypatch):
