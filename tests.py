@@ -47,6 +47,7 @@ import os
 import random
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -3150,11 +3151,7 @@ def test_reproduce_refuses_bad_time_limit_or_jobs_in_a_line(tmp_path, capsys, ch
 @pytest.mark.slow
 def test_reproduce_redraws_table1_as_results_readme_does(tmp_path):
     logs = os.path.join(ROOT, "results", "logs", "table1")
-    for name in os.listdir(logs):  # the committed logs, into a results/ of its own
-        os.makedirs(tmp_path / "logs" / "table1" / name)
-        for file in ("log.csv.gz", "run.json"):
-            copy = tmp_path / "logs" / "table1" / name / file
-            copy.write_bytes(open(os.path.join(logs, name, file), "rb").read())
+    shutil.copytree(logs, tmp_path / "logs" / "table1")  # into a results/ of its own
     assert reproduce.redraw(str(tmp_path))
     drawn = sorted(os.listdir(tmp_path / "table1"))
     figures = ["fig8.png", "fig8_w2000.png", "fig9.png"]
@@ -3187,8 +3184,7 @@ def test_reproduce_resumes_and_checks_against_the_cpu_runs(data, tmp_path, monke
         flags = [*runs[name], "--max_iters=100", "--device=cpu", f"--data_dir={data}"]
         assert train.main(flags + [f"--out_dir={out}"]) == 0
         os.makedirs(cpu)
-        with open(out / "log.csv", "rb") as f, gzip.open(cpu / "log.csv.gz", "wb") as g:
-            g.write(f.read())
+        (cpu / "log.csv.gz").write_bytes(gzip.compress((out / "log.csv").read_bytes()))
     assert reproduce.main(argv + ["--check"]) == 0
     check = results / "gpu" / "check-cpu.txt"  # (the check on the CPU)
     assert "passed: every 10-batch window within 0.05" in check.read_text()
