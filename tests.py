@@ -119,8 +119,7 @@ def _test_device_is_there():
 
 
 def dev(obj):
-    """A copy of a CPU tensor or module on the test device in FLOAT; the original stays
-    the reference."""
+    """obj copied to the test device in FLOAT; the CPU original stays the reference."""
     if isinstance(obj, torch.nn.Module):
         obj = copy.deepcopy(obj)
     return obj.to(DEVICE, FLOAT)
@@ -217,8 +216,7 @@ def literal_fir(x, w):
 
 
 def causal_softmax_rows(S, V):
-    """Eq. (14) (only k <= i, the denominator over f <= i) and Eq. (15): S (B, t, t), V
-    (B, t, h)."""
+    """Eq. (14) (k, f <= i only) and (15): S (B, t, t), V (B, t, h)."""
     R = torch.zeros(V.shape, dtype=V.dtype)
     for i in range(S.shape[1]):
         e = torch.exp(S[:, i, : i + 1])
@@ -264,8 +262,7 @@ def synth_logits(part, m, x, j):
 
 
 def literal_synth(name, m, x):
-    """Synthesizer Eq. (1)-(7) and the mixtures give each head's logits S_j, then Eq.
-    (14)-(17)."""
+    """Each head's S_j by Synthesizer Eq. (1)-(7), the mixtures; then Eq. (14)-(17)."""
     B, t, d = x.shape
     h = d // m.n
     V = x @ m.W_V.weight.T  # Eq. (12), all heads
@@ -759,16 +756,14 @@ TAPS = {1: (13,), 2: (13, 5), 3: (13, 5, 5)}
 
 
 def fir_and_grads(f, x, w, g, wrt=(0, 1)):
-    """f(x, w) and the gradients of the inputs numbered in wrt (0: x, 1: w) for the
-    output gradient g."""
+    """f(x, w), and for output gradient g the gradients of wrt's inputs (0: x, 1: w)."""
     x, w = [a.detach().requires_grad_(i in wrt) for i, a in enumerate((x, w))]
     y = f(x, w)
     return cpu64(y, *torch.autograd.grad(y, [(x, w)[i] for i in wrt], g))
 
 
 def assert_all_close(got, want, what=""):
-    """Each tensor of got equals want's to TOL; a failure names which one (its number
-    in the list), the largest difference and where (torch.testing.assert_close)."""
+    """assert_close for each pair of got and want; a failure names the pair's index."""
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_close(a, b, f"{what} [{i}]")
 
@@ -946,8 +941,7 @@ def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkey
 
 
 def tf32_rounded(a):
-    """float32 (or both parts of complex64) rounded to TF32's 10 explicit mantissa bits,
-    to nearest."""
+    """float32 (or complex64's parts) rounded to nearest at TF32's 10 mantissa bits."""
     if a.is_complex():
         a = a.resolve_conj()
         return torch.complex(tf32_rounded(a.real), tf32_rounded(a.imag))
@@ -1486,8 +1480,7 @@ def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, c
 # ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache,
 # --source
 def fake_book(seed):
-    """Made-up prose: 239 lines of words of syllables (a few letters not ASCII), a
-    paragraph every 6."""
+    """Made-up prose: 239 lines of syllable words (some not ASCII), paragraphs of 6."""
     rng = random.Random(seed)
     syllables = "ka lo mi ren tho va quil sa ne dor bri el tü ça wy".split()
     words = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(200)]
@@ -1986,8 +1979,7 @@ def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys)
 
 # ---- the step: AdamW written out from its definition, with Table 1's settings
 def literal_adamw(params, grads, state, t, b1, b2, decay, lr=1e-3, eps=1e-8):
-    """One AdamW step as Loshchilov and Hutter write it: decoupled decay, the
-    bias-corrected moments."""
+    """Loshchilov and Hutter's AdamW step: decoupled decay, bias-corrected moments."""
     for p, g, (m, v) in zip(params, grads, state):
         p.mul_(1 - lr * decay)
         m.mul_(b1).add_((1 - b1) * g)
