@@ -42,12 +42,15 @@ MASTER = RANK == 0
 STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
 CPU_GROUP = {"group": None}  # under DDP: gloo, for the stop every process agrees on
 # this process's run: its folder (locked by process 0), the batch it is at (None while
-# the model is built), whether the console went to stderr; for the failure messages
-THIS_RUN = {"folder": None, "batch": None, "stderr": False}
+# the model is built), whether the console went to stderr, what stays once the folder
+# is closed; for the failure messages
+THIS_RUN = {"folder": None, "batch": None, "stderr": False, "left": None}
 TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
+# what ckpt.pt holds beside run.json's info (from which --resume writes run.json again)
+CKPT_ONLY = ("model", "optimizer", "scaler", "rng", "log")
 NO_GRAPH = "the step cannot be captured in a CUDA graph"  # (CapturedStep's failures)
 
 
@@ -243,6 +246,7 @@ class RunFolder:
     def __init__(self, path):
         if os.path.isfile(path):
             fail(f"--out_dir {path} is a file: pass a folder (the run's, or a new one)")
+        THIS_RUN["left"] = None  # (what the last folder's run left)
         self.path, self.made = path, not os.path.isdir(path)
         os.makedirs(path, exist_ok=True)
         self.fd = os.open(path, os.O_RDONLY)
@@ -280,6 +284,7 @@ class RunFolder:
     def __exit__(self, *error):
         """The handle closed; a folder this run made and left empty removed (and not
         another that took its path since)."""
+        THIS_RUN["left"] = kept(self.path)  # (for a failure said once it is closed)
         THIS_RUN["folder"] = None
         with contextlib.suppress(OSError):
             ours = os.path.samestat(os.stat(self.path), os.fstat(self.fd))
@@ -364,8 +369,10 @@ def restore(ckpt, data, model, optimizer, scaler, device):
 
 
 def kept(out_dir):
-    """What a run that fails leaves, said as the folder is."""
+    """What a run that fails leaves, said as the folder is (or was, once closed)."""
     folder = THIS_RUN["folder"]
+    if folder is None and THIS_RUN["left"]:
+        return THIS_RUN["left"]
     with contextlib.suppress(OSError):  # (a name too long, a folder gone)
         if folder.has("ckpt.pt") if folder else os.path.exists(f"{out_dir}/ckpt.pt"):
             return f"the last checkpoint, {out_dir}/ckpt.pt, stays"

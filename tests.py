@@ -2172,6 +2172,15 @@ def test_a_run_writes_only_in_the_folder_it_locked(data, tmp_path, monkeypatch, 
     assert run(tmp_path, data, "--max_iters=5") == 0
     assert os.listdir(out) == [] and ckpt_iter(str(moved)) == 5
     assert sorted(os.listdir(moved)) == ["ckpt.pt", "log.csv", "run.json"]
+
+    def moved_then_too_large(*a):  # moved again, then out of memory: ckpt.pt stays
+        os.rename(moved, out / "again")
+        return torch.empty(2**62, dtype=torch.uint8)
+
+    monkeypatch.setattr(train, "get_batch", moved_then_too_large)
+    resume = ["--out_dir", str(moved), "--resume", "--max_iters=9"]
+    said = error_line(capsys, train.main, resume)
+    assert said.endswith("/ckpt.pt, stays") and ckpt_iter(str(out / "again")) == 5
     said = error_line(capsys, run, tmp_path, data, name="x" * 300)
     assert said.endswith("(File name too long); no checkpoint was written")
 
@@ -2256,6 +2265,7 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
     said = error_line(capsys, train.main, resume)
     shown = said.split(f"cannot read {path} (")[1].split(" ...); it is damaged")[0]
     assert len(shown) > 60 and whole.startswith(shown + " ")  # cut between words
+    assert said.endswith("not train.py's; --overwrite starts the run again")
 
 
 def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
@@ -2277,9 +2287,11 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     too_large = lambda *a: torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused
     no_such_library = mock.Mock(side_effect=OSError("cannot open shared object file"))
     monkeypatch.setattr(train, "get_batch", too_large)
+    (tmp_path / "other").mkdir()  # the user's own: it stays, made by the run or not
     said = error_line(capsys, run, tmp_path, data, name="other")
     big = "error: out of memory at batch 1: use a smaller --batch_size or --block_size"
     assert said.startswith(big) and said.endswith("; no checkpoint was written")
+    assert os.listdir(tmp_path / "other") == []
     # a mixer whose weights do not fit: too_large(cfg) builds it
     monkeypatch.setattr(machinery, "find_mixer", lambda name: too_large)
     said = error_line(capsys, run, tmp_path, data, name="huge")
