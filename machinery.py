@@ -312,7 +312,7 @@ def checkpoint_to_resume(args, argv, settings, may_change, folder):
         fail(f"{args.out_dir} holds a run ({how}); or pick another --out_dir")
     if not args.resume:
         return None
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, "; --overwrite starts the run again")
     missing = ", ".join(sorted(RESUME_KEYS - set(ckpt)))
     if missing:
         older = "an older train.py wrote it; resume it with that version"
@@ -333,7 +333,7 @@ def checkpoint_to_resume(args, argv, settings, may_change, folder):
     return ckpt
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, fix=""):
     """A ckpt.pt of train.py: plain dicts and tensors; one line if damaged."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -341,7 +341,7 @@ def load_checkpoint(path):
         assert not missing, f"no {', '.join(sorted(missing))}"
     except Exception as e:
         why = textwrap.shorten(f"{type(e).__name__}: {e}", 100, placeholder=" ...")
-        fail(f"cannot read {path} ({why}); it is damaged or not train.py's")
+        fail(f"cannot read {path} ({why}); it is damaged or not train.py's{fix}")
     return ckpt
 
 
@@ -564,7 +564,7 @@ def pick_device(name):
         name = f"cuda:{LOCAL_RANK}"
     try:
         device = torch.device(name)
-        torch.empty(0, device=device)  # (raises if torch has no such device)
+        torch.empty(0, device=device).cpu()  # (raises for no such device, and meta)
     except Exception:
         fail(f"--device {name}: torch sees no such device here; use --device cpu")
     if device.type == "cuda":
@@ -739,7 +739,9 @@ class CapturedStep:
 def run_command(settings, may_change, train, argv=None):
     """train.py's command, around train(args, ckpt, start_time): every failure one
     line with what stays, and the process group torn down together."""
-    start_time = time.time()  # --time_limit counts from here
+    start_time = started()  # --time_limit counts from here
+    with contextlib.suppress(AttributeError):  # (a stream that is no TextIOWrapper)
+        sys.stdout.reconfigure(errors="backslashreplace")  # a path it cannot show: \xe9
     signals = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     handlers = {s: signal.getsignal(s) for s in signals}
     try:
@@ -749,8 +751,10 @@ def run_command(settings, may_change, train, argv=None):
             ckpt = checkpoint_to_resume(args, argv, settings, may_change, folder)
             args.data_dir = os.path.abspath(args.data_dir)
             start = ckpt["iter"] if ckpt else 0
-            if ckpt and MASTER:  # a log.csv lost, or behind (a kill -9 in a save)
+            if ckpt and MASTER:  # log.csv or run.json lost, or behind (a kill -9)
                 folder.write("log.csv", LOG_HEADER + "".join(ckpt["log"]))
+                info = {k: v for k, v in ckpt.items() if k not in CKPT_ONLY}
+                folder.write("run.json", json.dumps(info, indent=1) + "\n")
             if start >= args.max_iters:
                 say(f"{args.out_dir} is at batch {start}: nothing to train")
                 return 0
@@ -781,6 +785,21 @@ def run_command(settings, may_change, train, argv=None):
             # tear the process group down together (gloo may abort if one leaves early)
             dist.barrier()
             dist.destroy_process_group()
+
+
+def started():
+    """When the command started: under torchrun, torchrun's (the workers' parent's,
+    its age read from Linux's /proc, on the clock that counts from boot), so that a
+    --time_limit counts torchrun's own start and the workers'; else now."""
+    now = time.time()
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # (set by torchrun for its workers)
+        return now
+    with contextlib.suppress(OSError, ValueError):  # (not Linux: from now)
+        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return now - age
+    return now
 
 
 def out_of_memory(error):

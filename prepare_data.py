@@ -76,11 +76,11 @@ def atomic_write(path, data):
 
 def read_books_tsv(path):
     """[(ebook id, title, author)]: rank, id, title, author by tabs, a line a book,
-    after a header line if there is one (a first line whose id is not a number)."""
+    after a header line if there is one (a first line with no number for rank or id)."""
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
         rows = [(line + "\t\t\t").split("\t") for line in lines if line.strip()]
-        if rows and not rows[0][1].strip().isdigit():
+        if rows and not any(f.strip().isdigit() for f in rows[0][:2]):
             rows = rows[1:]  # the header
         books = [(int(r[1]), r[2].strip(), r[3].strip()) for r in rows]
     except (OSError, ValueError) as e:  # no such file, not UTF-8, an id not a number

@@ -20,6 +20,9 @@ import machinery
 from extractor import Config, Transformer, check_sampling
 from machinery import fail
 
+# the committed runs (results/logs/): their logs and run.json, no ckpt.pt
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
 
 def build_parser():
     p = argparse.ArgumentParser(description="Sample text from a run of train.py.")
@@ -41,10 +44,10 @@ def load_model(out_dir, device):
     """(model in eval mode, checkpoint) of out_dir/ckpt.pt, or of out_dir if a file."""
     path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        fail(
-            f"no checkpoint {path}: train a run there first"
-            f" (python train.py --out_dir {out_dir} ...)"
-        )
+        first = f"train a run there first (python train.py --out_dir {out_dir} ...)"
+        if os.path.abspath(out_dir).startswith(RESULTS + os.sep):  # (train.py refuses)
+            first = "results/ keeps runs' logs, not their ckpt.pt: pass a run of yours"
+        fail(f"no checkpoint {path}: {first}")
     ckpt = machinery.load_checkpoint(path)
     try:  # fails for an unknown mixer or the weights of another model
         model = Transformer(Config(**ckpt["config"]))

@@ -1787,6 +1787,7 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
     (tmp_path / "e").mkdir()
     cases = {  # books.tsv's bytes, or flags: what the line says
         b"id\n1\t11\n2\televen\n": "cannot read --books",
+        b"1\tl1\n2\t11\n3\t12\n": "base 10: 'l1')",  # no header: a typo in an id
         "id\n1\t11\n2\t\u00b2\n".encode(): "cannot read --books",
         b"id\n1\t11\n2\t11\n3\t12\n": "lists ebook 11 twice: list each once",
         b"id\n1\t11\n": "lists 1 books: it needs 2 or more",
@@ -1964,6 +1965,7 @@ BAD_FLAGS = {
     "--n_head 5": "n_head=5 must divide n_embd=16",
     "--resume --overwrite": "--overwrite: not allowed with argument --resume",
     "--device cuda:99": "torch sees no such device",
+    "--device meta": "--device meta: torch sees no such device",  # (no data)
     "--max_iters x": "argument --max_iters: 'x' is not a whole number",
     "--lr fast": "argument --lr: 'fast' is not a number",
     "--dtype half": "argument --dtype: invalid choice: 'half'",
@@ -2108,10 +2110,11 @@ def test_resume_keeps_settings_and_data_says_what_moved(tmp_path, monkeypatch, c
     assert (args["lr"], args["log_interval"], args["n_layer"]) == (0.003, 2, 2)
     assert train.main(["--out_dir", out, "--resume"]) == 0
     assert f"{out} is at batch 10: nothing to train" in capsys.readouterr().out
-    rows = log_rows(out)
-    os.remove(os.path.join(out, "log.csv"))  # a finished run's log lost
+    rows, info = log_rows(out), open(os.path.join(out, "run.json")).read()
+    for name in ("log.csv", "run.json"):  # a finished run's log and run.json lost
+        os.remove(os.path.join(out, name))
     assert train.main(["--out_dir", out, "--resume"]) == 0
-    assert log_rows(out) == rows
+    assert log_rows(out) == rows and open(os.path.join(out, "run.json")).read() == info
 
 
 def other_value(name, value):
@@ -2145,6 +2148,10 @@ def test_resume_refuses_kept_settings_other_processes_old_code(data, tmp_path, c
     ):
         torch.save({k: v for k, v in (ckpt | change).items() if v is not None}, path)
         assert says in error_line(capsys, run, tmp_path, data, "--resume")
+    for group in ckpt["optimizer"]["param_groups"]:  # a CUDA graph's AdamW
+        group["capturable"] = True
+    torch.save(ckpt, path)
+    assert run(tmp_path, data, "--resume", "--max_iters=3") == 0  # as this device's
     (committed := tmp_path / "committed").mkdir()  # as results/logs/m2l32/me
     (committed / "log.csv.gz").write_bytes(gzip.compress(b"iter\n"))
     (committed / "run.json").write_text("{}")
@@ -2327,6 +2334,51 @@ def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, 
     said = error_line(capsys, run, tmp_path, data, *flags, name="late")
     assert "--time_limit passed before the first batch (10.0 s to start)" in said
     assert not os.path.exists(tmp_path / "late")  # nothing was trained
+    torchrun = subprocess.Popen(["sleep", "9"])  # the worker's parent, 20 s old
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # (torchrun's workers have it)
+    monkeypatch.setattr(machinery.os, "getppid", lambda: torchrun.pid)
+    boot = time.clock_gettime(time.CLOCK_BOOTTIME) + 20
+    monkeypatch.setattr(machinery.time, "clock_gettime", lambda clock: boot)
+    said = error_line(capsys, run, tmp_path, data, "--time_limit=25s", name="late")
+    torchrun.kill()
+    assert 30 <= float(said.split("first batch (")[1].split(" s to")[0]) < 30.5
+
+
+def test_a_resumed_run_counts_on_its_time(data, tmp_path, monkeypatch, capsys):
+    """A clock of 1 s a batch: 4 batches, 100 s off, 4 more: elapsed 1..8 s in log.csv,
+    run.json and the console; the ETA from the resumed batches' pace alone."""
+    clock, get_batch = [1000.0], train.get_batch
+
+    def batch(*a):
+        clock[0] += 1
+        return get_batch(*a)
+
+    monkeypatch.setattr(machinery.time, "time", lambda: clock[0])
+    monkeypatch.setattr(train, "get_batch", batch)
+    flags = ["--eval_batches=0", "--log_interval=2"]
+    assert run(tmp_path, data, "--max_iters=4", *flags) == 0
+    clock[0] += 100
+    assert run(tmp_path, data, "--max_iters=8", "--resume", *flags) == 0
+    out = str(tmp_path / "run")
+    assert [r["elapsed_s"] for r in log_rows(out)] == [f"{i}.000" for i in range(1, 9)]
+    assert json.load(open(os.path.join(out, "run.json")))["elapsed_s"] == 8
+    assert "elapsed 6.0s | ETA 2.0s" in capsys.readouterr().out  # (iter 6/8)
+
+
+def test_a_folder_an_ascii_console_cannot_show(data, tmp_path, monkeypatch):
+    """PYTHONIOENCODING=ascii and a run folder 'tür': train.py, plot.py and taps.py
+    show it as t\\xfcr, no traceback."""
+    out, escaped, shown = str(tmp_path / "tür"), f"{tmp_path}/t\\xfcr", []
+    train_it = functools.partial(run, tmp_path, data, "--max_iters=2", name="tür")
+    for command in (train_it, lambda: plot.main([out]), lambda: taps.main([out])):
+        console = io.BytesIO()  # each its own, as each is a process
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(console, encoding="ascii"))
+        assert command() == 0
+        sys.stdout.flush()
+        shown.append(console.getvalue().decode())
+    assert f"done: python experiments/plot.py {escaped} draws its losses" in shown[0]
+    wrote = [f"wrote '{escaped}/{name}.png'\n" for name in ("loss", "taps")]
+    assert shown[1:] == wrote
 
 
 # ---- what a run writes: log.csv, run.json, the console
@@ -2505,15 +2557,21 @@ def test_processes_build_one_model_from_seed_and_draw_from_seed_plus_rank(monkey
     args = machinery.build_parser(train.SETTINGS).parse_args(["--seed", "7"])
     torch.manual_seed(7)
     want = Transformer(cfg).state_dict()
+    resumed = [{"torch": torch.manual_seed(s).get_state()} for s in (1, 2, 3)]
     for rank in (0, 1, 2):
         monkeypatch.setattr(machinery, "RANK", rank)
         torch.manual_seed(1000)
-        model, _ = train.build_model(cfg, args, torch.device("cpu"))
+        model, adamw = train.build_model(cfg, args, torch.device("cpu"))
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensor, want[name]), (rank, name)
         stream = torch.get_rng_state()  # the global RNG, dropout's, from seed + RANK
         torch.manual_seed(7 + rank)
         assert torch.equal(stream, torch.get_rng_state()), rank
+        scaler = torch.amp.GradScaler("cpu", enabled=False)  # resumed: its own stream
+        ckpt = dict(data=None, model=want, optimizer=adamw.state_dict(), rng=resumed)
+        ckpt["scaler"] = scaler.state_dict()
+        machinery.restore(ckpt, None, model, adamw, scaler, torch.device("cpu"))
+        assert torch.equal(torch.get_rng_state(), resumed[rank]["torch"]), rank
 
 
 # ---- on a GPU: the captured step is the eager step
@@ -2730,7 +2788,7 @@ def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", recording)
     how = {"step": "CapturedStep"}  # run.json's computed
     torch.manual_seed(0)
-    batches = torch.randint(0, 50, (6, 2, 17))
+    batches = torch.randint(0, 50, (8, 2, 17))
     ends, capturable = [], []
     for captured in (False, True):
         model = tiny_model("he")
@@ -2754,7 +2812,8 @@ def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, 
     line = f"the step cannot be captured in a CUDA graph ({why}); it runs eagerly\n"
     assert capsys.readouterr().out == line
     assert how == {"step": f"eager, the capture failed ({why})"}
-    assert graphs[0].reset.called and torch.cuda.empty_cache.called
+    assert len(graphs) == 1 and graphs[0].reset.called  # (never recorded again)
+    assert torch.cuda.empty_cache.called
     assert capturable == [True] and not adamw.param_groups[0]["capturable"]
     first = "CUDA error: operation not permitted when stream is capturing"
     for body_error in (RuntimeError(first), None):
@@ -2880,6 +2939,7 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
         "--max_new_tokens=-1": "--max_new_tokens -1: give 0 or more",
         f"--data_dir={other}": f"{other}/tokenizer.tiktoken is not the run's tokenizer",
         f"--out_dir={tmp_path}/none": f"no checkpoint {tmp_path}/none/ckpt.pt",
+        f"--out_dir={ROOT}/results/logs/m2l32/me": "results/ keeps runs' logs, not",
         f"--out_dir={tmp_path}/bad.pt": "it is damaged",
     }
     for flag, says in cases.items():
@@ -3443,7 +3503,7 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
         open(f"{run}/log.csv.gz", "wb").write(raw)
         err = error_line(capsys, plot.main, [run] + out)
         assert err.startswith(f"error: {run}/log.csv.gz "), err
-    damaged = {'{"config": {"mixer"': "JSONDecodeError", "{}": "KeyError"}
+    damaged = {'{"config": {"mixer"': "JSONDecodeError", "{}": "KeyError", "[]": "KeyE"}
     for text, why in damaged.items():
         open(f"{run}/run.json", "w").write(text)
         err = error_line(capsys, plot.main, [run] + out)

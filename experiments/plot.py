@@ -127,7 +127,7 @@ def read_runs(run_dirs, until=None):
 
 def run_settings(f):
     """run.json's settings: train.py's flags, the model's, parameters and data."""
-    run = json.load(f)
+    run = dict(json.load(f))  # (not an object: a TypeError, ValueError or KeyError)
     more = {"params": run.get("params", {}), "data": run.get("data") or {}}
     return run["args"] | run["config"] | more
 
@@ -482,6 +482,8 @@ def cli(work, hint):
     except OSError as e:
         name = shlex.quote(str(e.filename or "the output"))
         fail(f"cannot write {name}: {e.strerror}; {hint}")
+    with contextlib.suppress(AttributeError):  # (a stream that is no TextIOWrapper)
+        sys.stdout.reconfigure(errors="backslashreplace")  # a path it cannot show: \xe9
     print("wrote " + " ".join(shlex.quote(path) for path in written))
     return 0
 
