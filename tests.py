@@ -2970,9 +2970,10 @@ def children(monkeypatch):
     """reproduce.py's train.py children, made up, on a made-up GPU ("free" GiB): each
     leaves a run of `batches` on `device` and its `console` text, and trains until the
     next one-second sleep ends the oldest running one (exit: `codes`, else 0; `stop`:
-    the sleep is a Ctrl-C). `started`: who ran as each started; `redrawn`: redraws."""
+    the sleep is a Ctrl-C). `started`: who ran as each started; `redrawn`: redraws;
+    `meanwhile`: calls made once, as the next child starts."""
     rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False, redrawn=[])
-    rec.batches, rec.device = 100, "cuda:0"
+    rec.batches, rec.device, rec.meanwhile = 100, "cuda:0", []
     rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
 
     class Child:
@@ -2984,6 +2985,8 @@ def children(monkeypatch):
             rec.preexec.append(preexec_fn)
             rec.running.append(self)
             rec.started.append([c.name for c in rec.running])
+            while rec.meanwhile:
+                rec.meanwhile.pop()()
 
         def poll(self):
             return self.returncode
@@ -3089,9 +3092,12 @@ def test_reproduce_a_child_oom_or_stopped_says_so_uncopied(tmp_path, capsys, chi
         assert f"{name}: failed (exit {code}); not copied" in out
 
 
-def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
+def test_reproduce_check_fails_a_gap_either_way(tmp_path, children, capsys):
     results = tmp_path / "results"
     argv = ["me", f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
+    said = []  # the check started again as the first's run trains: refused
+    again = lambda: said.append(error_line(capsys, reproduce.main, argv))
+    children.meanwhile.append(again)
     for shift, rc in ((0.04, 0), (-0.04, 0), (0.1, 1), (-0.1, 1)):
         costs = [c + (shift if 40 < i <= 50 else 0) for i, c in enumerate(FALLING, 1)]
         _run(results / "logs" / "table1-cpu" / "me", "me", costs)
@@ -3099,6 +3105,8 @@ def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
         table = (results / "gpu" / "check-me.txt").read_text().splitlines()
         assert table[-2].startswith("me ") and f"{-shift:+.4f}" in table[-2]
         assert table[-1].startswith("passed" if rc == 0 else "FAILED")
+    busy = f"error: {tmp_path / 'work'} is in use by another reproduce.py: wait for it"
+    assert len(said) == 1 and said[0].startswith(busy)
 
 
 def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, children):
