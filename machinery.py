@@ -49,6 +49,7 @@ LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
 RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
 NO_GRAPH = "the step cannot be captured in a CUDA graph"  # (CapturedStep's failures)
+RESULTS = os.path.join(os.path.dirname(os.path.realpath(__file__)), "results")
 
 
 def fail(msg):
@@ -243,6 +244,9 @@ class RunFolder:
     def __init__(self, path):
         if os.path.isfile(path):
             fail(f"--out_dir {path} is a file: pass a folder (the run's, or a new one)")
+        if os.path.commonpath([os.path.realpath(path), RESULTS]) == RESULTS:
+            committed = "which holds the committed runs and figures: train into out/"
+            fail(f"--out_dir {path} is in results/, {committed} or elsewhere")
         self.path, self.made = path, not os.path.isdir(path)
         os.makedirs(path, exist_ok=True)
         self.fd = os.open(path, os.O_RDONLY)

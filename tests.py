@@ -2216,6 +2216,15 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     assert files(out) == before
     said = error_line(capsys, run, tmp_path, data, name="run/log.csv")
     assert "is a file: pass a folder" in said
+    results = os.path.join(ROOT, "results")  # the committed runs, figures: untouched
+    before = files(results)
+    committed = "is in results/, which holds the committed runs and figures: train"
+    for under in ("logs/m2l32", ".", "new/run"):
+        out_dir = os.path.join(results, under)
+        flags = ["--data_dir", data, "--out_dir", out_dir, "--max_iters=1"]
+        said = error_line(capsys, train.main, TINY + flags)
+        assert said == f"error: --out_dir {out_dir} {committed} into out/ or elsewhere"
+    assert files(results) == before and not os.path.exists(f"{results}/new")
     os.remove(os.path.join(out, "log.csv"))  # as a run killed before its checkpoint
     assert run(tmp_path, data, "--max_iters", "4") == 0 and ckpt_iter(out) == 4
 
