@@ -3349,6 +3349,14 @@ def test_plot_one_run_without_o_draws_into_its_folder(tmp_path, capsys, monkeypa
     assert [x for x, _ in drawn[0].values()] == batches
     two = [run, _run(tmp_path / "he", "he", [5] * 90)]
     assert "name it with -o" in error_line(capsys, plot.main, two)
+    os.remove(f"{run}/loss.png")  # the run committed, as results/logs/ keeps runs
+    log = open(f"{run}/log.csv", "rb").read()
+    open(f"{run}/log.csv.gz", "wb").write(gzip.compress(log))
+    os.remove(f"{run}/log.csv")
+    before = files(run)
+    said = error_line(capsys, plot.main, [run])
+    committed = "a committed run, kept as it is: name the file with -o"
+    assert said == f"error: {run} is {committed}" and files(run) == before
 
 
 def test_plot_gap_panel_subtracts_sa_32_and_raw_draws_batch_numbers(tmp_path, figures):
