@@ -273,6 +273,13 @@ class RunFolder:
     def has(self, name):
         return name in os.listdir(self.fd)
 
+    def where(self):
+        """The folder's path now: the path given, unless it was renamed (Linux)."""
+        with contextlib.suppress(OSError):  # (elsewhere: no /proc)
+            now = os.readlink(f"/proc/self/fd/{self.fd}")  # (absolute)
+            return self.path if now == os.path.realpath(self.path) else now
+        return self.path
+
     def write(self, name, data):
         """The file `name` whole in this folder, or as it was; an error names it."""
         atomic_write(name, data, self.fd, os.path.join(self.path, name))
@@ -500,6 +507,7 @@ class Progress:
             reserved = torch.cuda.max_memory_reserved(self.device)
             self.info["peak_reserved_mb"] = round(reserved / 2**20, 1)
         self.info.update(iter=it, elapsed_s=time.time() - self.t0)
+        self.args.out_dir = THIS_RUN["folder"].where()  # (info's args: its folder now)
         state = {"torch": torch.get_rng_state()}  # (dropout's; random is unused)
         if torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()

@@ -2171,6 +2171,8 @@ def test_a_run_writes_only_in_the_folder_it_locked(data, tmp_path, monkeypatch, 
     monkeypatch.setattr(train, "get_batch", renamed_at_3)
     assert run(tmp_path, data, "--max_iters=5") == 0
     assert os.listdir(out) == [] and ckpt_iter(str(moved)) == 5
+    assert f"done: python experiments/plot.py {moved} draws" in capsys.readouterr().out
+    assert json.loads((moved / "run.json").read_text())["args"]["out_dir"] == str(moved)
     assert sorted(os.listdir(moved)) == ["ckpt.pt", "log.csv", "run.json"]
     said = error_line(capsys, run, tmp_path, data, name="x" * 300)
     assert said.endswith("(File name too long); no checkpoint was written")
