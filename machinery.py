@@ -759,8 +759,9 @@ def run_command(settings, may_change, train, argv=None):
             if start >= args.max_iters:
                 say(f"{args.out_dir} is at batch {start}: nothing to train")
                 return 0
-            for s in signals:
-                signal.signal(s, ask_to_stop)
+            for s in signals:  # one ignored as the run began stays so (nohup's SIGHUP)
+                if handlers[s] is not signal.SIG_IGN:
+                    signal.signal(s, ask_to_stop)
             return train(args, ckpt, start_time)
     except SystemExit as e:  # fail() or a bad flag (the line is printed), or --help
         return e.code

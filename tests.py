@@ -2406,13 +2406,13 @@ def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
-def start_run(tmp_path, data, *more):
+def start_run(tmp_path, data, *more, **popen):
     """train.py in a subprocess, its console in a pipe, once its first line has come."""
     out = str(tmp_path / "sub")
     flags = TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "100000"]
     flags += ["--log_interval", "10", *more]
     cmd = [sys.executable, "train.py", *flags]
-    p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE)
+    p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, **popen)
     while not p.stdout.readline().startswith("iter "):
         assert p.poll() is None
     return p, out
@@ -2443,6 +2443,16 @@ def test_a_closed_stdout_stops_like_a_signal_kill_9_resumes_from_ckpt(data, tmp_
     assert rows == list(range(1, len(rows) + 1)) and done - len(rows) in (0, 10)
     assert train.main(["--out_dir", out, "--resume", "--max_iters", str(done + 5)]) == 0
     assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, done + 6))
+
+
+@pytest.mark.slow
+def test_nohup_keeps_a_hangup_ignored_the_run_goes_on(data, tmp_path):
+    ignored = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup does
+    p, out = start_run(tmp_path, data, "--max_iters=60", preexec_fn=ignored)
+    p.send_signal(signal.SIGHUP)  # the terminal closes
+    rest = p.communicate(timeout=60)[0]
+    assert p.returncode == 0 and f"done: python experiments/plot.py {out}" in rest
+    assert ckpt_iter(out) == 60
 
 
 @pytest.mark.slow
