@@ -159,12 +159,15 @@ def default_out_dir(args, settings):
 
 
 def check_mixer(cfg):
-    """cfg, once its mixer is a module of the config that keeps x's shape; one line if
-    not, or if the mixer refuses the config (a ValueError: heads not dividing d)."""
+    """cfg, once its mixer is a causal module of the config keeping x's shape at t = 2
+    and l; one line if not, or if it refuses the config (a ValueError: heads, say)."""
     try:
-        mixer = find_mixer(cfg.mixer)(cfg)
-        x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
-        assert mixer(x, None).shape == x.shape, "not x's shape"
+        mixer = find_mixer(cfg.mixer)(cfg).eval()
+        for t in (2, cfg.block_size):
+            x = torch.randn(2, t, cfg.n_embd, generator=torch.Generator())  # (B, t, d)
+            x[1, :-1] = x[0, :-1]  # two inputs that differ at the last position only
+            y = mixer(x, None)
+            assert y.shape == x.shape, f"not x's shape at t = {t}"
     except ValueError as e:  # an unknown name, or settings the mixer refuses
         fail(str(e))
     except Exception as e:  # not a module of the config that maps x to x's shape
@@ -173,6 +176,9 @@ def check_mixer(cfg):
         why = f"{type(e).__name__}: {e}"
         what = "an nn.Module of the config whose forward(x, cache) keeps x's shape"
         fail(f"--mixer {cfg.mixer} is not a mixer ({why}): a mixer is {what}")
+    if (y[1, :-1] - y[0, :-1]).norm() > 1e-4 * y[0].norm():  # (FFTs' rounding: less)
+        later = f"its output at i < {t - 1} changes with the input at {t - 1}"
+        fail(f"--mixer {cfg.mixer} sees the future ({later}): i may read up to i only")
     return cfg
 
 

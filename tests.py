@@ -560,6 +560,14 @@ class Mean(nn.Module):
         n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]
         return self.w * x.cumsum(1) / n
 
+class Peek(Mean):  # position i reads i + 1: sees the future
+    def forward(self, x, cache=None):
+        return self.w * torch.cat([x[:, 1:], x[:, -1:]], 1)
+
+class Cut(Mean):  # x's shape at t < l only
+    def forward(self, x, cache=None):
+        return self.w * x[:, :7]
+
 NOT_A_CLASS = 3
 '''
 
@@ -1961,6 +1969,8 @@ BAD_FLAGS = {
     "--mixer nope": "unknown mixer 'nope'",
     "--mixer torch.nn.Linear": "--mixer torch.nn.Linear is not a mixer (TypeError",
     "--mixer torch.nn.Identity": "is not a mixer (TypeError",
+    "--mixer mymod.Peek": "mymod.Peek sees the future (its output at i < 7 changes",
+    "--mixer mymod.Cut": "(AssertionError: not x's shape at t = 8): a mixer is",
     "--n_head 5": "n_head=5 must divide n_embd=16",
     "--resume --overwrite": "--overwrite: not allowed with argument --resume",
     "--device cuda:99": "torch sees no such device",
@@ -1971,7 +1981,11 @@ BAD_FLAGS = {
 
 
 @pytest.mark.parametrize("flags", BAD_FLAGS)
-def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys):
+def test_bad_flags_are_one_line_and_write_nothing(
+    flags, data, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "mymod.py").write_text(USER_MIXER)  # mixers of one's own
+    monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["--mixer=sa", "--max_iters=3", *flags.split()]
     assert BAD_FLAGS[flags] in error_line(capsys, run, tmp_path, data, *argv)
     assert not os.path.exists(tmp_path / "run")
