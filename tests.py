@@ -1610,13 +1610,19 @@ def test_a_run_writes_books_tokens_tokenizer_alike_from_source(clean, tmp_path, 
     assert pieces[:-1] == texts
     names = ("{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt")
     src = folder(tmp_path / "src", RAW, names)
-    for vocab in (VOCAB, 300):  # the same path, a new file: nothing cached survives
-        flags = ["--source", src, "--vocab_size", str(vocab)]
+    other = "holds other data, which runs trained on it need: pass another --data_dir"
+    for again in ([], [], ["--val_fraction=0.5"], ["--vocab_size=300"]):
+        flags = ["--source", src, *again]  # the same data once more, then other data
+        if again:  # refused, nothing changed; --overwrite replaces it
+            before = outputs(tmp_path)
+            assert other in error_line(capsys, prepare, tmp_path, *flags, tsv=tsv)
+            assert outputs(tmp_path) == before
+            flags.append("--overwrite")
         assert prepare(tmp_path, *flags, tsv=tsv) == 0
-        enc = machinery.load_tokenizer(tmp_path)
-        assert enc.n_vocab == vocab
+        enc = machinery.load_tokenizer(tmp_path)  # (the same path, a new file)
         assert enc.decode(enc.encode(BODIES[9002])) == BODIES[9002]
-        assert vocab != VOCAB or outputs(tmp_path) == outputs(data_dir)
+        assert again or outputs(tmp_path) == outputs(data_dir)
+    assert enc.n_vocab == 300  # nothing cached survives
     assert json.loads((tmp_path / "meta.json").read_text())["source"] == src
     tok = tmp_path / "tokenizer.tiktoken"
     tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
