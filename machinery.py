@@ -43,7 +43,7 @@ STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
 CPU_GROUP = {"group": None}  # under DDP: gloo, for the stop every process agrees on
 # this process's run: its folder (locked by process 0), the batch it is at (None while
 # the model is built), whether the console went to stderr; for the failure messages
-THIS_RUN = {"folder": None, "batch": None, "stderr": False}
+THIS_RUN = {"folder": None, "batch": None, "stderr": False, "validating": False}
 TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
@@ -782,11 +782,14 @@ def run_command(settings, may_change, train, argv=None):
         batch = THIS_RUN["batch"]
         where = "building the model" if batch is None else f"at batch {batch}"
         shrink = "--n_layer, --n_embd" if batch is None else "--batch_size"
+        if THIS_RUN["validating"]:  # (batch: the next to train)
+            where = f"in the validation after batch {batch - 1}"
+            shrink = "--eval_batches, --batch_size"
         left = kept(args.out_dir)
         fail(f"out of memory {where}: use a smaller {shrink} or --block_size; {left}")
     finally:
         STOP["signal"] = None
-        THIS_RUN.update(batch=None, stderr=False)
+        THIS_RUN.update(batch=None, stderr=False, validating=False)
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():

@@ -2305,6 +2305,10 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     gone = "at batch 3; no checkpoint was written. Start again with a smaller --lr"
     assert f"the training cost became inf {gone}" in said
     monkeypatch.setattr(train, "train_step", step)
+    flags = ["--eval_batches=72057594037927936", "--max_iters=3"]  # 2 EiB of windows
+    said = error_line(capsys, run, tmp_path, data, *flags, name="val")
+    val = "the validation after batch 3: use a smaller --eval_batches, --batch_size or"
+    assert said.startswith(f"error: out of memory in {val} --block_size")
     too_large = lambda *a: torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused
     no_such_library = mock.Mock(side_effect=OSError("cannot open shared object file"))
     monkeypatch.setattr(train, "get_batch", too_large)
