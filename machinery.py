@@ -455,7 +455,9 @@ class Progress:
         self.losses = torch.zeros(n, device=self.device)  # since the last log point
         self.times = []  # when each of those batches ended, from the run's start
         self.clock = StepClock(self.device)
-        self.pause = 5.0  # the longest log point's work, s (a guess until measured)
+        self.pause = 0.0  # the longest log point's work that saved ckpt.pt, s
+        # until one did, a guess: 0.5 s and ckpt.pt (the weights, AdamW's 2 moments)
+        self.guess = 0.5 + 3 * 4 * info["params"]["total"] / 50e6  # (at 50 MB/s)
         self.since = time.time()  # the end of the last log point
         self.t0 = self.since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (its time counts)
         if MASTER and args.overwrite:  # the old run's files, once the new one can start
@@ -470,12 +472,13 @@ class Progress:
     def must_stop(self, evaluates_next):
         """Whether the batch just done must be the last, in every process alike: a
         signal came, or from train.py's start the time limit leaves no room for 2
-        batches, the next validation (if the next batch has one) and a log point."""
+        batches, the next validation (if any), 2 log points (this one's, the last)."""
         now = self.t0 + self.times[-1]
         per_batch = (now - self.since) / len(self.times)
         batches = 2 + self.args.eval_batches * evaluates_next
         elapsed = now - self.start_time
-        late = elapsed + batches * per_batch + self.pause > self.limit
+        reserve = batches * per_batch + 2 * (self.pause or self.guess)
+        late = elapsed + reserve > self.limit
         stop = torch.tensor(float(STOP["signal"] is not None or late))
         if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
@@ -531,9 +534,10 @@ class Progress:
         folder.write("log.csv", LOG_HEADER + "".join(self.rows))
         folder.write("run.json", json.dumps(self.info, indent=1) + "\n")
 
-    def log_point_done(self):
-        """The pace counts again from here; the longest log point's work is kept."""
-        self.pause = max(self.pause, time.time() - self.t0 - self.times[-1])
+    def log_point_done(self, saved):
+        """The pace counts again from here; a log point that saved is measured."""
+        if saved:
+            self.pause = max(self.pause, time.time() - self.t0 - self.times[-1])
         self.times = []
         self.since = time.time()
 

@@ -2327,8 +2327,10 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
 
 def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, capsys):
     """A clock of 1 s a batch (validation's too) and 10 s to load the data: 21 s at
-    batch 9, + twice the slowest batch + batch 10's validation (2) + 5 s (a guess at a
-    checkpoint's) > 29 s. From the loop's start, or without the validation: later."""
+    batch 9, + twice the slowest batch + batch 10's validation (2) + 2 x 0.5 s (the
+    guess at a log point that saves) > 25 s. From the loop's start, or without the
+    validation: later. A checkpoint measured replaces the guess: 0.25 s (5 s: batch 3
+    at 3.5 s + 2 batches + 2 x 0.25 s > 5 s), 2 s (8 s: batch 2 at 4 s + 2 + 2 x 2)."""
     clock, get_batch, load_data = [1000.0], train.get_batch, machinery.load_data
 
     def batch(*a):
@@ -2342,14 +2344,29 @@ def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, 
     monkeypatch.setattr(machinery.time, "time", lambda: clock[0])
     monkeypatch.setattr(train, "get_batch", batch)
     monkeypatch.setattr(machinery, "load_data", slow_load)
-    assert run(tmp_path, data, "--max_iters", "100", "--time_limit", "29s") == 0
+    assert run(tmp_path, data, "--max_iters", "100", "--time_limit", "25s") == 0
     said = capsys.readouterr().out
     assert "--time_limit: stopped at batch 9 with a checkpoint" in said
-    assert ckpt_iter(str(tmp_path / "run")) == 9 and clock[0] - 1000 <= 29
+    assert ckpt_iter(str(tmp_path / "run")) == 9 and clock[0] - 1000 <= 25
     flags = ["--max_iters=100", "--time_limit=5s"]  # 10 s to load the data
     said = error_line(capsys, run, tmp_path, data, *flags, name="late")
     assert "--time_limit passed before the first batch (10.0 s to start)" in said
     assert not os.path.exists(tmp_path / "late")  # nothing was trained
+    monkeypatch.setattr(machinery, "load_data", load_data)
+    write = machinery.atomic_write
+
+    def slow_write(name, *a):  # ckpt.pt takes `cost` s, the loop's
+        clock[0] += cost * (name == "ckpt.pt")
+        return write(name, *a)
+
+    monkeypatch.setattr(machinery, "atomic_write", slow_write)
+    for cost, limit, last in ((0.25, 5, 3), (2, 8, 2)):
+        flags = ["--max_iters=100", f"--time_limit={limit}s", "--ckpt_interval=1"]
+        start = clock[0]
+        assert run(tmp_path, data, *flags, name=f"{cost}") == 0
+        said = capsys.readouterr().out
+        assert f"--time_limit: stopped at batch {last} with" in said
+        assert clock[0] - start <= limit
 
 
 # ---- what a run writes: log.csv, run.json, the console
@@ -2454,6 +2471,16 @@ def test_kill_and_hangup_stop_with_a_checkpoint(sig, data, tmp_path):
 
 
 @pytest.mark.slow
+def test_nohup_keeps_a_hangup_ignored_the_run_goes_on(data, tmp_path):
+    ignored = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup does
+    p, out = start_run(tmp_path, data, "--max_iters=60", preexec_fn=ignored)
+    p.send_signal(signal.SIGHUP)  # the terminal closes
+    rest = p.communicate(timeout=60)[0]
+    assert p.returncode == 0 and f"done: python experiments/plot.py {out}" in rest
+    assert ckpt_iter(out) == 60
+
+
+@pytest.mark.slow
 def test_a_closed_stdout_stops_like_a_signal_kill_9_resumes_from_ckpt(data, tmp_path):
     p, out = start_run(tmp_path, data, "--log_interval", "1")
     p.stdout.close()  # | head: the reader has gone
@@ -2467,16 +2494,6 @@ def test_a_closed_stdout_stops_like_a_signal_kill_9_resumes_from_ckpt(data, tmp_
     assert rows == list(range(1, len(rows) + 1)) and done - len(rows) in (0, 10)
     assert train.main(["--out_dir", out, "--resume", "--max_iters", str(done + 5)]) == 0
     assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, done + 6))
-
-
-@pytest.mark.slow
-def test_nohup_keeps_a_hangup_ignored_the_run_goes_on(data, tmp_path):
-    ignored = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup does
-    p, out = start_run(tmp_path, data, "--max_iters=60", preexec_fn=ignored)
-    p.send_signal(signal.SIGHUP)  # the terminal closes
-    rest = p.communicate(timeout=60)[0]
-    assert p.returncode == 0 and f"done: python experiments/plot.py {out}" in rest
-    assert ckpt_iter(out) == 60
 
 
 @pytest.mark.slow
@@ -2684,7 +2701,7 @@ def test_cuda_clock_waits_a_step_unusable_cuda_says_why(monkeypatch, capsys, tmp
     model = torch.nn.Linear(2, 2)
     adamw, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu")
     with machinery.RunFolder(str(tmp_path)):
-        on_cpu = dict(computed=dict(device="cpu"))
+        on_cpu = dict(computed=dict(device="cpu"), params=dict(total=6))
         progress = machinery.Progress(args, None, 0.0, on_cpu)
         progress.device = torch.device("cuda")
         allocated = (2**30, "peak CUDA memory allocated")

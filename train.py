@@ -192,7 +192,7 @@ def train(args, ckpt, start_time):
             progress.save(it, raw_model, optimizer, scaler)
         if stop:
             break
-        progress.log_point_done()
+        progress.log_point_done(ckpt_now)
     return progress.finish(it, stop)
 
 
