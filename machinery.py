@@ -42,9 +42,15 @@ MASTER = RANK == 0
 STOP = {"signal": None}  # set by Ctrl-C, kill, a closed terminal or stdout
 CPU_GROUP = {"group": None}  # under DDP: gloo, for the stop every process agrees on
 # this process's run: its folder (locked by process 0), the batch it is at (None while
-# the model is built), whether the console went to stderr, what stays once the folder
-# is closed; for the failure messages
-THIS_RUN = {"folder": None, "batch": None, "stderr": False, "left": None}
+# the model is built), whether it is validating, whether the console went to stderr,
+# what stays once the folder is closed; for the failure messages
+THIS_RUN = {
+    "folder": None,
+    "batch": None,
+    "validating": False,
+    "stderr": False,
+    "left": None,
+}
 TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them
@@ -52,6 +58,12 @@ RUN_FILES = ("ckpt.pt", "log.csv", "run.json", "loss.png", "taps.png")
 # what ckpt.pt holds beside run.json's info (from which --resume writes run.json again)
 CKPT_ONLY = ("model", "optimizer", "scaler", "rng", "log")
 NO_GRAPH = "the step cannot be captured in a CUDA graph"  # (CapturedStep's failures)
+RESULTS = os.path.join(os.path.dirname(os.path.realpath(__file__)), "results")
+
+
+def in_results(path):
+    """Whether path lies in the repository's results/, which keeps committed runs."""
+    return os.path.commonpath([os.path.realpath(path), RESULTS]) == RESULTS
 
 
 def fail(msg):
@@ -161,12 +173,15 @@ def default_out_dir(args, settings):
 
 
 def check_mixer(cfg):
-    """cfg, once its mixer is a module of the config that keeps x's shape; one line if
-    not, or if the mixer refuses the config (a ValueError: heads not dividing d)."""
+    """cfg, once its mixer is a causal module of the config keeping x's shape at t = 2
+    and l; one line if not, or if it refuses the config (a ValueError: heads, say)."""
     try:
-        mixer = find_mixer(cfg.mixer)(cfg)
-        x = torch.zeros(1, 2, cfg.n_embd)  # (B, t, d)
-        assert mixer(x, None).shape == x.shape, "not x's shape"
+        mixer = find_mixer(cfg.mixer)(cfg).eval()
+        for t in (2, cfg.block_size):
+            x = torch.randn(2, t, cfg.n_embd, generator=torch.Generator())  # (B, t, d)
+            x[1, :-1] = x[0, :-1]  # two inputs that differ at the last position only
+            y = mixer(x, None)
+            assert y.shape == x.shape, f"not x's shape at t = {t}"
     except ValueError as e:  # an unknown name, or settings the mixer refuses
         fail(str(e))
     except Exception as e:  # not a module of the config that maps x to x's shape
@@ -175,6 +190,9 @@ def check_mixer(cfg):
         why = f"{type(e).__name__}: {e}"
         what = "an nn.Module of the config whose forward(x, cache) keeps x's shape"
         fail(f"--mixer {cfg.mixer} is not a mixer ({why}): a mixer is {what}")
+    if (y[1, :-1] - y[0, :-1]).norm() > 1e-4 * y[0].norm():  # (FFTs' rounding: less)
+        later = f"its output at i < {t - 1} changes with the input at {t - 1}"
+        fail(f"--mixer {cfg.mixer} sees the future ({later}): i may read up to i only")
     return cfg
 
 
@@ -246,6 +264,9 @@ class RunFolder:
     def __init__(self, path):
         if os.path.isfile(path):
             fail(f"--out_dir {path} is a file: pass a folder (the run's, or a new one)")
+        if in_results(path):
+            committed = "which holds the committed runs and figures: train into out/"
+            fail(f"--out_dir {path} is in results/, {committed} or elsewhere")
         THIS_RUN["left"] = None  # (what the last folder's run left)
         self.path, self.made = path, not os.path.isdir(path)
         os.makedirs(path, exist_ok=True)
@@ -272,6 +293,13 @@ class RunFolder:
 
     def has(self, name):
         return name in os.listdir(self.fd)
+
+    def where(self):
+        """The folder's path now: the path given, unless it was renamed (Linux)."""
+        with contextlib.suppress(OSError):  # (elsewhere: no /proc)
+            now = os.readlink(f"/proc/self/fd/{self.fd}")  # (absolute)
+            return self.path if now == os.path.realpath(self.path) else now
+        return self.path
 
     def write(self, name, data):
         """The file `name` whole in this folder, or as it was; an error names it."""
@@ -445,7 +473,9 @@ class Progress:
         self.losses = torch.zeros(n, device=self.device)  # since the last log point
         self.times = []  # when each of those batches ended, from the run's start
         self.clock = StepClock(self.device)
-        self.pause = 5.0  # the longest log point's work, s (a guess until measured)
+        self.pause = 0.0  # the longest log point's work that saved ckpt.pt, s
+        # until one did, a guess: 0.5 s and ckpt.pt (the weights, AdamW's 2 moments)
+        self.guess = 0.5 + 3 * 4 * info["params"]["total"] / 50e6  # (at 50 MB/s)
         self.since = time.time()  # the end of the last log point
         self.t0 = self.since - (ckpt["elapsed_s"] if ckpt else 0.0)  # (its time counts)
         if MASTER and args.overwrite:  # the old run's files, once the new one can start
@@ -460,12 +490,13 @@ class Progress:
     def must_stop(self, evaluates_next):
         """Whether the batch just done must be the last, in every process alike: a
         signal came, or from train.py's start the time limit leaves no room for 2
-        batches, the next validation (if the next batch has one) and a log point."""
+        batches, the next validation (if any), 2 log points (this one's, the last)."""
         now = self.t0 + self.times[-1]
         per_batch = (now - self.since) / len(self.times)
         batches = 2 + self.args.eval_batches * evaluates_next
         elapsed = now - self.start_time
-        late = elapsed + batches * per_batch + self.pause > self.limit
+        reserve = batches * per_batch + 2 * (self.pause or self.guess)
+        late = elapsed + reserve > self.limit
         stop = torch.tensor(float(STOP["signal"] is not None or late))
         if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])
@@ -503,6 +534,7 @@ class Progress:
             reserved = torch.cuda.max_memory_reserved(self.device)
             self.info["peak_reserved_mb"] = round(reserved / 2**20, 1)
         self.info.update(iter=it, elapsed_s=time.time() - self.t0)
+        self.args.out_dir = THIS_RUN["folder"].where()  # (info's args: its folder now)
         state = {"torch": torch.get_rng_state()}  # (dropout's; random is unused)
         if torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()
@@ -520,9 +552,10 @@ class Progress:
         folder.write("log.csv", LOG_HEADER + "".join(self.rows))
         folder.write("run.json", json.dumps(self.info, indent=1) + "\n")
 
-    def log_point_done(self):
-        """The pace counts again from here; the longest log point's work is kept."""
-        self.pause = max(self.pause, time.time() - self.t0 - self.times[-1])
+    def log_point_done(self, saved):
+        """The pace counts again from here; a log point that saved is measured."""
+        if saved:
+            self.pause = max(self.pause, time.time() - self.t0 - self.times[-1])
         self.times = []
         self.since = time.time()
 
@@ -758,8 +791,9 @@ def run_command(settings, may_change, train, argv=None):
             if start >= args.max_iters:
                 say(f"{args.out_dir} is at batch {start}: nothing to train")
                 return 0
-            for s in signals:
-                signal.signal(s, ask_to_stop)
+            for s in signals:  # one ignored as the run began stays so (nohup's SIGHUP)
+                if handlers[s] is not signal.SIG_IGN:
+                    signal.signal(s, ask_to_stop)
             return train(args, ckpt, start_time)
     except SystemExit as e:  # fail() or a bad flag (the line is printed), or --help
         return e.code
@@ -774,11 +808,14 @@ def run_command(settings, may_change, train, argv=None):
         batch = THIS_RUN["batch"]
         where = "building the model" if batch is None else f"at batch {batch}"
         shrink = "--n_layer, --n_embd" if batch is None else "--batch_size"
+        if THIS_RUN["validating"]:  # (batch: the next to train)
+            where = f"in the validation after batch {batch - 1}"
+            shrink = "--eval_batches, --batch_size"
         left = kept(args.out_dir)
         fail(f"out of memory {where}: use a smaller {shrink} or --block_size; {left}")
     finally:
         STOP["signal"] = None
-        THIS_RUN.update(batch=None, stderr=False)
+        THIS_RUN.update(batch=None, stderr=False, validating=False)
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():

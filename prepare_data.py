@@ -19,6 +19,7 @@ checking each file against meta.json; this script imports nothing of the project
 import argparse
 import base64
 import collections
+import contextlib
 import hashlib
 import heapq
 import http.client
@@ -303,7 +304,7 @@ def encode_books(enc, texts):
     return np.concatenate(books).astype(np.uint16)
 
 
-def write_outputs(data_dir, vocab, source, ids, texts, tokens):
+def write_outputs(data_dir, vocab, source, ids, texts, tokens, overwrite):
     """train.bin, val.bin, tokenizer.tiktoken, then meta.json, vouching for them."""
     lines = [base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(vocab)]
     files = {f"{s}.bin": tokens[s].tobytes() for s in SPLITS}
@@ -319,8 +320,21 @@ def write_outputs(data_dir, vocab, source, ids, texts, tokens):
     meta["split_pattern"] = SPLIT_PATTERN
     meta_text = json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
     files["meta.json"] = meta_text.encode("utf-8")
+    keep_other_data(data_dir, {k: meta[k] for k in meta if "sha256" in k}, overwrite)
     for name, data in files.items():
         atomic_write(os.path.join(data_dir, name), data)
+
+
+def keep_other_data(data_dir, sha256s, overwrite):
+    """One line if data_dir's meta.json vouches for other files (runs trained on them
+    need them), unless overwrite; none if it is not there, or not this script's."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        old = json.loads(Path(data_dir, "meta.json").read_text())
+        if not overwrite and any(old[k] != v for k, v in sha256s.items()):
+            fail(
+                f"--data_dir {data_dir} holds other data, which runs trained on it"
+                " need: pass another --data_dir, or --overwrite to replace it"
+            )
 
 
 def prepare(args):
@@ -358,7 +372,7 @@ def prepare(args):
         "bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=special
     )
     tokens = {s: encode_books(enc, t) for s, t in texts.items()}
-    write_outputs(args.data_dir, vocab, source, ids, texts, tokens)
+    write_outputs(args.data_dir, vocab, source, ids, texts, tokens, args.overwrite)
     sizes = f"{tokens['train'].size:,} + {tokens['val'].size:,} tokens (train, val)"
     print(f"wrote {args.data_dir}: {sizes}, {time.time() - t0:.0f} s")
     return 0
@@ -376,6 +390,7 @@ def parse_args(argv):
     p.add_argument("--val_fraction", type=float, default=0.05, help="held out (0.05)")
     p.add_argument("--pause", type=float, default=1.0, help="s between downloads (1)")
     p.add_argument("--min_chars", type=int, default=5000, help="min chars/book (5000)")
+    p.add_argument("--overwrite", action="store_true", help="replace other data there")
     args = p.parse_args(argv)
     if not 257 <= args.vocab_size <= 65536:
         p.error(

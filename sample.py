@@ -21,7 +21,6 @@ from extractor import Config, Transformer, check_sampling
 from machinery import fail
 
 # the committed runs (results/logs/): their logs and run.json, no ckpt.pt
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def build_parser():
@@ -45,7 +44,7 @@ def load_model(out_dir, device):
     path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         first = f"train a run there first (python train.py --out_dir {out_dir} ...)"
-        if os.path.abspath(out_dir).startswith(RESULTS + os.sep):  # (train.py refuses)
+        if machinery.in_results(out_dir):  # (train.py refuses)
             first = "results/ keeps runs' logs, not their ckpt.pt: pass a run of yours"
         fail(f"no checkpoint {path}: {first}")
     ckpt = machinery.load_checkpoint(path)

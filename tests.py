@@ -560,6 +560,14 @@ class Mean(nn.Module):
         n = torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]
         return self.w * x.cumsum(1) / n
 
+class Peek(Mean):  # position i reads i + 1: sees the future
+    def forward(self, x, cache=None):
+        return self.w * torch.cat([x[:, 1:], x[:, -1:]], 1)
+
+class Cut(Mean):  # x's shape at t < l only
+    def forward(self, x, cache=None):
+        return self.w * x[:, :7]
+
 NOT_A_CLASS = 3
 '''
 
@@ -1602,13 +1610,19 @@ def test_a_run_writes_books_tokens_tokenizer_alike_from_source(clean, tmp_path, 
     assert pieces[:-1] == texts
     names = ("{}.txt", "pg{}.txt", "cache/epub/{0}/pg{0}.txt")
     src = folder(tmp_path / "src", RAW, names)
-    for vocab in (VOCAB, 300):  # the same path, a new file: nothing cached survives
-        flags = ["--source", src, "--vocab_size", str(vocab)]
+    other = "holds other data, which runs trained on it need: pass another --data_dir"
+    for again in ([], [], ["--val_fraction=0.5"], ["--vocab_size=300"]):
+        flags = ["--source", src, *again]  # the same data once more, then other data
+        if again:  # refused, nothing changed; --overwrite replaces it
+            before = outputs(tmp_path)
+            assert other in error_line(capsys, prepare, tmp_path, *flags, tsv=tsv)
+            assert outputs(tmp_path) == before
+            flags.append("--overwrite")
         assert prepare(tmp_path, *flags, tsv=tsv) == 0
-        enc = machinery.load_tokenizer(tmp_path)
-        assert enc.n_vocab == vocab
+        enc = machinery.load_tokenizer(tmp_path)  # (the same path, a new file)
         assert enc.decode(enc.encode(BODIES[9002])) == BODIES[9002]
-        assert vocab != VOCAB or outputs(tmp_path) == outputs(data_dir)
+        assert again or outputs(tmp_path) == outputs(data_dir)
+    assert enc.n_vocab == 300  # nothing cached survives
     assert json.loads((tmp_path / "meta.json").read_text())["source"] == src
     tok = tmp_path / "tokenizer.tiktoken"
     tok.write_bytes(tok.read_bytes().replace(b" 298\n", b" 297\n"))
@@ -1962,6 +1976,8 @@ BAD_FLAGS = {
     "--mixer nope": "unknown mixer 'nope'",
     "--mixer torch.nn.Linear": "--mixer torch.nn.Linear is not a mixer (TypeError",
     "--mixer torch.nn.Identity": "is not a mixer (TypeError",
+    "--mixer mymod.Peek": "mymod.Peek sees the future (its output at i < 7 changes",
+    "--mixer mymod.Cut": "(AssertionError: not x's shape at t = 8): a mixer is",
     "--n_head 5": "n_head=5 must divide n_embd=16",
     "--resume --overwrite": "--overwrite: not allowed with argument --resume",
     "--device cuda:99": "torch sees no such device",
@@ -1973,7 +1989,11 @@ BAD_FLAGS = {
 
 
 @pytest.mark.parametrize("flags", BAD_FLAGS)
-def test_bad_flags_are_one_line_and_write_nothing(flags, data, tmp_path, capsys):
+def test_bad_flags_are_one_line_and_write_nothing(
+    flags, data, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "mymod.py").write_text(USER_MIXER)  # mixers of one's own
+    monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["--mixer=sa", "--max_iters=3", *flags.split()]
     assert BAD_FLAGS[flags] in error_line(capsys, run, tmp_path, data, *argv)
     assert not os.path.exists(tmp_path / "run")
@@ -2178,6 +2198,8 @@ def test_a_run_writes_only_in_the_folder_it_locked(data, tmp_path, monkeypatch, 
     monkeypatch.setattr(train, "get_batch", renamed_at_3)
     assert run(tmp_path, data, "--max_iters=5") == 0
     assert os.listdir(out) == [] and ckpt_iter(str(moved)) == 5
+    assert f"done: python experiments/plot.py {moved} draws" in capsys.readouterr().out
+    assert json.loads((moved / "run.json").read_text())["args"]["out_dir"] == str(moved)
     assert sorted(os.listdir(moved)) == ["ckpt.pt", "log.csv", "run.json"]
 
     def moved_then_too_large(*a):  # moved again, then out of memory: ckpt.pt stays
@@ -2232,6 +2254,15 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
     assert files(out) == before
     said = error_line(capsys, run, tmp_path, data, name="run/log.csv")
     assert "is a file: pass a folder" in said
+    results = os.path.join(ROOT, "results")  # the committed runs, figures: untouched
+    before = files(results)
+    committed = "is in results/, which holds the committed runs and figures: train"
+    for under in ("logs/m2l32", ".", "new/run"):
+        out_dir = os.path.join(results, under)
+        flags = ["--data_dir", data, "--out_dir", out_dir, "--max_iters=1"]
+        said = error_line(capsys, train.main, TINY + flags)
+        assert said == f"error: --out_dir {out_dir} {committed} into out/ or elsewhere"
+    assert files(results) == before and not os.path.exists(f"{results}/new")
     os.remove(os.path.join(out, "log.csv"))  # as a run killed before its checkpoint
     assert run(tmp_path, data, "--max_iters", "4") == 0 and ckpt_iter(out) == 4
 
@@ -2291,6 +2322,10 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
     gone = "at batch 3; no checkpoint was written. Start again with a smaller --lr"
     assert f"the training cost became inf {gone}" in said
     monkeypatch.setattr(train, "train_step", step)
+    flags = ["--eval_batches=72057594037927936", "--max_iters=3"]  # 2 EiB of windows
+    said = error_line(capsys, run, tmp_path, data, *flags, name="val")
+    val = "the validation after batch 3: use a smaller --eval_batches, --batch_size or"
+    assert said.startswith(f"error: out of memory in {val} --block_size")
     too_large = lambda *a: torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused
     no_such_library = mock.Mock(side_effect=OSError("cannot open shared object file"))
     monkeypatch.setattr(train, "get_batch", too_large)
@@ -2311,8 +2346,10 @@ def test_a_run_that_fails_says_what_stays(data, tmp_path, monkeypatch, capsys):
 
 def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, capsys):
     """A clock of 1 s a batch (validation's too) and 10 s to load the data: 21 s at
-    batch 9, + twice the slowest batch + batch 10's validation (2) + 5 s (a guess at a
-    checkpoint's) > 29 s. From the loop's start, or without the validation: later."""
+    batch 9, + twice the slowest batch + batch 10's validation (2) + 2 x 0.5 s (the
+    guess at a log point that saves) > 25 s. From the loop's start, or without the
+    validation: later. A checkpoint measured replaces the guess: 0.25 s (5 s: batch 3
+    at 3.5 s + 2 batches + 2 x 0.25 s > 5 s), 2 s (8 s: batch 2 at 4 s + 2 + 2 x 2)."""
     clock, get_batch, load_data = [1000.0], train.get_batch, machinery.load_data
 
     def batch(*a):
@@ -2326,10 +2363,10 @@ def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, 
     monkeypatch.setattr(machinery.time, "time", lambda: clock[0])
     monkeypatch.setattr(train, "get_batch", batch)
     monkeypatch.setattr(machinery, "load_data", slow_load)
-    assert run(tmp_path, data, "--max_iters", "100", "--time_limit", "29s") == 0
+    assert run(tmp_path, data, "--max_iters", "100", "--time_limit", "25s") == 0
     said = capsys.readouterr().out
     assert "--time_limit: stopped at batch 9 with a checkpoint" in said
-    assert ckpt_iter(str(tmp_path / "run")) == 9 and clock[0] - 1000 <= 29
+    assert ckpt_iter(str(tmp_path / "run")) == 9 and clock[0] - 1000 <= 25
     flags = ["--max_iters=100", "--time_limit=5s"]  # 10 s to load the data
     said = error_line(capsys, run, tmp_path, data, *flags, name="late")
     assert "--time_limit passed before the first batch (10.0 s to start)" in said
@@ -2342,6 +2379,22 @@ def test_time_limit_from_start_foresees_validation(data, tmp_path, monkeypatch, 
     said = error_line(capsys, run, tmp_path, data, "--time_limit=25s", name="late")
     torchrun.kill()
     assert 30 <= float(said.split("first batch (")[1].split(" s to")[0]) < 30.5
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setattr(machinery, "load_data", load_data)
+    write = machinery.atomic_write
+
+    def slow_write(name, *a):  # ckpt.pt takes `cost` s, the loop's
+        clock[0] += cost * (name == "ckpt.pt")
+        return write(name, *a)
+
+    monkeypatch.setattr(machinery, "atomic_write", slow_write)
+    for cost, limit, last in ((0.25, 5, 3), (2, 8, 2)):
+        flags = ["--max_iters=100", f"--time_limit={limit}s", "--ckpt_interval=1"]
+        start = clock[0]
+        assert run(tmp_path, data, *flags, name=f"{cost}") == 0
+        said = capsys.readouterr().out
+        assert f"--time_limit: stopped at batch {last} with" in said
+        assert clock[0] - start <= limit
 
 
 def test_a_resumed_run_counts_on_its_time(data, tmp_path, monkeypatch, capsys):
@@ -2459,13 +2512,13 @@ def test_default_run_folders_name_the_settings_that_are_not_table_1s(flags):
 
 
 # ---- stopping from outside: a signal, a closed stdout; DDP
-def start_run(tmp_path, data, *more):
+def start_run(tmp_path, data, *more, **popen):
     """train.py in a subprocess, its console in a pipe, once its first line has come."""
     out = str(tmp_path / "sub")
     flags = TINY + ["--data_dir", data, "--out_dir", out, "--max_iters", "100000"]
     flags += ["--log_interval", "10", *more]
     cmd = [sys.executable, "train.py", *flags]
-    p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE)
+    p = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, **popen)
     while not p.stdout.readline().startswith("iter "):
         assert p.poll() is None
     return p, out
@@ -2480,6 +2533,16 @@ def test_kill_and_hangup_stop_with_a_checkpoint(sig, data, tmp_path):
     assert p.returncode == 128 + sig
     assert f"{signal.Signals(sig).name}: stopped at batch" in rest
     assert [int(r["iter"]) for r in log_rows(out)] == list(range(1, ckpt_iter(out) + 1))
+
+
+@pytest.mark.slow
+def test_nohup_keeps_a_hangup_ignored_the_run_goes_on(data, tmp_path):
+    ignored = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup does
+    p, out = start_run(tmp_path, data, "--max_iters=60", preexec_fn=ignored)
+    p.send_signal(signal.SIGHUP)  # the terminal closes
+    rest = p.communicate(timeout=60)[0]
+    assert p.returncode == 0 and f"done: python experiments/plot.py {out}" in rest
+    assert ckpt_iter(out) == 60
 
 
 @pytest.mark.slow
@@ -2710,7 +2773,7 @@ def test_cuda_clock_waits_a_step_unusable_cuda_says_why(monkeypatch, capsys, tmp
     model = torch.nn.Linear(2, 2)
     adamw, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu")
     with machinery.RunFolder(str(tmp_path)):
-        on_cpu = dict(computed=dict(device="cpu"))
+        on_cpu = dict(computed=dict(device="cpu"), params=dict(total=6))
         progress = machinery.Progress(args, None, 0.0, on_cpu)
         progress.device = torch.device("cuda")
         allocated = (2**30, "peak CUDA memory allocated")
@@ -3043,9 +3106,10 @@ def children(monkeypatch):
     """reproduce.py's train.py children, made up, on a made-up GPU ("free" GiB): each
     leaves a run of `batches` on `device` and its `console` text, and trains until the
     next one-second sleep ends the oldest running one (exit: `codes`, else 0; `stop`:
-    the sleep is a Ctrl-C). `started`: who ran as each started; `redrawn`: redraws."""
+    the sleep is a Ctrl-C). `started`: who ran as each started; `redrawn`: redraws;
+    `meanwhile`: calls made once, as the next child starts."""
     rec = types.SimpleNamespace(free=16, codes={}, console={}, stop=False, redrawn=[])
-    rec.batches, rec.device = 100, "cuda:0"
+    rec.batches, rec.device, rec.meanwhile = 100, "cuda:0", []
     rec.started, rec.running, rec.cmds, rec.signals, rec.preexec = [], [], [], [], []
 
     class Child:
@@ -3057,6 +3121,8 @@ def children(monkeypatch):
             rec.preexec.append(preexec_fn)
             rec.running.append(self)
             rec.started.append([c.name for c in rec.running])
+            while rec.meanwhile:
+                rec.meanwhile.pop()()
 
         def poll(self):
             return self.returncode
@@ -3162,9 +3228,12 @@ def test_reproduce_a_child_oom_or_stopped_says_so_uncopied(tmp_path, capsys, chi
         assert f"{name}: failed (exit {code}); not copied" in out
 
 
-def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
+def test_reproduce_check_fails_a_gap_either_way(tmp_path, children, capsys):
     results = tmp_path / "results"
     argv = ["me", f"--work={tmp_path / 'work'}", f"--results={results}", "--check"]
+    said = []  # the check started again as the first's run trains: refused
+    again = lambda: said.append(error_line(capsys, reproduce.main, argv))
+    children.meanwhile.append(again)
     for shift, rc in ((0.04, 0), (-0.04, 0), (0.1, 1), (-0.1, 1)):
         costs = [c + (shift if 40 < i <= 50 else 0) for i, c in enumerate(FALLING, 1)]
         _run(results / "logs" / "table1-cpu" / "me", "me", costs)
@@ -3172,6 +3241,8 @@ def test_reproduce_check_fails_a_gap_either_way(tmp_path, children):
         table = (results / "gpu" / "check-me.txt").read_text().splitlines()
         assert table[-2].startswith("me ") and f"{-shift:+.4f}" in table[-2]
         assert table[-1].startswith("passed" if rc == 0 else "FAILED")
+    busy = f"error: {tmp_path / 'work'} is in use by another reproduce.py: wait for it"
+    assert len(said) == 1 and said[0].startswith(busy)
 
 
 def test_reproduce_check_names_its_device_keeps_the_six_models_file(tmp_path, children):
@@ -3405,6 +3476,14 @@ def test_plot_one_run_without_o_draws_into_its_folder(tmp_path, capsys, monkeypa
     assert [x for x, _ in drawn[0].values()] == batches
     two = [run, _run(tmp_path / "he", "he", [5] * 90)]
     assert "name it with -o" in error_line(capsys, plot.main, two)
+    os.remove(f"{run}/loss.png")  # the run committed, as results/logs/ keeps runs
+    log = open(f"{run}/log.csv", "rb").read()
+    open(f"{run}/log.csv.gz", "wb").write(gzip.compress(log))
+    os.remove(f"{run}/log.csv")
+    before = files(run)
+    said = error_line(capsys, plot.main, [run])
+    committed = "a committed run, kept as it is: name the file with -o"
+    assert said == f"error: {run} is {committed}" and files(run) == before
 
 
 def test_plot_gap_panel_subtracts_sa_32_and_raw_draws_batch_numbers(tmp_path, figures):

@@ -133,6 +133,7 @@ def validates(args, it):
 def evaluate(model, args, val_data, device, ctx):
     """The mean loss over the same validation windows each time, spread evenly over
     val.bin, with dropout off; the model is left in the mode it was in."""
+    machinery.THIS_RUN["validating"] = True  # (for the line if memory runs out)
     n = args.eval_batches * args.batch_size
     last = len(val_data) - args.block_size - 1
     starts = torch.from_numpy(np.linspace(0, last, n).round().astype(np.int64))
@@ -144,6 +145,7 @@ def evaluate(model, args, val_data, device, ctx):
         with ctx:
             total += model(x, y)[1].float()
     model.train(was_training)
+    machinery.THIS_RUN["validating"] = False
     return machinery.mean_over_processes(total).item() / args.eval_batches
 
 
@@ -190,7 +192,7 @@ def train(args, ckpt, start_time):
             progress.save(it, raw_model, optimizer, scaler)
         if stop:
             break
-        progress.log_point_done()
+        progress.log_point_done(ckpt_now)
     return progress.finish(it, stop)
 
 

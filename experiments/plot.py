@@ -398,9 +398,11 @@ def write_csv(path, rows):
 
 
 def output_path(output, inputs, own, one_figure=False):
-    """-o, or for one run (unless one_figure) RUN/<own>; several runs need -o."""
+    """-o, or RUN/<own> for one run (not one_figure, not committed: log.csv.gz)."""
     if output is None and (len(inputs) > 1 or one_figure):
         fail("several runs, --raw and --sweep have no default file: name it with -o")
+    if output is None and os.path.exists(os.path.join(inputs[0], "log.csv.gz")):
+        fail(f"{inputs[0]} is a committed run, kept as it is: name the file with -o")
     return output or os.path.join(inputs[0], own)
 
 

@@ -18,6 +18,7 @@ and (on Linux) kill -9 of this script stop its train.py children at a checkpoint
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import gzip
 import json
 import os
@@ -52,6 +53,17 @@ def die_with_parent():
     """Linux: the kernel sends the child SIGTERM if this script dies, by kill -9 too."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def lock(work):
+    """work/.lock held while open, or one line: a second would undo the first's runs."""
+    os.makedirs(work, exist_ok=True)
+    held = open(os.path.join(work, ".lock"), "w")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"{work} is in use by another reproduce.py: wait for it, or pass --work")
+    return held
 
 
 def start(name, flags, work):
@@ -236,17 +248,18 @@ def main(argv=None):
         fail("torch sees no CUDA device here; pass --device cpu to train on the CPU")
     # SIGTERM as Ctrl-C: `finally` stops the children
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        if args.check:
-            return check(args)
-        codes = train_all(args, args.work, f"--time_limit={args.time_limit}")
-    except KeyboardInterrupt:
-        stopped = f"stopped: each run at its last checkpoint in {args.work}"
-        print(f"{stopped}; the same command goes on from there", file=sys.stderr)
-        return 130
-    kept = [keep(name, code, args) for name, code in zip(args.runs, codes)]
-    failed = any(kept) and not redraw(args.results)
-    return 1 if failed or any(codes) else 0
+    with lock(args.work):
+        try:
+            if args.check:
+                return check(args)
+            codes = train_all(args, args.work, f"--time_limit={args.time_limit}")
+        except KeyboardInterrupt:
+            stopped = f"stopped: each run at its last checkpoint in {args.work}"
+            print(f"{stopped}; the same command goes on from there", file=sys.stderr)
+            return 130
+        kept = [keep(name, code, args) for name, code in zip(args.runs, codes)]
+        failed = any(kept) and not redraw(args.results)
+        return 1 if failed or any(codes) else 0
 
 
 if __name__ == "__main__":
