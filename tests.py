@@ -118,6 +118,16 @@ def _test_device_is_there():
         pytest.exit(_NO_DEVICE, returncode=4)
 
 
+@pytest.fixture
+def tf32():
+    """CUDA's TF32 switches (matmul, cudnn), set by assignment, put back after: pytest
+    >= 9.2's monkeypatch cannot undo them (their module answers through __getattr__)."""
+    switches = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = [s.allow_tf32 for s in switches]
+    yield switches
+    switches[0].allow_tf32, switches[1].allow_tf32 = before
+
+
 def dev(obj):
     """obj copied to the test device in FLOAT; the CPU original stays the reference."""
     if isinstance(obj, torch.nn.Module):
@@ -869,24 +879,24 @@ def test_fft_size_is_the_smallest_5_smooth_n_from_2t_minus_1():
 
 
 # ---- precision: the GEMMs in IEEE float32 while TF32 is on, and under autocast
-def test_ieee_float32_turns_tf32_off_for_cuda_inside_and_restores_it(monkeypatch):
+def test_ieee_float32_turns_tf32_off_for_cuda_inside_and_restores_it(monkeypatch, tf32):
     """Needs no GPU (the switch is PyTorch's global flag): off inside for a CUDA device
     while TF32 is on, and restored, also after an exception; the CPU, ALLOW_TF32 = True
     and TF32 already off leave it as it is."""
-    matmul = torch.backends.cuda.matmul
+    matmul = tf32[0]
     cuda = torch.device("cuda")
     seen = []
     # (device, ALLOW_TF32, TF32 on before)
     cases = [(cuda, False, True), (torch.device("cpu"), False, True)]
     cases += [(cuda, True, True), (cuda, False, False)]
-    for device, allow, tf32 in cases:
+    for device, allow, on in cases:
         monkeypatch.setattr(fir, "ALLOW_TF32", allow)
-        monkeypatch.setattr(matmul, "allow_tf32", tf32)
+        matmul.allow_tf32 = on
         with pytest.raises(KeyError), fir.ieee_float32(device):
             seen.append(matmul.allow_tf32)
             raise KeyError
-        assert matmul.allow_tf32 == tf32
-        assert matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+        assert matmul.allow_tf32 == on
+        assert matmul.fp32_precision == ("tf32" if on else "ieee")
     assert seen == [False, True, True, False]
 
 
@@ -931,11 +941,11 @@ def fir_float32_errors(name, path=None, d=32, l=64):
 @on_cuda
 @pytest.mark.device
 @pytest.mark.parametrize("name", ["she", "he", "we", "me", "he-ext"])
-def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkeypatch):
+def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, tf32):
     """With TF32 on for CUDA's float32 matmuls (train.py's setting) each Extractor's FIR
     on its default path keeps float32's accuracy, forward and backward (with
     fir.ALLOW_TF32 = True, expected to fail for SHE)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    tf32[0].allow_tf32 = True
     errors = fir_float32_errors(name)
     assert max(errors) < FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
 
@@ -956,12 +966,12 @@ FIR_GEMMS.append(("me", "toeplitz-strided"))
 
 
 @pytest.mark.parametrize("name,path", FIR_GEMMS)
-def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
+def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch, tf32):
     """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a
     10-bit mantissa (as cuBLAS feeds tensor cores), ieee_float32 takes the CPU for CUDA.
     y, dx and dw's GEMMs run in IEEE; with ALLOW_TF32 = True each exceeds the bound
     (20x or more). fft-cuda gives cuBLAS conjugate transposes as views; fft resolves."""
-    matmul = torch.backends.cuda.matmul
+    matmul = tf32[0]
     bmm = torch.bmm
     ieee = fir.ieee_float32
     conj = []
@@ -977,7 +987,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch)
 
     monkeypatch.setattr(torch, "bmm", tf32_bmm)
     monkeypatch.setattr(fir, "ieee_float32", ieee_as_if_cuda)
-    monkeypatch.setattr(matmul, "allow_tf32", True)
+    matmul.allow_tf32 = True
     errors = fir_float32_errors(name, path)
     assert max(errors) < FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
     monkeypatch.setattr(fir, "ALLOW_TF32", True)
@@ -2568,7 +2578,7 @@ finally:  # (the step's dropout, then one of its own)
 
 # ---- CUDA's decisions, checked on the CPU (fir.py's: its default-path and ieee tests)
 @pytest.mark.filterwarnings("ignore:CUDA is not available")  # (autocast on "cuda")
-def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeypatch):
+def test_cuda_gets_fused_adamw_the_captured_step_tf32_pinning(monkeypatch, tf32):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     parser = machinery.build_parser(train.SETTINGS)
     parse = lambda *flags: parser.parse_args(["--out_dir=r", *flags])
@@ -2593,9 +2603,8 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
     captured = (steps[0].step.func, steps[0].optimizer, steps[0].how)
     assert captured == (train.train_step, "AdamW", hows[0])
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    monkeypatch.setattr(matmul, "allow_tf32", False)
-    monkeypatch.setattr(cudnn, "allow_tf32", False)
+    matmul, cudnn = tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
     seen = []  # TF32's flags, autocast's cache (CUDA graphs want none)
     for device, tf32 in ((cpu, True), (cuda, True), (cuda, False)):
         ctx = machinery.precision(device, "bfloat16", tf32)[0]
