@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shlex
 import shutil
@@ -3275,7 +3276,7 @@ def test_reproduce_resumes_and_checks_against_the_cpu_runs(data, tmp_path, monke
 @pytest.mark.slow
 def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_path):
     """The GPU job on the CPU (--dry-run), its device tests broken: each stage in the
-    table, that one failed, the later ones run, 7 files; without CUDA one line."""
+    table, that one failed, the later ones run, 7 files, the versions first."""
     script = ["bash", "experiments/gpu_check.sh", f"--data_dir={data}"]
     env = os.environ | dict(PYTHON=sys.executable, OMP_NUM_THREADS="1")
     job = lambda *argv, **more: subprocess.run(  # more: its environment's
@@ -3293,14 +3294,32 @@ def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_
     assert sorted(os.listdir(out)) == written.split()
     read = lambda name: (out / name).read_text()
     assert read("summary.txt").endswith("\n".join(table) + "\n")
-    assert " torch 2." in read("summary.txt")  # the versions
+    packages = "torch 2. numpy matplotlib tiktoken pytest".split()
+    assert all(f" {p}" in read("summary.txt") for p in packages)  # the versions
     assert read("device_tests.txt") == "$ false\n"
     assert read("check-cpu.txt").startswith("device cpu, torch ")
     assert "computed: {'device': 'cpu'" in read("reproduce.txt")  # (its run's console)
     assert "\n--- length_cpu.csv\nmixer,threads,l,batch," in read("bench_cpu.txt")
-    r = job(str(tmp_path / "gpu"), CUDA_VISIBLE_DEVICES="")
-    err = "error: no CUDA device here: pass --dry-run to try it on the CPU\n"
-    assert (r.returncode, r.stderr) == (1, err) and not (tmp_path / "gpu").exists()
+
+
+def test_gpu_check_without_its_data_or_cuda_says_what_to_carry_and_why(tmp_path):
+    """data/ is not in git (a copy of the tree has none): one line naming the four files
+    that must travel; without CUDA one line with the probe's error; OUT not made."""
+    script = ["bash", f"{ROOT}/experiments/gpu_check.sh", "out", "--data_dir=."]
+    env = os.environ | dict(PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    job = lambda: subprocess.run(
+        script, cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    files = "train.bin val.bin meta.json tokenizer.tiktoken"
+    r = job()
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"({files}; 20 MB, not raw/) must travel" in r.stderr
+    for f in files.split():
+        (tmp_path / f).touch()
+    r = job()  # why not: the last line of torch's error ("AssertionError: ...")
+    why = r"error: no CUDA device here \(\w+: .+\): pass --dry-run to try it on the CPU"
+    assert r.returncode == 1 and re.fullmatch(why + "\n", r.stderr), r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========
