@@ -1189,13 +1189,13 @@ def test_bench_cuda_captured_memory_capture_failed(monkeypatch, capsys, tmp_path
     made, calls, new_model = [], [], bench.new_model
     model, cuda = torch.nn.Linear(4, 4), torch.device("cuda")
     step = lambda: calls.append(1) or model(torch.ones(2, 4)).sum().backward()
-    make_step = lambda dtype, captured=False: made.append(captured) or step
+    make_step = lambda dtype, captured, how: made.append((captured, how)) or step
     fake = lambda *a: (model, mock.Mock(state={}), make_step)  # (AdamW: no state)
     monkeypatch.setattr(bench, "new_model", fake)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: None)
     args = bench.parse_args(["--quick", "--mixers", "me,he,we"])
     bench.memory_at_batch(args.sizes, args, "me", 4, cuda)
-    assert made == [True] and len(calls) == 4  # saved's, 2 warm-ups, the recording
+    assert made == [(True, {})] and len(calls) == 4  # saved's, 2 warm-ups, recording
     monkeypatch.undo()
 
     def he_fails(s, args, m, *rest):  # he's step: CUDA fails its capture

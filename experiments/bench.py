@@ -112,11 +112,11 @@ def new_model(s, args, mixer, batch, device):
     data = torch.randint(0, s["vocab"], (batch, s["l"] + 1), generator=seeded)
     x, y = data[:, :-1].to(device), data[:, 1:].to(device)
 
-    def make_step(dtype, captured=False):
+    def make_step(dtype, captured=False, how=None):
         ctx, scaler = machinery.precision(device, dtype)  # (no float16: no scaling)
         fn = functools.partial(train.train_step, model, opt, scaler, ctx)
-        if captured:  # as train.py on CUDA
-            fn = machinery.CapturedStep(fn, opt)
+        if captured:  # as train.py on CUDA (with `how`: eager if Python fails it)
+            fn = machinery.CapturedStep(fn, opt, how)
         return functools.partial(fn, x, y)
 
     return model.train(), opt, make_step
@@ -360,10 +360,10 @@ def section_memory(s, args, device):
 def memory_at_batch(s, args, mixer, batch, device):
     """Bytes of (parameters and AdamW's moments, saved activations, peak, on CUDA the
     peak reserved: the allocator's cache emptied first, all of it this model's) of
-    train.py's step: on CUDA captured, 2 warm-ups and the recording in the peaks."""
+    train.py's step, on CUDA captured as there (2 warm-ups, the recording: peaks')"""
     free(device)
     model, opt, make_step = new_model(s, args, mixer, batch, device)
-    step = make_step("float32", captured=device.type == "cuda")
+    step = make_step("float32", captured=device.type == "cuda", how={})
     saved = saved_for_backward(step, model.parameters())
     calls = 3 if device.type == "cuda" else 1
     peak = peak_bytes(lambda: [step() for _ in range(calls)], device)
