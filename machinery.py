@@ -551,7 +551,8 @@ def pick_device(name):
     """--device as a torch.device once a kernel has run on it; auto: CUDA where it runs
     one, else the CPU (said where CUDA is there but unusable). One line for a device
     torch does not see, or a GPU this build of torch has no kernels for."""
-    gpus = torch.cuda.device_count()  # (0 without CUDA)
+    # (0 without CUDA; not asked at LOCAL_RANK 0: its warning is no_kernel's to read)
+    gpus = torch.cuda.device_count() if LOCAL_RANK else 0
     if 0 < gpus <= LOCAL_RANK and name in ("auto", "cuda"):
         fail(f"LOCAL_RANK {LOCAL_RANK} has no GPU: start {gpus} processes at most")
     if name == "auto":
@@ -708,8 +709,7 @@ class CapturedStep:
             group["capturable"] = True
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        # the warm-ups' cached blocks given back, as torch.cuda.graph does: else they
-        # stay reserved beside the graph's own pool (about twice the step's activations)
+        # as torch.cuda.graph: no warm-up's cached block kept reserved beside the pool
         torch.cuda.empty_cache()
         with torch.cuda.stream(self.stream):
             self.graph.capture_begin()
