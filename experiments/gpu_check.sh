@@ -46,7 +46,7 @@ while (($#)); do
   shift
 done
 [ -n "$out" ] || die "pass OUT, the folder for what it measures; $usage"
-for f in $DATA; do
+for f in train.bin val.bin meta.json; do  # the check's (the tokenizer: sample.py's)
   [ -f "$data/$f" ] || die "no $data/$f: data/ is not in git, so its four files ($DATA;" \
     "20 MB, not raw/) must travel with the tree, or pass --data_dir DIR"
 done
@@ -90,9 +90,9 @@ stage() {  # NAME BUDGET FILE COMMAND...: COMMAND's output appended to OUT/FILE
 }
 
 export PY VERSIONS PYTHONUNBUFFERED=1  # (each line in its file at once)
-stage versions 30 summary.txt bash -c '"$PY" -c "$VERSIONS" &&
+stage versions 45 summary.txt bash -c '"$PY" -c "$VERSIONS" &&
   if command -v nvidia-smi >/dev/null; then nvidia-smi -L; fi'
-stage device_tests 75 device_tests.txt env TEST_DEVICE="$dev" \
+stage device_tests 60 device_tests.txt env TEST_DEVICE="$dev" \
   "$PY" -m pytest tests.py -m device -q -p no:cacheprovider
 stage check 120 reproduce.txt "$PY" "${check[@]}" --check --data_dir="$data" \
   --work="$tmp/work" --results="$tmp/results"
