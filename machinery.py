@@ -508,7 +508,10 @@ class Progress:
         args, n = self.args, len(self.times)
         costs = mean_over_processes(self.losses[:n]).tolist()  # (DDP: the batch's)
         now = self.t0 + self.times[-1]
-        tok_s = n * args.batch_size * args.block_size / (now - self.since)
+        # the n - 1 intervals between the ends (CUDA: the first batch ends once queued)
+        first = self.times[0] if n > 1 else self.since - self.t0
+        batches = max(n - 1, 1)
+        tok_s = batches * args.batch_size * args.block_size / (self.times[-1] - first)
         eta = (args.max_iters - it) * (now - self.start_time) / (it - self.start_iter)
         for i, (cost, t) in enumerate(zip(costs, self.times), it - n + 1):
             if not math.isfinite(cost):
@@ -588,6 +591,10 @@ def pick_device(name):
     """--device as a torch.device once a kernel has run on it; auto: CUDA where it runs
     one, else the CPU (said where CUDA is there but unusable). One line for a device
     torch does not see, or a GPU this build of torch has no kernels for."""
+    # (0 without CUDA; not asked at LOCAL_RANK 0: its warning is no_kernel's to read)
+    gpus = torch.cuda.device_count() if LOCAL_RANK else 0
+    if 0 < gpus <= LOCAL_RANK and name in ("auto", "cuda"):
+        fail(f"LOCAL_RANK {LOCAL_RANK} has no GPU: start {gpus} processes at most")
     if name == "auto":
         why = no_kernel(torch.device(f"cuda:{LOCAL_RANK}"))
         if why:
@@ -742,6 +749,8 @@ class CapturedStep:
             group["capturable"] = True
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        # as torch.cuda.graph: no warm-up's cached block kept reserved beside the pool
+        torch.cuda.empty_cache()
         with torch.cuda.stream(self.stream):
             self.graph.capture_begin()
             try:
@@ -752,6 +761,8 @@ class CapturedStep:
                 except Exception as error:
                     why = first_line(error)
                     fail(f"{NO_GRAPH} ({why}); --no-cuda_graph runs it eagerly")
+                for group in self.optimizer.param_groups:  # (recorded: the graph's)
+                    group["capturable"] = False
 
     def fall_back(self, error, x, y):
         """Eager from now on, said on the console and in run.json; the graph freed."""
@@ -761,8 +772,6 @@ class CapturedStep:
         self.graph.reset()
         self.graph = None
         torch.cuda.empty_cache()
-        for group in self.optimizer.param_groups:
-            group["capturable"] = False
         self.optimizer.zero_grad(set_to_none=True)  # (the recording's, not computed)
         self.warmup = math.inf  # eager, on the side stream, from now on
         return self(x, y)

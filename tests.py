@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shlex
 import shutil
@@ -116,6 +117,16 @@ on_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs TEST_DEVICE=cu
 def _test_device_is_there():
     if _NO_DEVICE:  # one line, before any test runs
         pytest.exit(_NO_DEVICE, returncode=4)
+
+
+@pytest.fixture
+def tf32():
+    """CUDA's TF32 switches (matmul, cudnn), set by assignment, put back after: pytest
+    >= 9.2's monkeypatch cannot undo them (their module answers through __getattr__)."""
+    switches = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = [s.allow_tf32 for s in switches]
+    yield switches
+    switches[0].allow_tf32, switches[1].allow_tf32 = before
 
 
 def dev(obj):
@@ -877,24 +888,24 @@ def test_fft_size_is_the_smallest_5_smooth_n_from_2t_minus_1():
 
 
 # ---- precision: the GEMMs in IEEE float32 while TF32 is on, and under autocast
-def test_ieee_float32_turns_tf32_off_for_cuda_inside_and_restores_it(monkeypatch):
+def test_ieee_float32_turns_tf32_off_for_cuda_inside_and_restores_it(monkeypatch, tf32):
     """Needs no GPU (the switch is PyTorch's global flag): off inside for a CUDA device
     while TF32 is on, and restored, also after an exception; the CPU, ALLOW_TF32 = True
     and TF32 already off leave it as it is."""
-    matmul = torch.backends.cuda.matmul
+    matmul = tf32[0]
     cuda = torch.device("cuda")
     seen = []
     # (device, ALLOW_TF32, TF32 on before)
     cases = [(cuda, False, True), (torch.device("cpu"), False, True)]
     cases += [(cuda, True, True), (cuda, False, False)]
-    for device, allow, tf32 in cases:
+    for device, allow, on in cases:
         monkeypatch.setattr(fir, "ALLOW_TF32", allow)
-        monkeypatch.setattr(matmul, "allow_tf32", tf32)
+        matmul.allow_tf32 = on
         with pytest.raises(KeyError), fir.ieee_float32(device):
             seen.append(matmul.allow_tf32)
             raise KeyError
-        assert matmul.allow_tf32 == tf32
-        assert matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+        assert matmul.allow_tf32 == on
+        assert matmul.fp32_precision == ("tf32" if on else "ieee")
     assert seen == [False, True, True, False]
 
 
@@ -939,11 +950,11 @@ def fir_float32_errors(name, path=None, d=32, l=64):
 @on_cuda
 @pytest.mark.device
 @pytest.mark.parametrize("name", ["she", "he", "we", "me", "he-ext"])
-def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, monkeypatch):
+def test_fir_in_float32_with_tf32_matmuls_on_keeps_float32_accuracy(name, tf32):
     """With TF32 on for CUDA's float32 matmuls (train.py's setting) each Extractor's FIR
     on its default path keeps float32's accuracy, forward and backward (with
     fir.ALLOW_TF32 = True, expected to fail for SHE)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    tf32[0].allow_tf32 = True
     errors = fir_float32_errors(name)
     assert max(errors) < FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
 
@@ -964,12 +975,12 @@ FIR_GEMMS.append(("me", "toeplitz-strided"))
 
 
 @pytest.mark.parametrize("name,path", FIR_GEMMS)
-def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch):
+def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch, tf32):
     """TF32 emulated on the CPU: while allow_tf32 is on, bmm rounds its inputs to a
     10-bit mantissa (as cuBLAS feeds tensor cores), ieee_float32 takes the CPU for CUDA.
     y, dx and dw's GEMMs run in IEEE; with ALLOW_TF32 = True each exceeds the bound
     (20x or more). fft-cuda gives cuBLAS conjugate transposes as views; fft resolves."""
-    matmul = torch.backends.cuda.matmul
+    matmul = tf32[0]
     bmm = torch.bmm
     ieee = fir.ieee_float32
     conj = []
@@ -985,7 +996,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch)
 
     monkeypatch.setattr(torch, "bmm", tf32_bmm)
     monkeypatch.setattr(fir, "ieee_float32", ieee_as_if_cuda)
-    monkeypatch.setattr(matmul, "allow_tf32", True)
+    matmul.allow_tf32 = True
     errors = fir_float32_errors(name, path)
     assert max(errors) < FIR_FLOAT32_BOUND, f"y, dx, dw: {errors}"
     monkeypatch.setattr(fir, "ALLOW_TF32", True)
@@ -1153,8 +1164,8 @@ def test_bench_counts_a_known_steps_flops_bytes_and_peak():
         opt.zero_grad(set_to_none=True)
 
     step()  # AdamW's moments: 2 x 256 bytes
-    flops, moved = bench.step_counts(lin, opt, step, logits=1000)
-    assert flops == 3 * (2 * 6 * 8 * 8) + 3 * (2 * 8 * 6 * 8)
+    flops, fir_flops, moved = bench.step_counts(lin, opt, step, logits=1000)
+    assert (flops, fir_flops) == (3 * (2 * 6 * 8 * 8) + 3 * (2 * 8 * 6 * 8), 0)
     # parameters, gradients, moments, saved, logits
     assert moved == 2 * (256 + 256 + 512 + 192 + 192 + 1000)
     if os.path.exists("/proc/self/clear_refs"):  # Linux: this step's high-water mark
@@ -1163,6 +1174,52 @@ def test_bench_counts_a_known_steps_flops_bytes_and_peak():
         peak = bench.peak_bytes(grow, torch.device("cpu"))
         # (freed heap it reused: under 1 MiB)
         assert 2**26 - 2**20 <= peak < 2**26 + 2**24, peak
+
+
+def test_bench_prices_the_fir_gemms_at_the_ieee_float32_rate():
+    """SHE's FIR on the CPU's fft path: 3 complex GEMMs (F, B, d) x (F, d, d) a layer
+    (y, dx, dw), 8 real FLOPs a multiply-add, at the IEEE float32 rate; the rest not."""
+    args = bench.parse_args(["--quick", "--mixers", "she"])
+    s, cpu = args.sizes, torch.device("cpu")
+    rates = dict(float32=1e12, ieee=1e11, copy=1e12)
+    row = bench.mixer_steps("she", s, args, cpu, ["eager"], ["float32"], rates, 1)[0]
+    F = fir.fft_size(s["l"]) // 2 + 1
+    assert row["fir_flops"] == s["n_layer"] * 3 * 8 * F * s["batch"] * s["d"] ** 2
+    rest = row["flops"] - row["fir_flops"]
+    assert math.isclose(row["flop_ms"], 1e3 * (rest / 1e12 + row["fir_flops"] / 1e11))
+    assert set(bench.measure_rates(cpu, ["float32"], s)) == {"float32", "ieee", "copy"}
+
+
+def test_bench_cuda_captured_memory_capture_failed(monkeypatch, capsys, tmp_path):
+    """CUDA stubbed. The memory section's step is train.py's, captured: its calls reach
+    the recording. A capture CUDA fails (a SystemExit: its line said) ends the step
+    section with the rows so far; the rest is not run, the JSON written, exit 1."""
+    made, calls, new_model = [], [], bench.new_model
+    model, cuda = torch.nn.Linear(4, 4), torch.device("cuda")
+    step = lambda: calls.append(1) or model(torch.ones(2, 4)).sum().backward()
+    make_step = lambda dtype, captured, how: made.append((captured, how)) or step
+    fake = lambda *a: (model, mock.Mock(state={}), make_step)  # (AdamW: no state)
+    monkeypatch.setattr(bench, "new_model", fake)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: None)
+    args = bench.parse_args(["--quick", "--mixers", "me,he,we"])
+    bench.memory_at_batch(args.sizes, args, "me", 4, cuda)
+    assert made == [(True, {})] and len(calls) == 4  # saved's, 2 warm-ups, recording
+    monkeypatch.undo()
+
+    def he_fails(s, args, m, *rest):  # he's step: CUDA fails its capture
+        model, opt, make_step = new_model(s, args, m, *rest)
+        fails = lambda *a: machinery.fail(f"{machinery.NO_GRAPH} (CUDA: no)")
+        return model, opt, fails if m == "he" else make_step
+
+    monkeypatch.setattr(bench, "new_model", he_fails)
+    out = tmp_path / "b.json"
+    argv = ["--quick", "--sections=step,memory", "--mixers=me,he,we", f"--json={out}"]
+    assert bench.main(argv) == 1
+    rows = json.loads(out.read_text())["sections"]
+    failed = [(r["mixer"], r.get("failed")) for r in rows.pop("step")]
+    assert failed == [("sa", None), ("me", None), ("he", "CUDA failed he's capture")]
+    assert rows == {}  # the memory section not run, as said
+    assert "[memory] not run: CUDA failed he's capture" in capsys.readouterr().err
 
 
 def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, capsys):
@@ -2677,9 +2734,10 @@ def test_captured_step_equals_the_eager_step_bit_for_bit(mixer, sizes):
 
 @on_cuda
 @pytest.mark.device
-def test_a_capture_cuda_fails_stops_in_one_line_and_eager_steps_run_after_it():
+def test_a_capture_cuda_fails_stops_in_one_line():
     """A step reading its loss (.item(): CUDA refuses a sync in a capture), in a process
-    of its own: one line naming the step's error, exit 1; eager steps run after it."""
+    of its own: one line naming the step's error, exit 1, what train.py promises (CUDA
+    may leave its generator capturing: nothing random can run after it)."""
     code = f"""import functools, torch, machinery, train
 cuda = torch.device({str(DEVICE)!r})
 args = machinery.build_parser(train.SETTINGS).parse_args([])  # train.py's AdamW
@@ -2688,21 +2746,17 @@ ctx, scaler = machinery.precision(cuda, "float32")
 eager = functools.partial(train.train_step, model, opt, scaler, ctx)
 x = torch.randint(0, 50, (4, 16), device=cuda)
 step = machinery.CapturedStep(lambda x, y: eager(x, y).item(), opt)
-try:
-    for _ in range(4):  # 3 eager warm-up calls, then the recording
-        step(x, x)
-finally:  # (the step's dropout, then one of its own)
-    eager(x, x).item(), torch.nn.functional.dropout(x.float(), 0.5).sum().item()
-    print("ran after it")"""
+for _ in range(4):  # 3 eager warm-up calls, then the recording
+    step(x, x)"""
     rc, out, err = run_script("-c", code)
-    assert (rc, out, err.count("\n")) == (1, "ran after it\n", 1), (rc, out, err)
+    assert (rc, out, err.count("\n")) == (1, "", 1), (rc, out, err)
     assert err.startswith("error: the step cannot be captured in a CUDA graph (")
     assert "previous error" not in err, err  # (capture_end's, after the step's)
 
 
 # ---- CUDA's decisions, checked on the CPU (fir.py's: its default-path and ieee tests)
 @pytest.mark.filterwarnings("ignore:CUDA is not available")  # (autocast on "cuda")
-def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeypatch):
+def test_cuda_gets_fused_adamw_the_captured_step_tf32_pinning(monkeypatch, tf32):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     parser = machinery.build_parser(train.SETTINGS)
     parse = lambda *flags: parser.parse_args(["--out_dir=r", *flags])
@@ -2727,9 +2781,8 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
     captured = (steps[0].step.func, steps[0].optimizer, steps[0].how)
     assert captured == (train.train_step, "AdamW", hows[0])
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    monkeypatch.setattr(matmul, "allow_tf32", False)
-    monkeypatch.setattr(cudnn, "allow_tf32", False)
+    matmul, cudnn = tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
     seen = []  # TF32's flags, autocast's cache (CUDA graphs want none)
     for device, tf32 in ((cpu, True), (cuda, True), (cuda, False)):
         ctx = machinery.precision(device, "bfloat16", tf32)[0]
@@ -2766,10 +2819,11 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
 def test_cuda_clock_waits_a_step_unusable_cuda_says_why(monkeypatch, capsys, tmp_path):
     """CUDA stubbed. The step clock records an event a step and reads the host's clock
     once the GPU has done the step before: one step ahead, no more. run.json keeps the
-    peak reserved (a captured step's pool). --device auto on a driver too old or a GPU
-    the build cannot run says so and runs on the CPU."""
+    peak reserved (a captured step's pool); the pace is over the n - 1 intervals between
+    n batches' ends. --device auto on a driver too old or a GPU the build cannot run
+    says so and runs on the CPU; a LOCAL_RANK with no GPU stops."""
     args = argparse.Namespace(time_limit=None, overwrite=False, out_dir=str(tmp_path))
-    vars(args).update(log_interval=1, max_iters=1)
+    vars(args).update(log_interval=1, max_iters=1, lr=0.1)
     model = torch.nn.Linear(2, 2)
     adamw, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu")
     with machinery.RunFolder(str(tmp_path)):
@@ -2784,6 +2838,13 @@ def test_cuda_clock_waits_a_step_unusable_cuda_says_why(monkeypatch, capsys, tmp
     info = json.loads((tmp_path / "run.json").read_text())
     assert (info["peak_memory_mb"], info["peak_reserved_mb"]) == (1024.0, 3072.0)
     assert f"{allocated[1]}: 1.00 GB, reserved 3.00 GB\n" in capsys.readouterr().out
+    vars(args).update(log_interval=4, max_iters=8, batch_size=10, block_size=100)
+    progress = machinery.Progress(args, None, 0.0, on_cpu)  # (lr: log.csv's)
+    # 4 batches' ends, the first at the log point's (on CUDA it ends once queued)
+    progress.since, progress.times = progress.t0 + 10, [10.0, 11.0, 12.0, 13.0]
+    progress.log(4, None)
+    assert "| 1.0k tok/s |" in capsys.readouterr().out
+    assert [row.split(",")[4] for row in progress.rows] == ["1000.0"] * 4
     seen, events = [], itertools.count(1)
 
     class Event:  # torch.cuda.Event: numbered as made, its calls recorded in `seen`
@@ -2838,13 +2899,19 @@ def test_cuda_clock_waits_a_step_unusable_cuda_says_why(monkeypatch, capsys, tmp
     says += "kernels are for sm_75 sm_90; install a PyTorch build that lists sm_61"
     assert says in capsys.readouterr().out
     assert says in machinery.no_kernel(torch.device("cuda:0"))
+    monkeypatch.setattr(machinery, "LOCAL_RANK", 2)  # torchrun's third process
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("auto", "cuda"):
+        said = error_line(capsys, machinery.pick_device, name)
+        assert said == "error: LOCAL_RANK 2 has no GPU: start 2 processes at most"
 
 
 def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, capsys):
     """CUDA stubbed. A recording (call 4) that fails in Python, CUDA ending the capture:
     the run goes on eagerly (the same losses, parameters), says so in a line and in
-    run.json, frees the pool, AdamW capturable for the recording alone. Where CUDA fails
-    the capture (capture_end raises), the run stops, one line naming the first error."""
+    run.json, frees the pool, AdamW capturable for the recording alone. One that works:
+    the cache emptied first (torch.cuda.graph's way). Where CUDA fails the capture
+    (capture_end raises), the run stops, one line naming the first error."""
     for name in ("Stream", "current_stream", "stream", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, mock.MagicMock())
     graphs = []  # each recording's graph
@@ -2879,6 +2946,15 @@ def test_a_capture_that_fails_in_python_runs_eagerly_in_cuda_stops(monkeypatch, 
     assert len(graphs) == 1 and graphs[0].reset.called  # (never recorded again)
     assert torch.cuda.empty_cache.called
     assert capturable == [True] and not adamw.param_groups[0]["capturable"]
+    order = mock.Mock()  # the cache's calls and the graph's, in order
+    monkeypatch.setattr(torch.cuda, "empty_cache", order.empty_cache)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: order)
+    run = machinery.CapturedStep(lambda x, y: torch.zeros(()), adamw, {})
+    for _ in range(4):  # the recording's blocks in a cache of the graph's alone
+        run(*batches[0].split(16, dim=1))
+    calls = [name for name, *_ in order.mock_calls]
+    assert calls == ["empty_cache", "capture_begin", "capture_end", "replay"]
+    assert not adamw.param_groups[0]["capturable"]  # (bench's eager steps after it)
     first = "CUDA error: operation not permitted when stream is capturing"
     for body_error in (RuntimeError(first), None):
         calls = itertools.count(1)
@@ -3344,7 +3420,7 @@ def test_reproduce_resumes_and_checks_against_the_cpu_runs(data, tmp_path, monke
 @pytest.mark.slow
 def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_path):
     """The GPU job on the CPU (--dry-run), its device tests broken: each stage in the
-    table, that one failed, the later ones run, 7 files; without CUDA one line."""
+    table, that one failed, the later ones run, 7 files, the versions first."""
     script = ["bash", "experiments/gpu_check.sh", f"--data_dir={data}"]
     env = os.environ | dict(PYTHON=sys.executable, OMP_NUM_THREADS="1")
     job = lambda *argv, **more: subprocess.run(  # more: its environment's
@@ -3362,14 +3438,32 @@ def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_
     assert sorted(os.listdir(out)) == written.split()
     read = lambda name: (out / name).read_text()
     assert read("summary.txt").endswith("\n".join(table) + "\n")
-    assert " torch 2." in read("summary.txt")  # the versions
+    packages = "torch 2. numpy matplotlib tiktoken pytest".split()
+    assert all(f" {p}" in read("summary.txt") for p in packages)  # the versions
     assert read("device_tests.txt") == "$ false\n"
     assert read("check-cpu.txt").startswith("device cpu, torch ")
     assert "computed: {'device': 'cpu'" in read("reproduce.txt")  # (its run's console)
     assert "\n--- length_cpu.csv\nmixer,threads,l,batch," in read("bench_cpu.txt")
-    r = job(str(tmp_path / "gpu"), CUDA_VISIBLE_DEVICES="")
-    err = "error: no CUDA device here: pass --dry-run to try it on the CPU\n"
-    assert (r.returncode, r.stderr) == (1, err) and not (tmp_path / "gpu").exists()
+
+
+def test_gpu_check_without_its_data_or_cuda_says_what_to_carry_and_why(tmp_path):
+    """data/ is not in git (a copy of the tree has none): one line naming the four files
+    that must travel; without CUDA one line with the probe's error; OUT not made."""
+    script = ["bash", f"{ROOT}/experiments/gpu_check.sh", "out", "--data_dir=."]
+    env = os.environ | dict(PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    job = lambda: subprocess.run(
+        script, cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    files = "train.bin val.bin meta.json tokenizer.tiktoken"
+    r = job()
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert f"({files}; 20 MB, not raw/) must travel" in r.stderr
+    for f in files.split():
+        (tmp_path / f).touch()
+    r = job()  # why not: the last line of torch's error ("AssertionError: ...")
+    why = r"error: no CUDA device here \(\w+: .+\): pass --dry-run to try it on the CPU"
+    assert r.returncode == 1 and re.fullmatch(why + "\n", r.stderr), r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # ======== tools: plots and CSVs (plot.py), the taps (taps.py), results/ ========

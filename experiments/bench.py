@@ -16,6 +16,7 @@ mixers), the ratios to sa from the same run.
 """
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import dataclasses
@@ -111,11 +112,11 @@ def new_model(s, args, mixer, batch, device):
     data = torch.randint(0, s["vocab"], (batch, s["l"] + 1), generator=seeded)
     x, y = data[:, :-1].to(device), data[:, 1:].to(device)
 
-    def make_step(dtype, captured=False):
+    def make_step(dtype, captured=False, how=None):
         ctx, scaler = machinery.precision(device, dtype)  # (no float16: no scaling)
         fn = functools.partial(train.train_step, model, opt, scaler, ctx)
-        if captured:  # as train.py on CUDA
-            fn = machinery.CapturedStep(fn, opt)
+        if captured:  # as train.py on CUDA (with `how`: eager if Python fails it)
+            fn = machinery.CapturedStep(fn, opt, how)
         return functools.partial(fn, x, y)
 
     return model.train(), opt, make_step
@@ -214,7 +215,8 @@ def flop_counter():
 
 def measure_rates(device, dtypes, s):
     """Now: FLOP/s of an n x n GEMM in each dtype (float32 under the TF32 setting in
-    effect) and bytes/s of a large copy (each byte read once and written once)."""
+    effect; ieee: as fir.py's) and bytes/s of a large copy (each byte read once and
+    written once)."""
     n, mib = s["gemm_n"], s["copy_mib"]
     if device.type != "cuda":
         n, mib = min(n, 2048), min(mib, 256)
@@ -225,19 +227,32 @@ def measure_rates(device, dtypes, s):
     src = torch.randn(mib * 2**18, device=device)  # float32: mib MiB
     fns["copy"] = functools.partial(torch.Tensor.copy_, torch.empty_like(src), src)
     t = interleaved(fns, 10, device)
-    rates = {dt: 2 * n**3 / t[dt] for dt in dtypes}
+    with fir.ieee_float32(device):  # fir.py's products: no TF32
+        t |= interleaved({"ieee": fns["float32"]}, 10, device)
+    rates = {dt: 2 * n**3 / t[dt] for dt in dtypes + ["ieee"]}
     return rates | {"copy": 2 * src.nbytes / t["copy"]}
 
 
 def step_counts(model, optimizer, step, logits):
-    """(FLOPs, bytes) of one training step: its forward+backward FLOPs (not AdamW's) and
+    """(FLOPs, fir.py's GEMMs' FLOPs, bytes) of one training step: its forward+backward
+    FLOPs (not AdamW's), the FIR's GEMMs' (IEEE float32 in any dtype) among them, and
     the fewest bytes it moves, each written and read once: parameters, gradients,
     AdamW's moments, activations saved for backward, logits (`logits` bytes)."""
-    with flop_counter() as counter:
+    ieee, fir_flops = fir.ieee_float32, []
+    gemms = lambda: counter.get_flop_counts()["Global"].get(torch.ops.aten.bmm, 0)
+
+    @contextlib.contextmanager
+    def apart(device):  # fir.ieee_float32, the GEMMs' FLOPs inside it counted apart
+        before = gemms()
+        with ieee(device):
+            yield
+        fir_flops.append(gemms() - before)
+
+    with mock.patch.object(fir, "ieee_float32", apart), flop_counter() as counter:
         saved = saved_for_backward(step, model.parameters())
     gradients = storage_bytes(model.parameters())  # as large as the parameters
     state = gradients + state_bytes(model, optimizer)
-    return counter.get_total_flops(), 2 * (state + saved + logits)
+    return counter.get_total_flops(), sum(fir_flops), 2 * (state + saved + logits)
 
 
 def section_step(s, args, device):
@@ -253,6 +268,10 @@ def section_step(s, args, device):
             rows += mixer_steps(m, s, args, device, variants, dtypes, rates, rounds)
         except torch.OutOfMemoryError as e:
             rows.append(dict(mixer=m, variant="-", failed=f"out of memory: {e}"[:80]))
+        except SystemExit:  # CUDA failed a capture (its line said): no CUDA work after
+            s["broken"] = f"CUDA failed {m}'s capture"
+            rows.append(dict(mixer=m, variant="captured", failed=s["broken"]))
+            break
         free(device)
     sa = {r["variant"]: r.get("step_ms") for r in rows if r["mixer"] == "sa"}
     for row in rows:
@@ -280,8 +299,8 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
             steps[v] = make_step(VARIANTS[v], captured)
             for _ in range(4 if captured else 0):
                 steps[v]()
-        except (Exception, SystemExit) as e:  # (SystemExit: CUDA failed the capture)
-            why = machinery.first_line(e) if isinstance(e, Exception) else "CUDA"
+        except Exception as e:  # (CUDA failing the capture: a SystemExit, passed on)
+            why = machinery.first_line(e)
             rows.append(dict(mixer=m, variant=v, params=params, failed=why[:80]))
             steps.pop(v, None)
     t = interleaved(steps, rounds, device)
@@ -293,10 +312,14 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
             host, done = queued(steps[v], rounds)
             row |= dict(queued_ms=1e3 * host, done_ms=1e3 * done)
         if rates:  # its FLOPs and bytes at the rates measured, overlapped at best
-            flops, moved = counts[VARIANTS[v]]
-            rate, copy = rates[VARIANTS[v]], rates["copy"]
-            row |= dict(flops=flops, bytes=moved, flop_ms=1e3 * flops / rate)
+            flops, fir_flops, moved = counts[VARIANTS[v]]
+            rate, copy, ieee = rates[VARIANTS[v]], rates["copy"], rates["ieee"]
+            at_rates = (
+                flops - fir_flops
+            ) / rate + fir_flops / ieee  # (the FIR's: IEEE)
+            row |= dict(flops=flops, fir_flops=fir_flops, flop_ms=1e3 * at_rates)
             row |= dict(byte_ms=1e3 * moved / copy, flop_rate=rate, byte_rate=copy)
+            row |= dict(bytes=moved, ieee_rate=ieee)
             row["floor_ms"] = max(row["flop_ms"], row["byte_ms"])
             row["vs_floor"] = row["step_ms"] / row["floor_ms"]
         rows.append(row)
@@ -329,19 +352,21 @@ def section_memory(s, args, device):
             held = peak if reserved is None else reserved
             row["fits"] = "yes" if held <= budget else "no"
             if per_seq > 0:
-                row["max_batch"] = max(0, B + math.floor((budget - peak) / per_seq))
+                row["max_batch"] = max(0, B + math.floor((budget - held) / per_seq))
         rows.append(row)
     return rows
 
 
 def memory_at_batch(s, args, mixer, batch, device):
     """Bytes of (parameters and AdamW's moments, saved activations, peak, on CUDA the
-    peak reserved: the allocator's cache emptied first, all of it this model's)."""
+    peak reserved: the allocator's cache emptied first, all of it this model's) of
+    train.py's step, on CUDA captured as there (2 warm-ups, the recording: peaks')"""
     free(device)
     model, opt, make_step = new_model(s, args, mixer, batch, device)
-    step = make_step("float32")
+    step = make_step("float32", captured=device.type == "cuda", how={})
     saved = saved_for_backward(step, model.parameters())
-    peak = peak_bytes(step, device)
+    calls = 3 if device.type == "cuda" else 1
+    peak = peak_bytes(lambda: [step() for _ in range(calls)], device)
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     state = state_bytes(model, opt)
     return state, saved, None if peak is None else peak + state, reserved
@@ -621,7 +646,8 @@ TABLES = {
         " gradients, AdamW's moments, saved activations, logits\n"
         "queued_ms: per step of {queued} captured steps queued without waiting (CUDA),"
         " the host's time to queue them; done_ms: the time until the GPU ran them\n"
-        "floor_ms: the larger of flop_ms and byte_ms, at the rates measured;"
+        "floor_ms: the larger of flop_ms and byte_ms, at the rates measured (fir_flops,"
+        " fir.py's GEMMs', at ieee's: IEEE float32);"
         f" paper_hours: the paper's {PAPER_BATCHES} batches at step_ms; one mixer at a"
         " time, freed after; failed: why a variant has no time",
     ),
@@ -630,9 +656,10 @@ TABLES = {
         " batch {batch} (sa: {n_head} heads), MiB; does it fit a {gpu_gib:g} GiB GPU?",
         "mixer state_mib:.1f saved_mib:.1f peak_mib:.0f reserved_mib:.0f"
         " peak_half_mib:.0f per_seq_mib:.2f fits max_batch",
-        "state: parameters and AdamW's moments; peak: with the state (CPU: VmHWM);"
+        "state: parameters and AdamW's moments; peak: with the state (CPU: VmHWM;"
+        " CUDA: the step captured, as train.py runs it);"
         " fits: peak (CUDA: reserved) <= {gpu_gib:g} GiB less 1 (left to CUDA)\n"
-        "max_batch: on the line through peak and peak_half (batch {half})",
+        "max_batch: fits' figure plus the slope of peak to peak_half (batch {half})",
     ),
     "length": (
         "Sublayer forward+backward, d = {d}, b l = {tokens} tokens (sa: {n_head}"
@@ -746,6 +773,9 @@ def main(argv=None):
     results = dict(settings=s | info, sections={})
     t0 = time.perf_counter()
     for name in args.sections:
+        if "broken" in s:  # the rest cannot run in this process; what ran is written
+            print(f"[{name}] not run: {s['broken']}", file=sys.stderr, flush=True)
+            continue
         so_far = time.perf_counter() - t0
         print(f"[{name}] {so_far:.0f} s so far", file=sys.stderr, flush=True)
         torch.manual_seed(0)
@@ -764,10 +794,11 @@ def main(argv=None):
             atomic_write(path, text)
         except OSError as e:
             fail(f"cannot write {path!r} ({e.strerror}); the tables above hold it")
+    return 1 if "broken" in s else 0
 
 
 if __name__ == "__main__":
     # `bench.py | head` ends quietly, as a shell tool does
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    main()
+    sys.exit(main())

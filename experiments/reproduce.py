@@ -42,9 +42,9 @@ RUNS = {"sa-1": ["--mixer=sa", "--n_head=1"], "sa-32": ["--mixer=sa"]}
 RUNS |= {mixer: [f"--mixer={mixer}"] for mixer in ("she", "he", "we", "me")}
 WINDOW = 10  # the check: batches per window
 TOLERANCE = 0.05  # the check: the largest gap to the CPU run's window mean
-# GiB on a GPU: each model's training peak on an H200 (results/table1/bench_h200.txt,
-# section 6's peak_mib; sa's for both heads), plus CONTEXT_GIB for its CUDA context,
-# evaluation and the allocator's slack: the six need ~15 GiB, sa-32 and she 5.5 GiB
+# GiB on a GPU, estimated: each model's eager training peak on an H200 (peak_mib in
+# results/table1/bench_h200.txt; sa's for both heads) plus CONTEXT_GIB for its context,
+# evaluation, slack (the captured step's reserve unmeasured): six ~15 GiB, sa-32 she 5.5
 NEED_GIB = {"sa-1": 1.6, "sa-32": 1.6, "she": 2.4, "he": 1.7, "we": 1.7, "me": 1.3}
 CONTEXT_GIB = 0.75
 
