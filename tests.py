@@ -3577,7 +3577,7 @@ def _readme_commands():
             names, _, tail = rest.partition("}")
             expanded = [head + n + tail for n in names.split(",")] if brace else [arg]
             argv += sorted(glob.glob(arg, root_dir=ROOT)) if "*" in arg else expanded
-        mains = {"experiments/plot.py": plot.main, "experiments/bench.py": bench.main}
+        mains = {f"experiments/{m.__name__}.py": m.main for m in (plot, bench, fair)}
         commands.append((mains[script], argv))
     return commands
 
@@ -3586,8 +3586,8 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
     # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1; the
-    # cost against the length and of a generated token (bench.py's)
-    assert len(commands) == 12
+    # cost against the length and of a generated token (bench.py's); against compute
+    assert len(commands) == 13
     for main, argv in commands:
         for i, flag in enumerate(argv[:-1]):
             if flag in ("-o", "--results"):  # results/... into tmp_path/...
@@ -3597,9 +3597,9 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
     printed = capsys.readouterr().out
     assert "she, threads 1: vs_sa crosses 1 at l = 3278" in printed
     assert "he, threads 1: vs_sa crosses 1 at t = none in range" in printed
-    assert len(figures) == 12
+    assert len(figures) == 13
     written = sorted(glob.glob("**/*.csv", root_dir=tmp_path, recursive=True))
-    assert len(written) == 18, written  # and all of them as committed:
+    assert len(written) == 20, written  # and all of them as committed:
     for name in written:
         committed = open(os.path.join(ROOT, "results", name), "rb").read()
         assert (tmp_path / name).read_bytes() == committed, name

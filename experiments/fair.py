@@ -86,9 +86,8 @@ def compute(runs, output, window):
         for row in zip(ends, flops, seconds, med, rates):
             points.append(dict(zip(POINTS, (r["name"], *row))))
         for ax, axis in zip(axes, AXES):
-            ax.plot(
-                *lines[r["name"]][axis], "o-", ms=3, label=r["name"], **plot.line(r)
-            )
+            style = dict(marker="o", ms=3, label=r["name"]) | plot.line(r)
+            ax.plot(*lines[r["name"]][axis], **style)
     for ax, axis in zip(axes, AXES):
         ax.set(xlabel=AXES[axis])
         plot.finish(ax, f"median training cost of every {window} batches")
