@@ -74,9 +74,9 @@ def crossings(a, b):
 
 def compute(runs, output, window):
     """The figure, its points and each pair's crossings; returns the paths written."""
-    short = [r["dir"] for r in runs if len(r["log"]["train_loss"]) < window]
-    if window < 1 or short:
-        plot.fail(f"--window {window}: pass one from 1 to the shortest run's batches")
+    for r in runs:
+        if len(r["log"]["train_loss"]) < window:
+            plot.fail(f"{r['dir']} is shorter than --window {window}; pass less")
     fig, axes = plot.plt.subplots(1, 2, figsize=(14, 5))
     lines = {r["name"]: curves(r, window, flops_per_batch(r["settings"])) for r in runs}
     points, pairs = [], []
@@ -112,6 +112,9 @@ def main(argv=None):
     p.add_argument("--batches", type=int, default=10000, help="a finished run's")
     p.error = lambda msg: plot.fail(f"{msg} (see --help)")
     args = p.parse_args(argv)
+    if min(args.window, args.batches) < 1:
+        got = f"--window {args.window}, --batches {args.batches}"
+        plot.fail(f"{got}: each must be at least 1")
     runs = plot.read_runs(args.runs, args.batches)
     plot.check_corpus(runs)
     table = lambda: [plot.write_csv(args.output, lr_rows(runs, args.batches))]
