@@ -80,6 +80,7 @@ from extractor import MIXERS, SYNTHESIZERS, Config, Transformer, find_mixer
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import bench  # noqa: E402
+import fair  # noqa: E402
 import plot  # noqa: E402
 import reproduce  # noqa: E402
 import taps  # noqa: E402
@@ -3685,6 +3686,29 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "long", "other", "run"]
 
 
+def test_fair_lr_table_ranks_finished_runs_and_compute_crosses(tmp_path, capsys):
+    made = dict(a=(1e-3, 512, [3, 1, 2, 5]), b=(3e-3, 512, [1, 1, 4, 1]))
+    made |= dict(c=(3e-4, 512, [0, 0, 0]), d=(1e-3, 2424, [9, 9, 9, 9]))  # c: partial
+    runs = [str(tmp_path / k) for k in made]
+    for run, (lr, c, costs) in zip(runs, made.values()):
+        _run(run, "he", costs, 32, 2, lr=lr, n_hidden=c, batch_size=1)
+    assert (
+        fair.main(["lr", *runs, "-o", str(tmp_path / "lr.csv"), "--batches", "4"]) == 0
+    )
+    rows = [["c", "he", "512", "0.0003", "3", "0.0", "-0.5", "partial"]]
+    rows.append(["a", "he", "512", "0.001", "4", "2.5", "4.5", ""])
+    rows.append(["b", "he", "512", "0.003", "4", "1.0", "0.5", "best"])
+    rows.append(["d", "he", "2424", "0.001", "4", "9.0", "8.5", "best"])
+    assert _csv(tmp_path / "lr.csv")[1:] == rows
+    # a's windows of 2: medians 2, 3.5 at batches 2, 4; tokens/s median 1001, 32 a batch
+    (flops, y), (seconds, _) = fair.curves(plot.read_runs(runs[:1])[0], 2, 10).values()
+    assert flops.tolist() == [20, 40] and y.tolist() == [2.0, 3.5]
+    assert seconds.tolist() == [2 * 32 / 1001, 4 * 32 / 1001]
+    # 4 - x against 2 + x / 4: they cross at 1.6; at x = 3 the first is 1.75 lower
+    at, end, gap = fair.crossings(([1, 2, 3], [3, 2, 1]), ([0, 4], [2, 3]))
+    assert at.tolist() == [pytest.approx(1.6)] and (end, gap) == (3, -1.75)
+
+
 def test_taps_tap_profile_is_each_taps_norm_per_layer():
     c = torch.tensor([0.5, -0.25, 0.0, 2.0])  # a tap per distance back k = 1..4; d = 4
     rows = c[:, None] * torch.ones(4)
@@ -3799,7 +3823,7 @@ def _readme_commands():
             names, _, tail = rest.partition("}")
             expanded = [head + n + tail for n in names.split(",")] if brace else [arg]
             argv += sorted(glob.glob(arg, root_dir=ROOT)) if "*" in arg else expanded
-        mains = {"experiments/plot.py": plot.main, "experiments/bench.py": bench.main}
+        mains = {f"experiments/{m.__name__}.py": m.main for m in (plot, bench, fair)}
         commands.append((mains[script], argv))
     return commands
 
@@ -3808,8 +3832,8 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
     # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1; the
-    # cost against the length and of a generated token (bench.py's)
-    assert len(commands) == 12
+    # cost against the length and of a generated token (bench.py's); against compute
+    assert len(commands) == 13
     for main, argv in commands:
         for i, flag in enumerate(argv[:-1]):
             if flag in ("-o", "--results"):  # results/... into tmp_path/...
@@ -3819,9 +3843,9 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
     printed = capsys.readouterr().out
     assert "she, threads 1: vs_sa crosses 1 at l = 3278" in printed
     assert "he, threads 1: vs_sa crosses 1 at t = none in range" in printed
-    assert len(figures) == 12
+    assert len(figures) == 13
     written = sorted(glob.glob("**/*.csv", root_dir=tmp_path, recursive=True))
-    assert len(written) == 18, written  # and all of them as committed:
+    assert len(written) == 20, written  # and all of them as committed:
     for name in written:
         committed = open(os.path.join(ROOT, "results", name), "rb").read()
         assert (tmp_path / name).read_bytes() == committed, name
