@@ -1108,7 +1108,7 @@ def test_bench_quick_prints_rows_and_their_arithmetic(tmp_path, monkeypatch, cap
     for r in res["step"]:  # --quick's batch of 4 x 32 = 128 tokens
         ms, sa = r["step_ms"], sa_step[r["variant"]]
         assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"]), r
-        assert close(r["vs_sa"], sa / ms) and close(r["vs_floor"], ms / r["floor_ms"])
+        assert close(r["vs_sa"], ms / sa) and close(r["vs_floor"], ms / r["floor_ms"])
         assert close(r["tokens_per_s"], 128e3 / ms)
         assert close(r["paper_hours"], 60 * ms / 3600)
         assert close(r["flop_ms"], 1e3 * r["flops"] / r["flop_rate"])

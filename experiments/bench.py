@@ -257,7 +257,7 @@ def section_step(s, args, device):
     sa = {r["variant"]: r.get("step_ms") for r in rows if r["mixer"] == "sa"}
     for row in rows:
         if sa.get(row["variant"]) and "step_ms" in row:  # (not the failed)
-            row["vs_sa"] = sa[row["variant"]] / row["step_ms"]
+            row["vs_sa"] = row["step_ms"] / sa[row["variant"]]
     units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
     measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
     s["rates"] = f"; rates measured: {measured}" if floor else ""
@@ -617,7 +617,7 @@ TABLES = {
         "mixer variant params:si step_ms:.2f queued_ms:.2f done_ms:.2f tokens_per_s:.0f"
         " vs_sa:.2f flops:si bytes:si flop_ms:.3f byte_ms:.3f floor_ms:.3f vs_floor:.1f"
         " paper_hours:.2f failed",
-        "vs_sa: sa's step time over this one (above 1: faster); bytes: parameters,"
+        "vs_sa: this step time over sa's (below 1: faster); bytes: parameters,"
         " gradients, AdamW's moments, saved activations, logits\n"
         "queued_ms: per step of {queued} captured steps queued without waiting (CUDA),"
         " the host's time to queue them; done_ms: the time until the GPU ran them\n"
