@@ -2579,27 +2579,28 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     assert kinds == [(True, False), (False, False)]  # (capturable: the capture's)
     monkeypatch.setattr(torch.cuda, "Stream", object)
     hows = []  # run.json's computed, each step named in it
+    step = functools.partial(train.train_step, None)
 
     def make(device, *flags):
         hows.append({})
-        step = functools.partial(train.train_step, None)
         return machinery.make_step(step, "AdamW", parse(*flags), device, hows[-1])
 
     eager = ("--no-cuda_graph", "--dtype=float16")
     steps = [make(cuda), make(cpu)] + [make(cuda, flag) for flag in eager]
     monkeypatch.setattr(machinery, "WORLD", 2)  # DDP
     steps.append(make(cuda))
-    assert [type(s).__name__ for s in steps] == ["CapturedStep"] + ["partial"] * 4
+    assert steps[1:] == [step] * 4  # eager: the step itself, nothing around it
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
-    captured = (steps[0].step.func, steps[0].optimizer, steps[0].how)
-    assert captured == (train.train_step, "AdamW", hows[0])
+    captured = (steps[0].step, steps[0].optimizer, steps[0].how)
+    assert captured == (step, "AdamW", hows[0])
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     monkeypatch.setattr(matmul, "allow_tf32", False)
     monkeypatch.setattr(cudnn, "allow_tf32", False)
-    seen = []  # TF32's flags, autocast's cache (CUDA graphs want none)
+    seen = []  # TF32's flags, autocast's cache inside it (CUDA graphs want none)
     for device, tf32 in ((cpu, True), (cuda, True), (cuda, False)):
-        ctx = machinery.precision(device, "bfloat16", tf32)[0]
-        seen.append((matmul.allow_tf32, cudnn.allow_tf32, ctx._cache_enabled))
+        with machinery.precision(device, "bfloat16", tf32)[0]:
+            cache = torch.is_autocast_cache_enabled()
+        seen.append((matmul.allow_tf32, cudnn.allow_tf32, cache))
     assert seen == [(False, False, True), (True, True, False), (False, False, False)]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"the GPU {d}")
     capability = [(9, 0)]  # an H100's; a T4's (7, 5) has no TF32
@@ -2614,8 +2615,8 @@ def test_cuda_gets_fused_capturable_adamw_the_captured_step_tf32_pinning(monkeyp
     whole = dict(device="cuda", torch=torch.__version__, dtype="bfloat16")
     whole |= dict(float32_matmul="tf32", fir_matmul="tf32", device_name="the GPU cuda")
     assert machinery.computed(cuda, parse("--dtype=bfloat16")) == whole
-    ctx, scaler = machinery.precision(cpu, "float16")
-    assert (ctx.fast_dtype, scaler._device) == (torch.float16, "cpu")
+    ctx, scaler = machinery.precision(cpu, "float16")  # the loss scaled on the CPU
+    assert ctx.fast_dtype == torch.float16 and scaler.scale(torch.ones(())) == 2**16
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # float32: no autocast (torch warns of one)
         machinery.precision(cuda, "float32")  # TF32 on unless --no-tf32
