@@ -327,8 +327,14 @@ class HEExtraction(nn.Module):
 
 
 # the paper's mixers: each --mixer name and its class (the first sublayer)
-MIXERS = {"sa": SelfAttention, "she": SHE, "he": HE, "we": WE, "me": ME}
-MIXERS["he-ext"] = HEExtraction
+MIXERS = {
+    "sa": SelfAttention,
+    "she": SHE,
+    "he": HE,
+    "we": WE,
+    "me": ME,
+    "he-ext": HEExtraction,
+}
 
 
 def check_heads(cfg):

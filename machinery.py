@@ -252,8 +252,9 @@ def load_data(data_dir, block_size, batch_size):
 
 # ---- the run folder and ckpt.pt ------------------------------------------------------
 # what --resume reads from ckpt.pt (sample.py: config, model, args, iter, data)
-RESUME_KEYS = {"model", "optimizer", "scaler", "rng", "log", "args", "iter", "data"}
-RESUME_KEYS |= {"world_size", "elapsed_s"}
+RESUME_KEYS = set(
+    "model optimizer scaler rng log args iter data world_size elapsed_s".split()
+)
 
 
 class RunFolder:

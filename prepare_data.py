@@ -310,14 +310,19 @@ def write_outputs(data_dir, vocab, source, ids, texts, tokens, overwrite):
     files = {f"{s}.bin": tokens[s].tobytes() for s in SPLITS}
     files[TOKENIZER_FILE] = b"".join(lines)
     sha = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    meta = {"vocab_size": len(vocab) + 1, "eot_token": len(vocab), "dtype": "uint16"}
-    meta |= {f"{s}_tokens": int(tokens[s].size) for s in SPLITS}
-    meta |= {f"{s}_books": ids[s] for s in SPLITS}
-    meta |= {f"{s}_chars": sum(map(len, texts[s])) for s in SPLITS}
-    meta |= {"source": source, "tokenizer": TOKENIZER_FILE}
-    meta["tokenizer_sha256"] = sha[TOKENIZER_FILE]
-    meta |= {f"{s}_sha256": sha[f"{s}.bin"] for s in SPLITS}
-    meta["split_pattern"] = SPLIT_PATTERN
+    meta = {
+        "vocab_size": len(vocab) + 1,
+        "eot_token": len(vocab),
+        "dtype": "uint16",
+        **{f"{s}_tokens": int(tokens[s].size) for s in SPLITS},
+        **{f"{s}_books": ids[s] for s in SPLITS},
+        **{f"{s}_chars": sum(map(len, texts[s])) for s in SPLITS},
+        "source": source,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": sha[TOKENIZER_FILE],
+        **{f"{s}_sha256": sha[f"{s}.bin"] for s in SPLITS},
+        "split_pattern": SPLIT_PATTERN,
+    }
     meta_text = json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
     files["meta.json"] = meta_text.encode("utf-8")
     keep_other_data(data_dir, {k: meta[k] for k in meta if "sha256" in k}, overwrite)

@@ -53,8 +53,9 @@ SETTINGS = {
 }
 # --resume takes every setting from ckpt.pt but these: the run's length, its logging and
 # where it runs (the data must be the same)
-MAY_CHANGE = ("max_iters", "eval_interval", "ckpt_interval", "log_interval")
-MAY_CHANGE += ("data_dir", "device")
+MAY_CHANGE = (
+    "max_iters eval_interval ckpt_interval log_interval data_dir device".split()
+)
 MODEL_SETTINGS = dataclasses.fields(Config)[1:]  # all but vocab_size, the data's
 
 
@@ -169,12 +170,20 @@ def train(args, ckpt, start_time):
         train_step, model, optimizer, scaler, ctx, grad_clip=args.grad_clip
     )
     step = machinery.make_step(step, optimizer, args, device, how)
-    info = dict(config=dataclasses.asdict(cfg), args=vars(args), data=fingerprint)
-    info |= dict(params=raw_model.param_counts(), world_size=machinery.WORLD)
-    progress = machinery.Progress(args, ckpt, start_time, info | dict(computed=how))
+    info = dict(
+        config=dataclasses.asdict(cfg),
+        args=vars(args),
+        data=fingerprint,
+        params=raw_model.param_counts(),
+        world_size=machinery.WORLD,
+        computed=how,
+    )
+    progress = machinery.Progress(args, ckpt, start_time, info)
     machinery.say(f"{cfg}")
-    to = f"to {args.max_iters} into {args.out_dir}"
-    machinery.say(f"training from batch {progress.start_iter} {to}")
+    machinery.say(
+        f"training from batch {progress.start_iter} to {args.max_iters}"
+        f" into {args.out_dir}"
+    )
     machinery.say(f"computed: {how}")
     n_starts = len(train_data) - args.block_size
     for it in range(progress.start_iter + 1, args.max_iters + 1):

@@ -44,21 +44,33 @@ import machinery  # noqa: E402
 import train  # noqa: E402
 from machinery import atomic_write, fail  # noqa: E402
 
-# Table 1's shapes (d, l, batch, u, c, m); section step's rounds (5x on CUDA), the
-# GEMM's n and the copy's MiB that measure the floor's rates (CPU: <= 2048, 256)
-SIZES = dict(d=128, l=128, batch=64, vocab=5000, hidden=512, n_layer=18)
-SIZES |= dict(step_rounds=4, gemm_n=8192, copy_mib=1024)
-QUICK = dict(d=32, l=32, batch=4, vocab=300, hidden=128, n_layer=1)  # --quick
-QUICK |= dict(step_rounds=1, gemm_n=256, copy_mib=16)
-# sections sublayer (l alone), length and generate: the lengths l (and t), tokens per
-# batch (sublayer, length: at Table 1's l its batch), rounds of timing
-SIZES |= dict(lengths=[2**k for k in range(5, 13)], tokens=8192, rounds=7)
-QUICK |= dict(lengths=[8, 16, 32], tokens=64, rounds=2)
+# name: (Table 1's, --quick's); section step's rounds (5x on CUDA), the GEMM's n and
+# the copy's MiB that measure the floor's rates (CPU: <= 2048, 256); sections sublayer
+# (l alone), length and generate: the lengths l (and t), tokens per batch (sublayer,
+# length: at Table 1's l its batch), rounds of timing
+SIZES = {
+    "d": (128, 32),
+    "l": (128, 32),
+    "batch": (64, 4),
+    "vocab": (5000, 300),  # u
+    "hidden": (512, 128),  # c
+    "n_layer": (18, 1),  # m
+    "step_rounds": (4, 1),
+    "gemm_n": (8192, 256),
+    "copy_mib": (1024, 16),
+    "lengths": ([2**k for k in range(5, 13)], [8, 16, 32]),
+    "tokens": (8192, 64),
+    "rounds": (7, 2),
+}
 PAPER_BATCHES = 60000  # Section 6: the paper trains on 60000 batches
 # section step: variant -> autocast dtype; CUDA runs all four, the CPU eager; the
 # captured ones in a CUDA graph, as train.py does on CUDA (machinery.CapturedStep)
-VARIANTS = {"captured": "float32", "eager": "float32", "bf16": "bfloat16"}
-VARIANTS["bf16-captured"] = "bfloat16"
+VARIANTS = {
+    "captured": "float32",
+    "eager": "float32",
+    "bf16": "bfloat16",
+    "bf16-captured": "bfloat16",
+}
 
 
 def interleaved(fns, rounds, device, warmup=2):
@@ -276,7 +288,7 @@ def section_step(s, args, device):
     sa = {r["variant"]: r.get("step_ms") for r in rows if r["mixer"] == "sa"}
     for row in rows:
         if sa.get(row["variant"]) and "step_ms" in row:  # (not the failed)
-            row["vs_sa"] = sa[row["variant"]] / row["step_ms"]
+            row["vs_sa"] = row["step_ms"] / sa[row["variant"]]
     units = {k: "TB/s" if k == "copy" else "TFLOP/s" for k in rates}
     measured = ", ".join(f"{k} {r / 1e12:.3g} {units[k]}" for k, r in rates.items())
     s["rates"] = f"; rates measured: {measured}" if floor else ""
@@ -411,8 +423,14 @@ def complexity_inference(d, t, n=1):
     return dict(sa=sa, she=she, he=he, we=we, me=me)
 
 
-TABLE7 = {"1-head SA": ("sa", 1), "32-head SA": ("sa", 32), "SHE": ("she", 1)}
-TABLE7 |= {"HE": ("he", 1), "WE": ("we", 1), "ME": ("me", 1)}
+TABLE7 = {
+    "1-head SA": ("sa", 1),
+    "32-head SA": ("sa", 32),
+    "SHE": ("she", 1),
+    "HE": ("he", 1),
+    "WE": ("we", 1),
+    "ME": ("me", 1),
+}
 OPS = ("mult", "add", "div", "exp")
 
 
@@ -632,8 +650,13 @@ def draw(path, out):
     plot.save(fig, out, f"{os.path.basename(path)}: {title}")
 
 
-SECTIONS = dict(sublayer=section_sublayer, step=section_step, memory=section_memory)
-SECTIONS |= dict(length=section_length, generate=section_generate)
+SECTIONS = dict(
+    sublayer=section_sublayer,
+    step=section_step,
+    memory=section_memory,
+    length=section_length,
+    generate=section_generate,
+)
 # section: title, columns (a row's key:format), notes; {...} filled from the settings
 TABLES = {
     "step": (
@@ -642,7 +665,7 @@ TABLES = {
         "mixer variant params:si step_ms:.2f queued_ms:.2f done_ms:.2f tokens_per_s:.0f"
         " vs_sa:.2f flops:si bytes:si flop_ms:.3f byte_ms:.3f floor_ms:.3f vs_floor:.1f"
         " paper_hours:.2f failed",
-        "vs_sa: sa's step time over this one (above 1: faster); bytes: parameters,"
+        "vs_sa: this step time over sa's (below 1: faster); bytes: parameters,"
         " gradients, AdamW's moments, saved activations, logits\n"
         "queued_ms: per step of {queued} captured steps queued without waiting (CUDA),"
         " the host's time to queue them; done_ms: the time until the GPU ran them\n"
@@ -679,7 +702,6 @@ TABLES = {
         "paper_ops_fwd: Tables 5-6's sum times the batch; peak_mib: the first call's",
     ),
 }
-TABLES["sublayer"] = TABLES["length"]  # the length section at one l
 
 
 def cell(value, spec):
@@ -695,8 +717,9 @@ def cell(value, spec):
 
 
 def show(name, rows, s):
-    """One section's rows as a table: title, columns, dashes, rows, notes."""
-    title, columns, notes = TABLES[name]
+    """One section's rows as a table: title, columns, dashes, rows, notes (sublayer's:
+    the length section's, at one l)."""
+    title, columns, notes = TABLES["length" if name == "sublayer" else name]
     columns = [c.partition(":")[::2] for c in columns.split()]  # (key, format)
     table = [[key for key, _ in columns]]
     table += [[cell(r.get(key), spec) for key, spec in columns] for r in rows]
@@ -747,7 +770,7 @@ def parse_args(argv):
     if args.mixers.strip() == "all":
         names = [*extractor.MIXERS, *extractor.SYNTHESIZERS]
     args.mixers = list(dict.fromkeys(["sa"] + [m.strip() for m in names if m.strip()]))
-    args.sizes = QUICK if args.quick else SIZES
+    args.sizes = {k: sizes[args.quick] for k, sizes in SIZES.items()}
     for m in args.mixers:  # an unknown name, --n_head not dividing d: one line
         machinery.check_mixer(make_config(args.sizes, args, m))
     if args.gpu_gib <= 1:

@@ -37,14 +37,28 @@ matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others: matplotlib's cycle)
-STYLE = {"sa-1": "tab:gray", "sa-32": "black", "she": "tab:red", "he": "tab:orange"}
-STYLE |= {"we": "tab:green", "me": "tab:blue", "he-ext": "tab:purple"}
+STYLE = {
+    "sa-1": "tab:gray",
+    "sa-32": "black",
+    "she": "tab:red",
+    "he": "tab:orange",
+    "we": "tab:green",
+    "me": "tab:blue",
+    "he-ext": "tab:purple",
+}
 SYMBOLS = {"n_layer": "m", "block_size": "l"}  # the paper's, in titles and sweep CSVs
 EXTRACTORS = ("she", "we", "he", "me", "he-ext")  # (no heads)
 SEED_COLUMNS = ["mixer", "seed", "data_seed", "batches", "median_last_1000", "val_loss"]
-# what reading a cut, hand-edited or foreign file raises (KeyError: run.json's keys)
-DAMAGED = (EOFError, gzip.BadGzipFile, zlib.error, csv.Error, ValueError, KeyError)
-DAMAGED += (TypeError,)
+# what reading a cut, hand-edited or foreign file raises
+DAMAGED = (
+    EOFError,
+    gzip.BadGzipFile,
+    zlib.error,
+    csv.Error,
+    ValueError,
+    KeyError,  # run.json without a key
+    TypeError,  # run.json of another shape
+)
 
 
 # (not machinery.py's: this file and those that import it stay free of torch)

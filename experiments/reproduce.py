@@ -38,8 +38,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
 PLOT = [sys.executable, os.path.join(ROOT, "experiments", "plot.py")]
 # Table 1's six models: train.py's defaults but the mixer (and attention's heads)
-RUNS = {"sa-1": ["--mixer=sa", "--n_head=1"], "sa-32": ["--mixer=sa"]}
-RUNS |= {mixer: [f"--mixer={mixer}"] for mixer in ("she", "he", "we", "me")}
+RUNS = {
+    "sa-1": ["--mixer=sa", "--n_head=1"],
+    "sa-32": ["--mixer=sa"],
+    "she": ["--mixer=she"],
+    "he": ["--mixer=he"],
+    "we": ["--mixer=we"],
+    "me": ["--mixer=me"],
+}
 WINDOW = 10  # the check: batches per window
 TOLERANCE = 0.05  # the check: the largest gap to the CPU run's window mean
 # GiB on a GPU, estimated: each model's eager training peak on an H200 (peak_mib in
