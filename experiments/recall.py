@@ -216,17 +216,20 @@ def load(path):
 
 
 def cost(args, mixer, width, length, data):
-    """Seconds of one epoch of --batch_size, from --cost batches timed after two."""
+    """Seconds of one epoch of --batch_size, from --cost batches timed after two: on
+    the clock and in this process's CPU time (which others' work on the machine slows
+    less)."""
     model, adamw = build(mixer, width, length, 1e-3, 0, args)
     x, pos, y = (t[: (args.cost + 2) * args.batch_size] for t in data)
     for j, b in enumerate(torch.arange(len(x)).split(args.batch_size)):
         if j == 2:  # the first two warm the allocator up
-            t0 = time.time()
+            t0, cpu0 = time.time(), time.process_time()
         loss = scores(query_logits(model, x[b], pos[b], args.head, args.ffn), y[b])[0]
         loss.backward()
         adamw.step()
         adamw.zero_grad(set_to_none=True)
-    return (time.time() - t0) / args.cost * (args.train // args.batch_size)
+    per_epoch = (args.train // args.batch_size) / args.cost
+    return (time.time() - t0) * per_epoch, (time.process_time() - cpu0) * per_epoch
 
 
 def write_summary(out):
@@ -272,14 +275,17 @@ def parse(argv):
     p.add_argument("--cost", type=machinery.COUNT, help="time this many batches only")
     p.add_argument("--quick", action="store_true", help="a tiny sweep, in seconds")
     args = p.parse_args(argv)
-    if args.quick:  # d 16, l 16, N 2, 2 epochs of 2 batches
-        args.widths, args.lengths, args.pairs, args.epochs = [16], [16], 2, 2
-        args.train, args.test, args.batch_size, args.warmup = 64, 32, 32, 2
+    if args.quick:  # d 16, l 16, N 2, 2 epochs of 2 batches, unless flags say else
+        p.set_defaults(widths=[16], lengths=[16], pairs=2, epochs=2, train=64, test=32)
+        p.set_defaults(batch_size=32, warmup=2)
+        args = p.parse_args(argv)
     for length in args.lengths:
         n = args.pairs or PAIRS.get(length)
         if n is None or 4 * n > length:
             lengths = ", ".join(map(str, PAIRS))
             p.error(f"--lengths {length}: pass one of {lengths} or --pairs N <= l/4")
+    if args.cost and (args.cost + 2) * args.batch_size > args.train:
+        p.error(f"--cost {args.cost}: --train holds fewer batches (2 more run first)")
     args.device = str(machinery.pick_device(args.device))
     return args
 
@@ -311,7 +317,7 @@ def main(argv=None):
     )
     data, t0 = {}, time.time()
     if args.cost:
-        print("mixer,width,length,head,ffn,batches_timed,epoch_seconds")
+        print("mixer,width,length,head,ffn,batches_timed,epoch_s,epoch_cpu_s")
     try:
         for i, (length, mixer, width, lr, seed) in enumerate(grid):
             data = data if length in data else {length: task(args, length)}
@@ -325,11 +331,9 @@ def main(argv=None):
                 f"[run {i + 1}/{len(grid)}, sweep ETA {eta}] {name}: {line}", flush=True
             )
             if args.cost:
-                s = cost(args, mixer, width, length, data[length][0])
-                print(
-                    f"{mixer},{width},{length},{args.head},{args.ffn},{args.cost},{s:.1f}",
-                    flush=True,
-                )
+                wall, cpu = cost(args, mixer, width, length, data[length][0])
+                what = f"{mixer},{width},{length},{args.head},{args.ffn},{args.cost}"
+                print(f"{what},{wall:.1f},{cpu:.1f}", flush=True)
                 continue
             run(args, mixer, width, length, lr, seed, data[length], say)
             write_summary(args.out)
