@@ -1,22 +1,16 @@
 """
-Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology", arXiv:2312.04927)
-for every mixer: a 2-layer Transformer of extractor.py learns to answer, at each query
-key, the value that followed that key earlier in the sequence. A sweep is one command
-over a grid; each run keeps ckpt.pt, log.csv and run.json in its folder and goes on from
-its last finished epoch when the same command is given again (finished runs skipped).
+Multi-query associative recall (MQAR; Zoology, Arora et al. 2023, arXiv:2312.04927) for
+any mixer: a 2-layer Transformer of extractor.py answers, at each query key, the value
+that followed that key earlier (the task: mqar). A sweep is one command over a grid;
+each run goes on from its last finished epoch when the command is given again.
 
     python experiments/recall.py --mixers sa,he --lrs 1e-3,3e-3 --seeds 0,1,2
     python experiments/recall.py --quick                      # end to end in seconds
     python experiments/recall.py --mixers sa,he --cost 20     # seconds per epoch, timed
-
-The task (Zoology's Section 3 and its generator's defaults): vocabulary 8192, keys from
-[1, 4096), values from [4096, 8192); N pairs k v at the start, each key once, then each
-key queried once at a slot 2N + 2g whose gap g is drawn from a power law (a = 0.01);
-the target of a query's position is its value; every other position holds a random
-token and is ignored by the loss and the accuracy.
 """
 
 import argparse
+import functools
 import io
 import itertools
 import json
@@ -43,6 +37,7 @@ LOG_HEADER = "epoch,train_loss,test_accuracy,seconds\n"
 SUMMARY = (
     "mixer,width,length,lr,seed,best_test_accuracy,epochs_run,stopped_early,seconds"
 )
+GRID = ("lengths", "mixers", "widths", "lrs", "seeds")  # the sweep's axes, outer first
 # what a run's folder name does not say but its checkpoint must agree on
 KEPT = ("pairs", "train", "test", "batch_size", "warmup", "weight_decay", "n_head")
 KEPT += ("ffn", "head", "data_seed")
@@ -63,7 +58,9 @@ def distinct(gen, n, k, low, high):
 
 def mqar(n, length, pairs, seed):
     """n sequences: x (n, length) tokens, pos (n, pairs) the query positions and y
-    (n, pairs) their values, the targets; the same seed, the same tensors."""
+    (n, pairs) their values, the targets; the same seed, the same tensors. N pairs k v
+    at the start; then each key once at a slot 2N + 2g, its gap g drawn from a power
+    law; every other position a random token (Zoology's generator has all three)."""
     gen = torch.Generator().manual_seed(seed)
     keys = distinct(gen, n, pairs, 1, VOCAB // 2)  # (n, N)
     values = distinct(gen, n, pairs, VOCAB // 2, VOCAB)  # (n, N)
@@ -84,14 +81,18 @@ def mqar(n, length, pairs, seed):
 def build(mixer, width, length, lr, seed, args):
     """The 2-layer Transformer (without the FFN unless --ffn: Zoology's blocks have
     none) drawn from seed, and AdamW."""
-    cfg = Config(VOCAB, length, width, 4 * width, 2, args.n_head, 0.0, mixer)
-    machinery.check_mixer(cfg)  # one line for a mixer that cannot take these settings
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(args.device)
+    model = Transformer(config(mixer, width, length, args)).to(args.device)
     for layer in model.layers if not args.ffn else []:
         layer.ffn = layer.ln2 = None
     decay = args.weight_decay
     return model, torch.optim.AdamW(model.parameters(), lr, weight_decay=decay)
+
+
+def config(mixer, width, length, args):
+    """The model's settings, dropout 0; one line for a mixer that cannot take them."""
+    cfg = Config(VOCAB, length, width, 4 * width, 2, args.n_head, 0.0, mixer)
+    return machinery.check_mixer(cfg)
 
 
 def hidden(model, idx, ffn):
@@ -125,6 +126,15 @@ def scores(logits, y):
 
 
 # ---- one run -------------------------------------------------------------------------
+def step(model, adamw, x, pos, y, args):
+    """One batch's step of AdamW on the loss at the queries; the loss."""
+    loss = scores(query_logits(model, x, pos, args.head, args.ffn), y)[0]
+    loss.backward()
+    adamw.step()
+    adamw.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def train_epoch(model, adamw, data, epoch, args, lr, say):
     """One epoch of whole batches in the order of (data_seed, epoch); the learning rate
     rises linearly over the first --warmup steps, then stays. The mean loss."""
@@ -133,14 +143,10 @@ def train_epoch(model, adamw, data, epoch, args, lr, say):
     batches = len(x) // args.batch_size
     total, t0 = 0.0, time.time()
     for j in range(batches):
-        step = epoch * batches + j
-        adamw.param_groups[0]["lr"] = lr * min(1.0, (step + 1) / args.warmup)
+        steps = epoch * batches + j + 1  # this one included
+        adamw.param_groups[0]["lr"] = lr * min(1.0, steps / args.warmup)
         b = order[j * args.batch_size : (j + 1) * args.batch_size]
-        loss = scores(query_logits(model, x[b], pos[b], args.head, args.ffn), y[b])[0]
-        loss.backward()
-        adamw.step()
-        adamw.zero_grad(set_to_none=True)
-        total += loss.item()
+        total += step(model, adamw, x[b], pos[b], y[b], args).item()
         if (j + 1) % 50 == 0:
             eta = machinery.fmt_time((time.time() - t0) / (j + 1) * (batches - j - 1))
             say(f"batch {j + 1}/{batches} loss {total / (j + 1):.4f} ETA {eta}")
@@ -156,10 +162,9 @@ def accuracy(model, data, args):
     return correct / data[2].numel()
 
 
-def run(args, mixer, width, length, lr, seed, data, say):
+def run(args, name, mixer, width, length, lr, seed, data, say):
     """Train one run to --epochs or to STOP_AT, from its checkpoint if it has one; a
-    checkpoint, log.csv and run.json at the end of each epoch. Its run.json."""
-    name = f"{mixer}-d{width}-l{length}-lr{lr:g}-s{seed}"
+    checkpoint, log.csv and run.json at the end of each epoch."""
     folder = os.path.join(args.out, name)
     os.makedirs(folder, exist_ok=True)
     settings = {k: getattr(args, k) for k in KEPT}
@@ -169,13 +174,16 @@ def run(args, mixer, width, length, lr, seed, data, say):
     if os.path.exists(path):
         ckpt = load(path)
         if ckpt["info"]["settings"] != settings:
-            machinery.fail(f"{folder} was trained with {ckpt['info']['settings']}")
+            was = ckpt["info"]["settings"]
+            machinery.fail(
+                f"{folder} was trained with {was}: give those or another --out"
+            )
         model.load_state_dict(ckpt["model"])
         adamw.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
         rows, info = ckpt["log"], ckpt["info"]
     if info.get("stopped_early") or len(rows) >= args.epochs:
-        return info
+        return
     train_data, test_data = data
     for epoch in range(len(rows), args.epochs):
         t0 = time.time()
@@ -192,17 +200,14 @@ def run(args, mixer, width, length, lr, seed, data, say):
         ckpt.update(rng=torch.get_rng_state(), log=rows, info=info)
         buffer = io.BytesIO()
         torch.save(ckpt, buffer)
-        machinery.atomic_write(os.path.join(folder, "ckpt.pt"), buffer.getvalue())
-        machinery.atomic_write(
-            os.path.join(folder, "log.csv"), LOG_HEADER + "".join(rows)
-        )
-        text = json.dumps(info, indent=1) + "\n"
-        machinery.atomic_write(os.path.join(folder, "run.json"), text)
+        files = {"ckpt.pt": buffer.getvalue(), "log.csv": LOG_HEADER + "".join(rows)}
+        files["run.json"] = json.dumps(info, indent=1) + "\n"
+        for file, data in files.items():  # ckpt.pt first: log.csv is never ahead
+            machinery.atomic_write(os.path.join(folder, file), data)
         left = machinery.fmt_time(seconds / (epoch + 1) * (args.epochs - epoch - 1))
         say(f"epoch {epoch + 1}/{args.epochs} loss {loss:.4f} acc {acc:.4f} ETA {left}")
         if acc >= STOP_AT:
             break
-    return info
 
 
 def load(path):
@@ -210,39 +215,31 @@ def load(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        machinery.fail(
-            f"cannot read {path} ({type(e).__name__}): remove it to start over"
-        )
+        machinery.fail(f"cannot read {path} ({type(e).__name__}): delete it to restart")
 
 
 def cost(args, mixer, width, length, data):
-    """Seconds of one epoch of --batch_size, from --cost batches timed after two: on
-    the clock and in this process's CPU time (which others' work on the machine slows
-    less)."""
+    """Seconds of one epoch, from --cost batches timed after two: on the clock and in
+    this process's CPU time (which others' work on the machine slows less)."""
     model, adamw = build(mixer, width, length, 1e-3, 0, args)
     x, pos, y = (t[: (args.cost + 2) * args.batch_size] for t in data)
     for j, b in enumerate(torch.arange(len(x)).split(args.batch_size)):
         if j == 2:  # the first two warm the allocator up
             t0, cpu0 = time.time(), time.process_time()
-        loss = scores(query_logits(model, x[b], pos[b], args.head, args.ffn), y[b])[0]
-        loss.backward()
-        adamw.step()
-        adamw.zero_grad(set_to_none=True)
+        step(model, adamw, x[b], pos[b], y[b], args)
     per_epoch = (args.train // args.batch_size) / args.cost
     return (time.time() - t0) * per_epoch, (time.process_time() - cpu0) * per_epoch
 
 
 def write_summary(out):
     """summary.csv: a row per run folder under out, from its run.json."""
-    rows = []
+    rows = [SUMMARY + "\n"]
     for name in sorted(os.listdir(out)):
         path = os.path.join(out, name, "run.json")
         if os.path.exists(path):
             r = json.load(open(path))
             rows.append(",".join(str(r[k]) for k in SUMMARY.split(",")) + "\n")
-    machinery.atomic_write(
-        os.path.join(out, "summary.csv"), SUMMARY + "\n" + "".join(rows)
-    )
+    machinery.atomic_write(os.path.join(out, "summary.csv"), "".join(rows))
 
 
 def listed(kind):
@@ -291,57 +288,35 @@ def parse(argv):
 
 
 def task(args, length):
-    """The train and test sequences of this length, on the device."""
+    """The train and test (x, pos, y) of this length, on the device."""
     n = args.pairs or PAIRS[length]
-    x, pos, y = (
-        t.to(args.device)
-        for t in mqar(args.train + args.test, length, n, args.data_seed)
-    )
-    return (x[: args.train], pos[: args.train], y[: args.train]), (
-        x[args.train :],
-        pos[args.train :],
-        y[args.train :],
-    )
+    tensors = mqar(args.train + args.test, length, n, args.data_seed)
+    train = tuple(t[: args.train].to(args.device) for t in tensors)
+    return train, tuple(t[args.train :].to(args.device) for t in tensors)
 
 
 def main(argv=None):
     args = parse(argv)
-    for mixer, width, length in itertools.product(
-        args.mixers, args.widths, args.lengths
-    ):
-        machinery.check_mixer(
-            Config(VOCAB, length, width, 4 * width, 2, args.n_head, 0.0, mixer)
-        )
-    grid = list(
-        itertools.product(args.lengths, args.mixers, args.widths, args.lrs, args.seeds)
-    )
-    data, t0 = {}, time.time()
+    grid = list(itertools.product(*(getattr(args, axis) for axis in GRID)))
+    for length, mixer, width, *_ in grid:  # every mixer checked before any run
+        config(mixer, width, length, args)
+    data = {}
     if args.cost:
         print("mixer,width,length,head,ffn,batches_timed,epoch_s,epoch_cpu_s")
     try:
         for i, (length, mixer, width, lr, seed) in enumerate(grid):
             data = data if length in data else {length: task(args, length)}
-            name = f"{mixer} d{width} l{length} lr{lr:g} seed{seed}"
-            eta = (
-                machinery.fmt_time((time.time() - t0) / i * (len(grid) - i))
-                if i
-                else "?"
-            )
-            say = lambda line: print(
-                f"[run {i + 1}/{len(grid)}, sweep ETA {eta}] {name}: {line}", flush=True
-            )
+            name = f"{mixer}-d{width}-l{length}-lr{lr:g}-s{seed}"
+            say = functools.partial(print, f"[{i + 1}/{len(grid)}] {name}:", flush=True)
             if args.cost:
                 wall, cpu = cost(args, mixer, width, length, data[length][0])
                 what = f"{mixer},{width},{length},{args.head},{args.ffn},{args.cost}"
                 print(f"{what},{wall:.1f},{cpu:.1f}", flush=True)
                 continue
-            run(args, mixer, width, length, lr, seed, data[length], say)
+            run(args, name, mixer, width, length, lr, seed, data[length], say)
             write_summary(args.out)
     except KeyboardInterrupt:
-        print(
-            "stopped: the same command goes on from each run's last epoch",
-            file=sys.stderr,
-        )
+        print("stopped: the same command goes on from each run's last epoch")
         return 130
     return 0
 
