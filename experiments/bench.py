@@ -32,7 +32,6 @@ import sys
 import time
 from unittest import mock
 
-# the project root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -323,12 +322,10 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
         if "captured" in v:  # (timed: CUDA ran its graph)
             host, done = queued(steps[v], rounds)
             row |= dict(queued_ms=1e3 * host, done_ms=1e3 * done)
-        if rates:  # its FLOPs and bytes at the rates measured, overlapped at best
+        if rates:  # its FLOPs (the FIR's at ieee's rate) and bytes, overlapped at best
             flops, fir_flops, moved = counts[VARIANTS[v]]
             rate, copy, ieee = rates[VARIANTS[v]], rates["copy"], rates["ieee"]
-            at_rates = (
-                flops - fir_flops
-            ) / rate + fir_flops / ieee  # (the FIR's: IEEE)
+            at_rates = (flops - fir_flops) / rate + fir_flops / ieee
             row |= dict(flops=flops, fir_flops=fir_flops, flop_ms=1e3 * at_rates)
             row |= dict(byte_ms=1e3 * moved / copy, flop_rate=rate, byte_rate=copy)
             row |= dict(bytes=moved, ieee_rate=ieee)
@@ -382,9 +379,6 @@ def memory_at_batch(s, args, mixer, batch, device):
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     state = state_bytes(model, opt)
     return state, saved, None if peak is None else peak + state, reserved
-
-
-# ---------- Tables 3-7's operation counts in closed form; the tests check their sums
 
 
 def complexity_training(d, l, n=1):
@@ -469,9 +463,6 @@ def print_table7(d=128, l=128):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
-# ---------- sections sublayer, length and generate: the cost as the context grows
-
-
 def per_thread_count(device, measure):
     """measure() -> rows, on one thread, then on the default threads (CUDA: these
     only); each row gains its threads after the mixer."""
@@ -552,8 +543,7 @@ def forward_backward(module, x, g, path):
 
 
 def section_sublayer(s, args, device):
-    """The length section at Table 1's l alone (tokens / l: its batch), on CUDA every
-    FIR path: fir.py's CUDA defaults come from it."""
+    """The length section at Table 1's l alone, on CUDA every FIR path."""
     return section_length(s | dict(lengths=[s["l"]]), args, device, every_path=True)
 
 
