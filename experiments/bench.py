@@ -438,8 +438,7 @@ def table7(d=128, l=128):
 
 
 def measured(mixer, d, l, n=1):
-    """(parameters, FLOPs of one forward of one sequence) of a sublayer's module (no
-    mixer has biases): FlopCounterMode's count, completed (flop_counter)."""
+    """(parameters, flop_counter's FLOPs of one sequence's forward) of a sublayer."""
     module = sublayer(extractor.Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
     with torch.no_grad(), flop_counter() as counter:
         module(torch.randn(1, l, d))  # (1, t, d)
@@ -464,8 +463,7 @@ def print_table7(d=128, l=128):
 
 
 def per_thread_count(device, measure):
-    """measure() -> rows, on one thread, then on the default threads (CUDA: these
-    only); each row gains its threads after the mixer."""
+    """measure()'s rows on one thread, then the default threads (CUDA: these only)."""
     default = torch.get_num_threads()
     rows = []
     try:
@@ -478,8 +476,7 @@ def per_thread_count(device, measure):
 
 
 def timed(rows, steps, rounds, device, tokens):
-    """rows[k] gains ms, ms_per_token and vs_sa (this time over sa's) from interleaved
-    rounds of steps[k] (none: all stopped)."""
+    """rows[k] gains ms, ms_per_token and vs_sa from interleaved rounds of steps[k]."""
     t = interleaved(steps, rounds, device) if steps else {}
     sa = [sec for k, sec in t.items() if rows[k]["mixer"] == "sa"]
     for k, sec in t.items():
@@ -534,8 +531,7 @@ def section_length(s, args, device, every_path=False):
 
 
 def forward_backward(module, x, g, path):
-    """module's forward on x, every FIR inside on path (sdpa, matmul: none), and its
-    backward from dL/dy = g; the gradients then freed."""
+    """module's forward on x, each FIR on path, and backward from dL/dy = g."""
     with mock.patch.object(fir, "default_path", lambda *_: path):
         module(x).backward(g)
     module.zero_grad(set_to_none=True)
@@ -589,8 +585,7 @@ def crossings(rows, x):
 
 
 def read_bench_csv(path):
-    """A length or generate CSV's rows, its numbers as floats ("": None), and its
-    length column, l or t."""
+    """A length or generate CSV's rows (numbers as floats, "": None), its x: l or t."""
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -707,8 +702,7 @@ def cell(value, spec):
 
 
 def show(name, rows, s):
-    """One section's rows as a table: title, columns, dashes, rows, notes (sublayer's:
-    the length section's, at one l)."""
+    """One section's rows as a table (sublayer's: the length section's, at one l)."""
     title, columns, notes = TABLES["length" if name == "sublayer" else name]
     columns = [c.partition(":")[::2] for c in columns.split()]  # (key, format)
     table = [[key for key, _ in columns]]

@@ -390,8 +390,7 @@ def gap_rows(runs, path):
 
 
 def write_results(runs, folder, window, seed_table, paper_ppl=None):
-    """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
-    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl)."""
+    """The CSVs of --results in `folder`, --seeds' and --paper_ppl's where given."""
     medians = {r["name"]: window_medians(r["log"]["train_loss"], window) for r in runs}
     vals = {r["name"]: (r["log"]["val_iter"], r["log"]["val_loss"]) for r in runs}
     tables = {"medians.csv": by_batch(medians), "val_loss.csv": by_batch(vals)}
@@ -421,8 +420,7 @@ def output_path(output, inputs, own, one_figure=False):
 
 
 def sweep(args, runs, csvs, output, window):
-    """Figures 7, 10, 11: per run its mixer (sa-<n>; sa for n_head), the setting,
-    batches, the last `window` batches' median, the last validation loss; the CSVs'."""
+    """Figures 7, 10, 11: a row per run (sa, not sa-<n>, for n_head), the CSVs' rows."""
     key = args.sweep
     x = SYMBOLS.get(key, key)
     rows, seen = [], {}

@@ -133,16 +133,6 @@ def window_means(run_dir):
     return [sum(costs[i : i + WINDOW]) / WINDOW for i in starts]
 
 
-def check_file(args):
-    """results/gpu/check.txt for the six on CUDA; a check of fewer or on another kind
-    of device names them (check-cpu-me.txt), so that it keeps the six's."""
-    kind = args.device.split(":")[0]
-    parts = ["check"] if kind == "cuda" else ["check", kind]
-    if args.runs != list(RUNS):
-        parts += args.runs
-    return os.path.join(args.results, "gpu", "-".join(parts) + ".txt")
-
-
 def check(args):
     """Each model's first 100 batches here against its committed CPU run: a table."""
     work = os.path.join(args.work, "check")
@@ -173,7 +163,12 @@ def check(args):
     within = f"every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
     lines.append(f"{verdict}: {within} (worst {worst:.4f})")
     text = "\n".join(lines) + "\n"
-    atomic_write(check_file(args), text)
+    # check.txt: the six on CUDA; fewer, or another kind of device, named (check-cpu-me)
+    kind = args.device.split(":")[0]
+    parts = ["check"] if kind == "cuda" else ["check", kind]
+    if args.runs != list(RUNS):
+        parts += args.runs
+    atomic_write(os.path.join(args.results, "gpu", "-".join(parts) + ".txt"), text)
     print(text, end="")
     return 0 if verdict == "passed" else 1
 
