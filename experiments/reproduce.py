@@ -73,8 +73,7 @@ def lock(work):
 
 
 def start(name, flags, work):
-    """train.py for one run into work/<name>, resumed where it has a checkpoint; its
-    output goes into work/<name>/console.txt after a line "$ <its command>"."""
+    """train.py for one run into work/<name> (resumed), its output into console.txt."""
     out = os.path.join(work, name)
     cmd = [sys.executable, TRAIN, *RUNS[name], *flags, f"--out_dir={out}"]
     if os.path.exists(os.path.join(out, "ckpt.pt")):
