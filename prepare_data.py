@@ -64,10 +64,11 @@ def fail(msg):
 
 
 def atomic_write(path, data):
-    """The bytes data whole at path or none of it: a temporary file, then a rename."""
+    """data (bytes or str) whole at path or none of it (renamed); makes its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        Path(tmp).write_bytes(data)
+        Path(tmp).write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except OSError as e:  # (named as the file it was for)
         raise OSError(e.errno, e.strerror, path) from e
@@ -325,21 +326,16 @@ def write_outputs(data_dir, vocab, source, ids, texts, tokens, overwrite):
     }
     meta_text = json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
     files["meta.json"] = meta_text.encode("utf-8")
-    keep_other_data(data_dir, {k: meta[k] for k in meta if "sha256" in k}, overwrite)
-    for name, data in files.items():
-        atomic_write(os.path.join(data_dir, name), data)
-
-
-def keep_other_data(data_dir, sha256s, overwrite):
-    """One line if data_dir's meta.json vouches for other files (runs trained on them
-    need them), unless overwrite; none if it is not there, or not this script's."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+    # other files that data_dir's meta.json vouches for: runs trained on them need them
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none there
         old = json.loads(Path(data_dir, "meta.json").read_text())
-        if not overwrite and any(old[k] != v for k, v in sha256s.items()):
+        if not overwrite and any(old[k] != meta[k] for k in meta if "sha256" in k):
             fail(
                 f"--data_dir {data_dir} holds other data, which runs trained on it"
                 " need: pass another --data_dir, or --overwrite to replace it"
             )
+    for name, data in files.items():
+        atomic_write(os.path.join(data_dir, name), data)
 
 
 def prepare(args):

@@ -32,7 +32,6 @@ import sys
 import time
 from unittest import mock
 
-# the project root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -323,12 +322,10 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
         if "captured" in v:  # (timed: CUDA ran its graph)
             host, done = queued(steps[v], rounds)
             row |= dict(queued_ms=1e3 * host, done_ms=1e3 * done)
-        if rates:  # its FLOPs and bytes at the rates measured, overlapped at best
+        if rates:  # its FLOPs (the FIR's at ieee's rate) and bytes, overlapped at best
             flops, fir_flops, moved = counts[VARIANTS[v]]
             rate, copy, ieee = rates[VARIANTS[v]], rates["copy"], rates["ieee"]
-            at_rates = (
-                flops - fir_flops
-            ) / rate + fir_flops / ieee  # (the FIR's: IEEE)
+            at_rates = (flops - fir_flops) / rate + fir_flops / ieee
             row |= dict(flops=flops, fir_flops=fir_flops, flop_ms=1e3 * at_rates)
             row |= dict(byte_ms=1e3 * moved / copy, flop_rate=rate, byte_rate=copy)
             row |= dict(bytes=moved, ieee_rate=ieee)
@@ -382,9 +379,6 @@ def memory_at_batch(s, args, mixer, batch, device):
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     state = state_bytes(model, opt)
     return state, saved, None if peak is None else peak + state, reserved
-
-
-# ---------- Tables 3-7's operation counts in closed form; the tests check their sums
 
 
 def complexity_training(d, l, n=1):
@@ -444,8 +438,7 @@ def table7(d=128, l=128):
 
 
 def measured(mixer, d, l, n=1):
-    """(parameters, FLOPs of one forward of one sequence) of a sublayer's module (no
-    mixer has biases): FlopCounterMode's count, completed (flop_counter)."""
+    """(parameters, flop_counter's FLOPs of one sequence's forward) of a sublayer."""
     module = sublayer(extractor.Config(n_embd=d, block_size=l, n_head=n, mixer=mixer))
     with torch.no_grad(), flop_counter() as counter:
         module(torch.randn(1, l, d))  # (1, t, d)
@@ -469,12 +462,8 @@ def print_table7(d=128, l=128):
         line(r, [complexity_inference(d, l, n)[m][r] for m, n in TABLE7.values()])
 
 
-# ---------- sections sublayer, length and generate: the cost as the context grows
-
-
 def per_thread_count(device, measure):
-    """measure() -> rows, on one thread, then on the default threads (CUDA: these
-    only); each row gains its threads after the mixer."""
+    """measure()'s rows on one thread, then the default threads (CUDA: these only)."""
     default = torch.get_num_threads()
     rows = []
     try:
@@ -487,8 +476,7 @@ def per_thread_count(device, measure):
 
 
 def timed(rows, steps, rounds, device, tokens):
-    """rows[k] gains ms, ms_per_token and vs_sa (this time over sa's) from interleaved
-    rounds of steps[k] (none: all stopped)."""
+    """rows[k] gains ms, ms_per_token and vs_sa from interleaved rounds of steps[k]."""
     t = interleaved(steps, rounds, device) if steps else {}
     sa = [sec for k, sec in t.items() if rows[k]["mixer"] == "sa"]
     for k, sec in t.items():
@@ -543,8 +531,7 @@ def section_length(s, args, device, every_path=False):
 
 
 def forward_backward(module, x, g, path):
-    """module's forward on x, every FIR inside on path (sdpa, matmul: none), and its
-    backward from dL/dy = g; the gradients then freed."""
+    """module's forward on x, each FIR on path, and backward from dL/dy = g."""
     with mock.patch.object(fir, "default_path", lambda *_: path):
         module(x).backward(g)
     module.zero_grad(set_to_none=True)
@@ -552,8 +539,7 @@ def forward_backward(module, x, g, path):
 
 
 def section_sublayer(s, args, device):
-    """The length section at Table 1's l alone (tokens / l: its batch), on CUDA every
-    FIR path: fir.py's CUDA defaults come from it."""
+    """The length section at Table 1's l alone, on CUDA every FIR path."""
     return section_length(s | dict(lengths=[s["l"]]), args, device, every_path=True)
 
 
@@ -599,8 +585,7 @@ def crossings(rows, x):
 
 
 def read_bench_csv(path):
-    """A length or generate CSV's rows, its numbers as floats ("": None), and its
-    length column, l or t."""
+    """A length or generate CSV's rows (numbers as floats, "": None), its x: l or t."""
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
@@ -717,8 +702,7 @@ def cell(value, spec):
 
 
 def show(name, rows, s):
-    """One section's rows as a table: title, columns, dashes, rows, notes (sublayer's:
-    the length section's, at one l)."""
+    """One section's rows as a table (sublayer's: the length section's, at one l)."""
     title, columns, notes = TABLES["length" if name == "sublayer" else name]
     columns = [c.partition(":")[::2] for c in columns.split()]  # (key, format)
     table = [[key for key, _ in columns]]

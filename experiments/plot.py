@@ -28,13 +28,16 @@ import os
 import shlex
 import sys
 import zlib
-from pathlib import Path
 
 import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# torch-free (machinery.py's are not): this file and those that import it stay so
+from prepare_data import atomic_write, fail  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others: matplotlib's cycle)
 STYLE = {
@@ -59,26 +62,6 @@ DAMAGED = (
     KeyError,  # run.json without a key
     TypeError,  # run.json of another shape
 )
-
-
-# (not machinery.py's: this file and those that import it stay free of torch)
-def fail(msg):
-    """Bad input: one line on stderr, what is wrong and what to do; exit 1, no trace."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
-def atomic_write(path, data):
-    """data (bytes or str) whole at path or none of it (renamed); makes its folder."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        Path(tmp).write_bytes(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except OSError as e:  # (named as the file it was for)
-        raise OSError(e.errno, e.strerror, path) from e
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 def read(path, parse, hint="pass folders written by train.py"):
@@ -390,8 +373,7 @@ def gap_rows(runs, path):
 
 
 def write_results(runs, folder, window, seed_table, paper_ppl=None):
-    """The CSVs of --results in `folder`: medians.csv and val_loss.csv (a column per
-    run), summary.csv (a row per run), seeds.csv (--seeds), gaps.csv (--paper_ppl)."""
+    """The CSVs of --results in `folder`, --seeds' and --paper_ppl's where given."""
     medians = {r["name"]: window_medians(r["log"]["train_loss"], window) for r in runs}
     vals = {r["name"]: (r["log"]["val_iter"], r["log"]["val_loss"]) for r in runs}
     tables = {"medians.csv": by_batch(medians), "val_loss.csv": by_batch(vals)}
@@ -421,8 +403,7 @@ def output_path(output, inputs, own, one_figure=False):
 
 
 def sweep(args, runs, csvs, output, window):
-    """Figures 7, 10, 11: per run its mixer (sa-<n>; sa for n_head), the setting,
-    batches, the last `window` batches' median, the last validation loss; the CSVs'."""
+    """Figures 7, 10, 11: a row per run (sa, not sa-<n>, for n_head), the CSVs' rows."""
     key = args.sweep
     x = SYMBOLS.get(key, key)
     rows, seen = [], {}

@@ -73,8 +73,7 @@ def lock(work):
 
 
 def start(name, flags, work):
-    """train.py for one run into work/<name>, resumed where it has a checkpoint; its
-    output goes into work/<name>/console.txt after a line "$ <its command>"."""
+    """train.py for one run into work/<name> (resumed), its output into console.txt."""
     out = os.path.join(work, name)
     cmd = [sys.executable, TRAIN, *RUNS[name], *flags, f"--out_dir={out}"]
     if os.path.exists(os.path.join(out, "ckpt.pt")):
@@ -133,16 +132,6 @@ def window_means(run_dir):
     return [sum(costs[i : i + WINDOW]) / WINDOW for i in starts]
 
 
-def check_file(args):
-    """results/gpu/check.txt for the six on CUDA; a check of fewer or on another kind
-    of device names them (check-cpu-me.txt), so that it keeps the six's."""
-    kind = args.device.split(":")[0]
-    parts = ["check"] if kind == "cuda" else ["check", kind]
-    if args.runs != list(RUNS):
-        parts += args.runs
-    return os.path.join(args.results, "gpu", "-".join(parts) + ".txt")
-
-
 def check(args):
     """Each model's first 100 batches here against its committed CPU run: a table."""
     work = os.path.join(args.work, "check")
@@ -173,7 +162,12 @@ def check(args):
     within = f"every {WINDOW}-batch window within {TOLERANCE} of the CPU run's"
     lines.append(f"{verdict}: {within} (worst {worst:.4f})")
     text = "\n".join(lines) + "\n"
-    atomic_write(check_file(args), text)
+    # check.txt: the six on CUDA; fewer, or another kind of device, named (check-cpu-me)
+    kind = args.device.split(":")[0]
+    parts = ["check"] if kind == "cuda" else ["check", kind]
+    if args.runs != list(RUNS):
+        parts += args.runs
+    atomic_write(os.path.join(args.results, "gpu", "-".join(parts) + ".txt"), text)
     print(text, end="")
     return 0 if verdict == "passed" else 1
 

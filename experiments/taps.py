@@ -14,7 +14,6 @@ import math
 import os
 import sys
 
-# the project root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
