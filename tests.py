@@ -3834,8 +3834,9 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
     # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1; the
-    # cost against the length and of a generated token (bench.py's); against compute
-    assert len(commands) == 13
+    # cost against the length and of a generated token (bench.py's); against compute;
+    # each mixer's learning rates (fair.py's lr, no figure)
+    assert len(commands) == 14
     for main, argv in commands:
         for i, flag in enumerate(argv[:-1]):
             if flag in ("-o", "--results"):  # results/... into tmp_path/...
@@ -3846,7 +3847,7 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
     assert "he, threads 1: vs_sa crosses 1 at t = none in range" in printed
     assert len(figures) == 13
     written = sorted(glob.glob("**/*.csv", root_dir=tmp_path, recursive=True))
-    assert len(written) == 20, written  # and all of them as committed:
+    assert len(written) == 21, written  # and all of them as committed:
     for name in written:
         committed = open(os.path.join(ROOT, "results", name), "rb").read()
         assert (tmp_path / name).read_bytes() == committed, name
