@@ -20,8 +20,6 @@ import machinery
 from extractor import Config, Transformer, check_sampling
 from machinery import fail
 
-# the committed runs (results/logs/): their logs and run.json, no ckpt.pt
-
 
 def build_parser():
     p = argparse.ArgumentParser(description="Sample text from a run of train.py.")

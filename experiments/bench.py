@@ -215,8 +215,7 @@ def flop_counter():
 
 def measure_rates(device, dtypes, s):
     """Now: FLOP/s of an n x n GEMM in each dtype (float32 under the TF32 setting in
-    effect; ieee: as fir.py's) and bytes/s of a large copy (each byte read once and
-    written once)."""
+    effect; ieee: as fir.py's) and bytes/s of a large copy (each byte read, written)."""
     n, mib = s["gemm_n"], s["copy_mib"]
     if device.type != "cuda":
         n, mib = min(n, 2048), min(mib, 256)
@@ -314,9 +313,8 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
         if rates:  # its FLOPs and bytes at the rates measured, overlapped at best
             flops, fir_flops, moved = counts[VARIANTS[v]]
             rate, copy, ieee = rates[VARIANTS[v]], rates["copy"], rates["ieee"]
-            at_rates = (
-                flops - fir_flops
-            ) / rate + fir_flops / ieee  # (the FIR's: IEEE)
+            # the FIR's GEMMs at the IEEE float32 rate, the rest at the dtype's
+            at_rates = (flops - fir_flops) / rate + fir_flops / ieee
             row |= dict(flops=flops, fir_flops=fir_flops, flop_ms=1e3 * at_rates)
             row |= dict(byte_ms=1e3 * moved / copy, flop_rate=rate, byte_rate=copy)
             row |= dict(bytes=moved, ieee_rate=ieee)
