@@ -44,13 +44,7 @@ CPU_GROUP = {"group": None}  # under DDP: gloo, for the stop every process agree
 # this process's run: its folder (locked by process 0), the batch it is at (None while
 # the model is built), whether it is validating, whether the console went to stderr,
 # what stays once the folder is closed; for the failure messages
-THIS_RUN = {
-    "folder": None,
-    "batch": None,
-    "validating": False,
-    "stderr": False,
-    "left": None,
-}
+THIS_RUN = dict(folder=None, batch=None, validating=False, stderr=False, left=None)
 TOKENIZER_FILE = "tokenizer.tiktoken"  # prepare_data.py's, in the data folder
 LOG_HEADER = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n"
 # the files of a run, and what our tools draw from it: --overwrite removes them

@@ -18,7 +18,7 @@ import torch
 
 import machinery
 from extractor import Config, Transformer, check_sampling
-from machinery import fail
+from machinery import COUNT, NATURAL, SEED, fail
 
 
 def build_parser():
@@ -26,12 +26,14 @@ def build_parser():
     p.error = lambda msg: fail(f"{msg} (see python sample.py --help)")
     p.add_argument("--out_dir", default="out/me", help="a run or its ckpt.pt (out/me)")
     p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="per sample (200)")
+    p.add_argument(
+        "--max_new_tokens", type=NATURAL, default=200, help="per sample (200)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (1.0)")
     p.add_argument("--top_k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top_p", type=float, default=0.6, help="nucleus, 1 is off (0.6)")
-    p.add_argument("--num_samples", type=int, default=1, help="how many samples (1)")
-    p.add_argument("--seed", type=int, default=1337, help="same seed, same samples")
+    p.add_argument("--num_samples", type=COUNT, default=1, help="how many samples (1)")
+    p.add_argument("--seed", type=SEED, default=1337, help="same seed, same samples")
     p.add_argument("--data_dir", help="the run's tokenizer (the run's --data_dir)")
     p.add_argument("--device", default="auto", help="auto (cuda, else cpu), cpu, mps")
     return p
@@ -69,12 +71,6 @@ def load_run_tokenizer(data_dir, ckpt):
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    if args.max_new_tokens < 0:
-        p.error(f"--max_new_tokens {args.max_new_tokens}: give 0 or more")
-    if args.num_samples < 1:
-        p.error(f"--num_samples {args.num_samples}: give 1 or more")
-    if not 0 <= args.seed < 2**63:
-        p.error(f"--seed {args.seed}: give 0 to 2**63 - 1")
     top_p = None if args.top_p == 1 else args.top_p  # p = 1 keeps every token
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=top_p)
     try:

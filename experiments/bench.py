@@ -226,8 +226,7 @@ def flop_counter():
 
 def measure_rates(device, dtypes, s):
     """Now: FLOP/s of an n x n GEMM in each dtype (float32 under the TF32 setting in
-    effect; ieee: as fir.py's) and bytes/s of a large copy (each byte read once and
-    written once)."""
+    effect; ieee: as fir.py's) and bytes/s of a large copy (each byte read, written)."""
     n, mib = s["gemm_n"], s["copy_mib"]
     if device.type != "cuda":
         n, mib = min(n, 2048), min(mib, 256)
