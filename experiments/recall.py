@@ -39,8 +39,9 @@ SUMMARY = (
 )
 GRID = ("lengths", "mixers", "widths", "lrs", "seeds")  # the sweep's axes, outer first
 # what a run's folder name does not say but its checkpoint must agree on
-KEPT = ("pairs", "train", "test", "batch_size", "warmup", "weight_decay", "n_head")
-KEPT += ("ffn", "head", "data_seed")
+KEPT = (
+    "pairs train test batch_size warmup weight_decay n_head ffn head data_seed".split()
+)
 
 
 # ---- the task ------------------------------------------------------------------------
