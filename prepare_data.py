@@ -64,11 +64,10 @@ def fail(msg):
 
 
 def atomic_write(path, data):
-    """data (bytes or str) whole at path or none of it (renamed); makes its folder."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """The bytes data whole at path or none of it: a temporary file, then a rename."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        Path(tmp).write_bytes(data.encode() if isinstance(data, str) else data)
+        Path(tmp).write_bytes(data)
         os.replace(tmp, path)
     except OSError as e:  # (named as the file it was for)
         raise OSError(e.errno, e.strerror, path) from e

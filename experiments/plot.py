@@ -28,16 +28,13 @@ import os
 import shlex
 import sys
 import zlib
+from pathlib import Path
 
 import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# torch-free (machinery.py's are not): this file and those that import it stay so
-from prepare_data import atomic_write, fail  # noqa: E402
 
 # one colour per mixer, in this order, in every figure (others: matplotlib's cycle)
 STYLE = {
@@ -62,6 +59,26 @@ DAMAGED = (
     KeyError,  # run.json without a key
     TypeError,  # run.json of another shape
 )
+
+
+# (not machinery.py's: this file and those that import it stay free of torch)
+def fail(msg):
+    """Bad input: one line on stderr, what is wrong and what to do; exit 1, no trace."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def atomic_write(path, data):
+    """data (bytes or str) whole at path or none of it (renamed); makes its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        Path(tmp).write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError as e:  # (named as the file it was for)
+        raise OSError(e.errno, e.strerror, path) from e
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def read(path, parse, hint="pass folders written by train.py"):
