@@ -1928,9 +1928,10 @@ def test_prepare_data_from_the_command_line_is_one_line_without_traceback(tmp_pa
 
 # ======== train.py: batches, settings, the step, run folders, checkpoints, stopping
 
-TINY = "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8".split()
-TINY += "--batch_size 4 --n_head 4 --eval_batches 2 --eval_interval 5".split()
-TINY += f"--log_interval 5 --device {DEVICE}".split()
+TINY = (
+    "--mixer me --n_layer 2 --n_embd 16 --n_hidden 32 --block_size 8 --batch_size 4"
+    f" --n_head 4 --eval_batches 2 --eval_interval 5 --log_interval 5 --device {DEVICE}"
+).split()
 
 
 def run(tmp_path, data, *flags, name="run"):
