@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fir import fir_full, fir_last_row
-from synthesizer import SYNTHESIZERS  # further mixers (Tay et al.)
+from synthesizer import SYNTHESIZERS, check_heads  # further mixers (Tay et al.)
 
 # Section 6: every weight starts N(0, INIT_STD²), every bias at zero
 INIT_STD = 0.01
@@ -337,22 +337,12 @@ MIXERS = {
 }
 
 
-def check_heads(cfg):
-    """A ValueError unless the heads divide d: each head has h = d/n features."""
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(
-            f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
-            f"{cfg.mixer!r} (each head has d/n features)"
-        )
-
-
 def find_mixer(name):
     """The mixer class called `name`: a key of MIXERS or of SYNTHESIZERS, or
     "module.Class", an nn.Module class of your own, imported by that name."""
-    if name in MIXERS:
-        return MIXERS[name]
-    if name in SYNTHESIZERS:
-        return SYNTHESIZERS[name]
+    known = MIXERS | SYNTHESIZERS
+    if name in known:
+        return known[name]
     module, _, cls = name.rpartition(".")
     found, why = None, ""
     try:
@@ -363,9 +353,7 @@ def find_mixer(name):
         return found
     if found is not None:
         why = f" ({name} is {found!r}, not an nn.Module class)"
-    choices = ", ".join(
-        [*MIXERS, *SYNTHESIZERS, "or module.Class (a mixer class of yours)"]
-    )
+    choices = ", ".join([*known, "or module.Class (a mixer class of yours)"])
     raise ValueError(f"unknown mixer {name!r}{why}; choose one of: {choices}")
 
 

@@ -40,6 +40,15 @@ def normal_weight(*shape):
     return nn.Parameter(torch.randn(*shape) * 0.01)
 
 
+def check_heads(cfg):
+    """A ValueError unless the heads divide d: each head has h = d/n features."""
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(
+            f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
+            f"{cfg.mixer!r} (each head has d/n features)"
+        )
+
+
 def _syn_factors(l):
     """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l)
     (l = 128: 8 x 16). A prime l (only 1 x l, no factors): a ValueError."""
@@ -89,11 +98,7 @@ class _Synthesizer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(
-                f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
-                f"{cfg.mixer!r} (each head has d/n features)"
-            )
+        check_heads(cfg)
         self.d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
         self.h = self.d // self.n
         self.W_V = nn.Linear(self.d, self.d, bias=False)  # G(X) = X W_j^[V], all heads
