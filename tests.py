@@ -2049,9 +2049,7 @@ BAD_FLAGS = {
 
 
 @pytest.mark.parametrize("flags", BAD_FLAGS)
-def test_bad_flags_are_one_line_and_write_nothing(
-    flags, data, tmp_path, monkeypatch, capsys
-):
+def test_bad_flags_one_line_write_nothing(flags, data, tmp_path, monkeypatch, capsys):
     (tmp_path / "mymod.py").write_text(USER_MIXER)  # mixers of one's own
     monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["--mixer=sa", "--max_iters=3", *flags.split()]
