@@ -1895,11 +1895,10 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
 def test_short_empty_binary_books_one_line_a_cut_one_warns(clean, tmp_path, capsys):
     src = tmp_path / "src"
     short = RAW[9006].replace(BODIES[9006].encode(), b"A short error page.")
-    binary = bytes(range(256)) * 9
     cases = [
         (short, "9006 (Tin Fern) has 19 characters"),
         (b"", "9006 (Tin Fern) has 0 chara"),
-        (binary, f"9006: {src}/9006.txt is not a text file (NUL"),
+        (bytes(range(256)) * 9, f"9006: {src}/9006.txt is not a text file (NUL"),
     ]
     fix = f"replace {src}/9006.txt with the book's text (or delete a download"
     for raw, says in cases:
@@ -1969,8 +1968,7 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     assert all(0 <= e.min() and e.max() < n for e in epochs)
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), batches[2])
-    another_seed = train.batch_starts(0, n, b, 4)
-    assert not torch.equal(another_seed, batches[0])
+    assert not torch.equal(train.batch_starts(0, n, b, 4), batches[0])  # another seed
 
 
 def test_every_mixer_sees_the_same_batches_and_val_windows(data, tmp_path, monkeypatch):
@@ -2488,8 +2486,7 @@ def test_a_folder_an_ascii_console_cannot_show(data, tmp_path, monkeypatch):
         sys.stdout.flush()
         shown.append(console.getvalue().decode())
     assert f"done: python experiments/plot.py {escaped} draws its losses" in shown[0]
-    wrote = [f"wrote '{escaped}/{name}.png'\n" for name in ("loss", "taps")]
-    assert shown[1:] == wrote
+    assert shown[1:] == [f"wrote '{escaped}/{name}.png'\n" for name in ("loss", "taps")]
 
 
 # ---- what a run writes: log.csv, run.json, the console
@@ -2780,8 +2777,7 @@ def test_cuda_gets_fused_adamw_the_captured_step_tf32_pinning(monkeypatch, tf32)
     steps.append(make(cuda))
     assert steps[1:] == [step] * 4  # eager: the step itself, nothing around it
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
-    captured = (steps[0].step, steps[0].optimizer, steps[0].how)
-    assert captured == (step, "AdamW", hows[0])
+    assert (steps[0].step, steps[0].optimizer, steps[0].how) == (step, "AdamW", hows[0])
     matmul, cudnn = tf32
     matmul.allow_tf32 = cudnn.allow_tf32 = False
     seen = []  # TF32's flags, autocast's cache inside it (CUDA graphs want none)
