@@ -478,8 +478,7 @@ def paper_params(name, d, l):
 
 
 def synth_params(name, d, l, n, a, b, k=8):
-    """Table 1 of the Synthesizer paper and its text (a b = l, k = 8), plus W_V and
-    W_out_att (2 d^2)."""
+    """The Synthesizer paper's Table 1 and text (a b = l, k = 8) plus W_V, W_out_att."""
     part = {"dense": d * d + d * l, "dense-fact": d * d + d * (a + b)}  # "adds d x N"
     part["random"] = n * l * l  # "N^2"
     part["random-fixed"] = 0
@@ -530,8 +529,7 @@ def refused(message, fn, *args, **kw):
 
 
 def test_a_mixer_refuses_settings_it_cannot_take_with_one_clear_value_error():
-    """Config is a plain record (the command line checks each value); a mixer refuses
-    what it cannot take."""
+    """A mixer refuses what it cannot take; Config is a plain record (no checks)."""
     for name in ("sa", "dense", "random+sa"):  # the mixers with heads
         why = f"for mixer '{name}' (each head has d/n features)"
         cfg = Config(n_head=3, mixer=name)
@@ -729,8 +727,7 @@ def test_generate_refuses_bad_settings_and_samples():
 
 # ---- the Synthesizers: Fixed Random, and the mixed precision of training
 def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
-    """N(0, 1) logits: rows far from the running mean a trained Random starts as (N(0,
-    0.01²))."""
+    """N(0, 1) logits: rows far from the running mean Random starts as (N(0, 0.01²))."""
     torch.manual_seed(0)
     l = 128
     # a running mean's mean row entropy
@@ -1570,8 +1567,7 @@ def outputs(data_dir):
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """server.files; faults[path] used up one per request: a status, html, timeout (1
-    s), truncate (half)."""
+    """server.files; faults[path], one a request: a status, html, timeout, truncate."""
 
     def do_GET(self):
         self.server.log.append((self.path, self.headers["User-Agent"]))
@@ -1609,8 +1605,7 @@ def serve(raws):
 
 
 def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
-    """prepare_data.main with a 0.5 s timeout, retries 0.01 s and 0.02 s later, no
-    pause; its exit status."""
+    """prepare_data.main: a 0.5 s timeout, retries 0.01 and 0.02 s later, no pause."""
     with pytest.MonkeyPatch.context() as mp:
         # a user's proxy must not see loopback requests
         mp.setenv("no_proxy", "127.0.0.1")
@@ -2475,8 +2470,7 @@ def test_a_resumed_run_counts_on_its_time(data, tmp_path, monkeypatch, capsys):
 
 
 def test_a_folder_an_ascii_console_cannot_show(data, tmp_path, monkeypatch):
-    """PYTHONIOENCODING=ascii and a run folder 'tür': train.py, plot.py and taps.py
-    show it as t\\xfcr, no traceback."""
+    """An ASCII console, a folder 'tür': train.py, plot.py and taps.py show t\\xfcr."""
     out, escaped, shown = str(tmp_path / "tür"), f"{tmp_path}/t\\xfcr", []
     train_it = functools.partial(run, tmp_path, data, "--max_iters=2", name="tür")
     for command in (train_it, lambda: plot.main([out]), lambda: taps.main([out])):
@@ -3805,8 +3799,7 @@ def test_taps_draws_each_run_from_its_ckpt_and_val_bin(tmp_path, capsys, figures
 # ---- results/: results/README.md's "Redrawing" commands, run here on the committed
 # logs, write every committed CSV they name, byte for byte
 def _readme_commands():
-    """The commands of results/README.md's "Redrawing" block, as (the script's main,
-    its argv), the shell's {a,b} and * expanded."""
+    """results/README.md's "Redrawing" commands: (main, argv), {a,b} and * expanded."""
     readme = open(os.path.join(ROOT, "results", "README.md")).read()
     block = readme.split("**Redrawing.**")[1].split("```")[1]
     commands = []
