@@ -125,9 +125,7 @@ class Transformer(nn.Module):
         logits = self.soft(self.ln_f(x))  # Eq. (21) before the softmax, (B, t, u)
         loss = None
         if targets is not None:  # Eq. (3): mean of -ln P-hat, Eq. (22)
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)), targets.reshape(-1)
-            )
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
 
     def new_cache(self):
@@ -236,9 +234,7 @@ class SelfAttention(nn.Module):
         if past == 0:
             r = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n, t, h)
         else:  # new rows past .. past+t-1 see the columns up to their own position
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(
-                diagonal=past
-            )
+            mask = x.new_ones(t, past + t, dtype=torch.bool).tril(past)
             r = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         r = r.transpose(1, 2).reshape(B, t, d)  # Eq. (16), concatenate the heads
         return self.W_out_att(r)  # Eq. (17)
