@@ -416,11 +416,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     # the top logit at 0: a tiny T stays finite
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
-        k = min(top_k, logits.size(-1))
-        keep = logits.topk(k, dim=-1).indices  # (B, k)
-        logits = torch.full_like(logits, -math.inf).scatter(
-            -1, keep, logits.gather(-1, keep)
-        )
+        values, indices = logits.topk(min(top_k, logits.size(-1)), dim=-1)  # (B, k)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, u)
         p = sorted_logits.softmax(dim=-1)
