@@ -65,8 +65,7 @@ class FFN(nn.Module):
 
 class Layer(nn.Module):
     """One layer, Eq. (9)-(20). Eq. (18) and (20) share one dropout draw of the first
-    sublayer's output (Notes on the paper, 4), which makes the layer the usual pre-LN
-    residual block."""
+    sublayer's output (Notes on the paper, 4): the usual pre-LN residual block."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -99,8 +98,7 @@ class Transformer(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """idx (B, t) token indices; targets (B, t) the next tokens, or None. Returns
         logits (B, t, u) and the loss of Eq. (3) (None without targets). With `cache`
-        (from new_cache), idx holds only new tokens, placed after those already
-        cached."""
+        (from new_cache), idx holds only new tokens, after those already cached."""
         B, t = idx.shape
         if t == 0:
             raise ValueError(
@@ -202,9 +200,8 @@ def normal_weight(*shape):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention, Eq. (10)-(17), with a KV cache (Table 5's O(t
-    d + d^2)).
-    """
+    """Multi-head causal self-attention, Eq. (10)-(17), with a KV cache (Table 5's
+    O(t d + d^2))."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -276,9 +273,8 @@ class WE(nn.Module):
 
 
 class HE(nn.Module):
-    """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map, then
-    vector taps.
-    """
+    """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map,
+    then vector taps."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -361,11 +357,9 @@ def find_mixer(name):
 
 def causal_fir_reference(x, w):
     """Eq. (23)/(26)/(28)/(29) as written: y_i = sum_{j<=i} x_j (*) w_{i-j+1}, a direct
-    double sum.
-
-    x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w (WE, HE) or
-    (l,) scalars x_j w (ME). The reading copy: causal_fir computes the same faster
-    (fir.py says how)."""
+    double sum. x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w
+    (WE, HE) or (l,) scalars x_j w (ME). The reading copy: causal_fir computes the same
+    faster (fir.py says how)."""
     tap = (lambda x_j, w_k: x_j @ w_k) if w.dim() == 3 else (lambda x_j, w_k: x_j * w_k)
     rows = [
         sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])

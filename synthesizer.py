@@ -118,9 +118,8 @@ class _Synthesizer(nn.Module):
         return z.view(z.shape[0], z.shape[1], self.n, self.h).transpose(1, 2)
 
     def mix(self, x, v, past, cache):
-        """The input-independent Synthesizers: one (n, t, T) alignment per head for the
-        whole batch, times v (B, n, T, h) as one (t x T) @ (T x B h) GEMM per head
-        instead of B n small ones."""
+        """Input-independent Synthesizers: one (n, t, T) alignment for the whole batch,
+        times v (B, n, T, h) as one (t x T) @ (T x B h) GEMM a head, not B n small."""
         B, n, T, h = v.shape
         p = _syn_softmax(self.logits(past, T), past)  # (n, t, T)
         vv = v.permute(1, 2, 0, 3).reshape(n, T, B * h)  # (n, T, B h)
