@@ -467,8 +467,7 @@ def test_initialisation_follows_section6(mixer):
             assert ks_distance_from_normal(p, std) < dkw, name
 
 
-# ---- parameter counts: Tables 3 and 4 (no biases: README's Notes on the paper, 7) and
-# the Synthesizer paper's Table 1
+# ---- parameter counts: Tables 3, 4 (no biases: Notes, 7), the Synthesizers' Table 1
 def paper_params(name, d, l):
     """Tables 3 and 4, without biases (Notes on the paper, 7)."""
     counts = {"sa": 4 * d * d, "she": l * d * d + 2 * d * d, "he": l * d + 3 * d * d}
@@ -875,8 +874,7 @@ def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
     refused(why, fir.fft_size, 0)
 
 
-# ---- the FFT's length: zero-padded to n >= 2t - 1 nothing wraps around; n 5-smooth, as
-# FFTs are fast then
+# ---- the FFT's length: n >= 2t - 1 (nothing wraps around), 5-smooth (fast FFTs)
 def test_fft_size_is_the_smallest_5_smooth_n_from_2t_minus_1():
     # by hand: t = 127 gives 253 = 11 * 23, 254 = 2 * 127, 255 = 3 * 5 * 17, ...
     t = [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 14, 17, 32, 64, 127, 128, 129]
@@ -1079,8 +1077,7 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
     assert parse(out[1].splitlines()[1:])["add"] == adds
 
 
-# ======== tools: the benchmark (bench.py): every section in quick mode, the arithmetic
-# of each row ========
+# ======== tools: the benchmark (bench.py): each section quick, each row's arithmetic
 def test_bench_quick_prints_rows_and_their_arithmetic(tmp_path, monkeypatch, capsys):
     """A row per mixer (CUDA: per path, per step variant), a mixer's model at a time; a
     variant that cannot run (the captured step without CUDA) is a row saying why."""
@@ -1535,8 +1532,7 @@ def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, c
     assert prepare_data.strip_gutenberg(text) == (BODY, None)
 
 
-# ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache,
-# --source
+# ---- a run: outputs, the download's faults, retries, pauses, the raw/ cache, --source
 def fake_book(seed):
     """Made-up prose: 239 lines of syllable words (some not ASCII), paragraphs of 6."""
     rng = random.Random(seed)
@@ -2084,8 +2080,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
         assert torch.allclose(p, q, rtol=0, atol=1e-12), (p - q).abs().max()
 
 
-# ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data
-# only; log.csv is written with each checkpoint
+# ---- resume: bit for bit after Ctrl-C, the run's settings, its data; log.csv with ckpt
 def test_ctrl_c_checkpoints_resume_bit_for_bit(data, tmp_path, monkeypatch, capsys):
     """Ctrl-C, then --resume with log.csv deleted and killed at once (ckpt.pt stays),
     then with log.csv's header only: ckpt.pt's rows make the log whole again."""
@@ -3783,8 +3778,7 @@ def test_taps_draws_each_run_from_its_ckpt_and_val_bin(tmp_path, capsys, figures
     assert capsys.readouterr().out.endswith("/me/taps.png\n")
 
 
-# ---- results/: results/README.md's "Redrawing" commands, run here on the committed
-# logs, write every committed CSV they name, byte for byte
+# ---- results/README.md's Redrawing, run on the committed logs: each CSV byte for byte
 def _readme_commands():
     """results/README.md's "Redrawing" commands: (main, argv), {a,b} and * expanded."""
     readme = open(os.path.join(ROOT, "results", "README.md")).read()
