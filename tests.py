@@ -185,9 +185,8 @@ def scrambled(module, std):
 
 
 def make_data(path, vocab=64, n_words=5000, seed=0):
-    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json with
-    token counts and sha256), from made-up 'words': fixed random token strings, so that
-    there is something to learn."""
+    """A data folder as prepare_data.py writes it (train.bin, val.bin; meta.json: token
+    counts, sha256) of made-up words, fixed random token strings: something to learn."""
     rng = np.random.default_rng(seed)
     words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
     picks = rng.integers(0, 40, size=n_words)
@@ -3106,9 +3105,8 @@ def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **mo
     val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
     row = lambda i, x: f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
     rows = [row(i, x) for i, x in enumerate(losses, start)]
-    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
     # 7: a row half-written, as it runs
-    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
+    open(f"{folder}/log.csv", "w").write(machinery.LOG_HEADER + "\n".join([*rows, "7"]))
     return str(folder)
 
 
