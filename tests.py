@@ -1238,8 +1238,7 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
         watching = {k: functools.partial(watch, k, fn) for k, fn in fns.items()}
         return interleaved(watching, *args, **kw)
 
-    # the CUDA paths, run here
-    on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)
+    on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)  # the CUDA paths, run here
     monkeypatch.setattr(bench, "sublayer_paths", on_cuda)
     monkeypatch.setattr(bench, "interleaved", watched)
     argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
@@ -1367,8 +1366,7 @@ def test_bench_draw_scales_counts_marks_vs_sa_crossing_1(tmp_path, capsys, monke
         "he, threads 1: vs_sa crosses 1 at l = 91\n"
         "me, threads 1: vs_sa crosses 1 at l = none in range\n"
     )
-    with open(tmp_path / "length.png", "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # measured, then the tables' counts (dashed) and the FLOPs (dotted), each scaled
     # to the first point, then its crossings; ME has no FLOPs column, no dotted line
     cross = 64 * 2**0.5  # log 0.5 to log 2: halfway, in log l too
@@ -2327,8 +2325,7 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
     assert said == f"{too_large}; the last checkpoint, {path}, stays"
     assert ckpt_iter(out) == 5 and len(log_rows(out)) == 5
     assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
-    with open(path, "r+b") as f:
-        f.truncate(1000)  # half-written: torch's message is a long paragraph
+    os.truncate(path, 1000)  # half-written: torch's message is a long paragraph
     with pytest.raises(Exception) as e:
         torch.load(path, weights_only=True)
     whole = f"{e.typename}: {e.value}"
@@ -3058,8 +3055,7 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
 
 
 def test_a_mixer_of_your_own_trains_and_samples(prepared, tmp_path, monkeypatch):
-    # the find_mixer test's: a module of one's own
-    (tmp_path / "mymixers.py").write_text(USER_MIXER)
+    (tmp_path / "mymixers.py").write_text(USER_MIXER)  # a module of one's own
     monkeypatch.syspath_prepend(str(tmp_path))
     out = str(tmp_path / "mean")
     flags = ["--mixer=mymixers.Mean", "--max_iters=3", f"--out_dir={out}"]
