@@ -361,10 +361,8 @@ def causal_fir_reference(x, w):
     (WE, HE) or (l,) scalars x_j w (ME). The reading copy: causal_fir computes the same
     faster (fir.py says how)."""
     tap = (lambda x_j, w_k: x_j @ w_k) if w.dim() == 3 else (lambda x_j, w_k: x_j * w_k)
-    rows = [
-        sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])
-    ]
-    return torch.stack(rows, dim=1)  # (B, t, d)
+    y = [sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])]
+    return torch.stack(y, dim=1)  # (B, t, d)
 
 
 def causal_fir(x, w, cache=None):
