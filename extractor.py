@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fir import fir_full, fir_last_row
-from synthesizer import SYNTHESIZERS  # further mixers (Tay et al.)
+from synthesizer import SYNTHESIZERS, check_heads  # further mixers (Tay et al.)
 
 # Section 6: every weight starts N(0, INIT_STD²), every bias at zero
 INIT_STD = 0.01
@@ -65,8 +65,7 @@ class FFN(nn.Module):
 
 class Layer(nn.Module):
     """One layer, Eq. (9)-(20). Eq. (18) and (20) share one dropout draw of the first
-    sublayer's output (Notes on the paper, 4), which makes the layer the usual pre-LN
-    residual block."""
+    sublayer's output (Notes on the paper, 4): the usual pre-LN residual block."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -99,8 +98,7 @@ class Transformer(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """idx (B, t) token indices; targets (B, t) the next tokens, or None. Returns
         logits (B, t, u) and the loss of Eq. (3) (None without targets). With `cache`
-        (from new_cache), idx holds only new tokens, placed after those already
-        cached."""
+        (from new_cache), idx holds only new tokens, after those already cached."""
         B, t = idx.shape
         if t == 0:
             raise ValueError(
@@ -125,9 +123,7 @@ class Transformer(nn.Module):
         logits = self.soft(self.ln_f(x))  # Eq. (21) before the softmax, (B, t, u)
         loss = None
         if targets is not None:  # Eq. (3): mean of -ln P-hat, Eq. (22)
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)), targets.reshape(-1)
-            )
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
 
     def new_cache(self):
@@ -204,9 +200,8 @@ def normal_weight(*shape):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head causal self-attention, Eq. (10)-(17), with a KV cache (Table 5's O(t
-    d + d^2)).
-    """
+    """Multi-head causal self-attention, Eq. (10)-(17), with a KV cache (Table 5's
+    O(t d + d^2))."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -236,9 +231,7 @@ class SelfAttention(nn.Module):
         if past == 0:
             r = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n, t, h)
         else:  # new rows past .. past+t-1 see the columns up to their own position
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(
-                diagonal=past
-            )
+            mask = x.new_ones(t, past + t, dtype=torch.bool).tril(past)
             r = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         r = r.transpose(1, 2).reshape(B, t, d)  # Eq. (16), concatenate the heads
         return self.W_out_att(r)  # Eq. (17)
@@ -280,9 +273,8 @@ class WE(nn.Module):
 
 
 class HE(nn.Module):
-    """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map, then
-    vector taps.
-    """
+    """The higher-performance Extractor, Eq. (27), (28), (24), (25): a shared map,
+    then vector taps."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -337,22 +329,12 @@ MIXERS = {
 }
 
 
-def check_heads(cfg):
-    """A ValueError unless the heads divide d: each head has h = d/n features."""
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(
-            f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
-            f"{cfg.mixer!r} (each head has d/n features)"
-        )
-
-
 def find_mixer(name):
     """The mixer class called `name`: a key of MIXERS or of SYNTHESIZERS, or
     "module.Class", an nn.Module class of your own, imported by that name."""
-    if name in MIXERS:
-        return MIXERS[name]
-    if name in SYNTHESIZERS:
-        return SYNTHESIZERS[name]
+    known = MIXERS | SYNTHESIZERS
+    if name in known:
+        return known[name]
     module, _, cls = name.rpartition(".")
     found, why = None, ""
     try:
@@ -363,9 +345,7 @@ def find_mixer(name):
         return found
     if found is not None:
         why = f" ({name} is {found!r}, not an nn.Module class)"
-    choices = ", ".join(
-        [*MIXERS, *SYNTHESIZERS, "or module.Class (a mixer class of yours)"]
-    )
+    choices = ", ".join([*known, "or module.Class (a mixer class of yours)"])
     raise ValueError(f"unknown mixer {name!r}{why}; choose one of: {choices}")
 
 
@@ -377,16 +357,12 @@ def find_mixer(name):
 
 def causal_fir_reference(x, w):
     """Eq. (23)/(26)/(28)/(29) as written: y_i = sum_{j<=i} x_j (*) w_{i-j+1}, a direct
-    double sum.
-
-    x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w (WE, HE) or
-    (l,) scalars x_j w (ME). The reading copy: causal_fir computes the same faster
-    (fir.py says how)."""
+    double sum. x (B, t, d); w (l, d, d) matrices x_j @ W (SHE), (l, d) vectors x_j o w
+    (WE, HE) or (l,) scalars x_j w (ME). The reading copy: causal_fir computes the same
+    faster (fir.py says how)."""
     tap = (lambda x_j, w_k: x_j @ w_k) if w.dim() == 3 else (lambda x_j, w_k: x_j * w_k)
-    rows = [
-        sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])
-    ]
-    return torch.stack(rows, dim=1)  # (B, t, d)
+    y = [sum(tap(x[:, j], w[i - j]) for j in range(i + 1)) for i in range(x.shape[1])]
+    return torch.stack(y, dim=1)  # (B, t, d)
 
 
 def causal_fir(x, w, cache=None):
@@ -432,11 +408,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
     # the top logit at 0: a tiny T stays finite
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
-        k = min(top_k, logits.size(-1))
-        keep = logits.topk(k, dim=-1).indices  # (B, k)
-        logits = torch.full_like(logits, -math.inf).scatter(
-            -1, keep, logits.gather(-1, keep)
-        )
+        values, indices = logits.topk(min(top_k, logits.size(-1)), dim=-1)  # (B, k)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, u)
         p = sorted_logits.softmax(dim=-1)

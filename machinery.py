@@ -240,15 +240,12 @@ def load_data(data_dir, block_size, batch_size):
             vocab = f"meta.json's vocab_size {vocab_size}"
             fail(f"{path} holds token {top} >= {vocab}: run prepare_data.py")
     keys = ("vocab_size", "train_sha256", "val_sha256", "tokenizer_sha256")
-    fingerprint = {k: meta.get(k) for k in keys}
-    return tokens[0], tokens[1], fingerprint
+    return tokens[0], tokens[1], {k: meta.get(k) for k in keys}
 
 
 # ---- the run folder and ckpt.pt ------------------------------------------------------
 # what --resume reads from ckpt.pt (sample.py: config, model, args, iter, data)
-RESUME_KEYS = set(
-    "model optimizer scaler rng log args iter data world_size elapsed_s".split()
-)
+RESUME_KEYS = {*CKPT_ONLY, "args", "iter", "data", "world_size", "elapsed_s"}
 
 
 class RunFolder:
@@ -489,9 +486,8 @@ class Progress:
         now = self.t0 + self.times[-1]
         per_batch = (now - self.since) / len(self.times)
         batches = 2 + self.args.eval_batches * evaluates_next
-        elapsed = now - self.start_time
         reserve = batches * per_batch + 2 * (self.pause or self.guess)
-        late = elapsed + reserve > self.limit
+        late = now - self.start_time + reserve > self.limit
         stop = torch.tensor(float(STOP["signal"] is not None or late))
         if WORLD > 1:  # any process's, over the CPU process group: it waits for no GPU
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=CPU_GROUP["group"])

@@ -159,9 +159,7 @@ def source_books(books, source):
     paths = [found.get(f"{i}.txt") or found.get(f"pg{i}.txt") for i, _, _ in books]
     if None in paths:
         missing = ", ".join(str(i) for (i, _, _), p in zip(books, paths) if p is None)
-        fail(
-            f"ebooks {missing} not found in --source {source} as <ID>.txt or pg<ID>.txt"
-        )
+        fail(f"ebooks {missing} not in --source {source} as <ID>.txt or pg<ID>.txt")
     return paths
 
 
@@ -231,8 +229,7 @@ def split_books(book_ids, texts, val_fraction):
     ahead = itertools.accumulate((len(texts[i]) for i in order), initial=0)
     target = val_fraction * sum(map(len, texts))
     val = [i for i, n in zip(order[:-1], ahead) if n < target]
-    train = [i for i in range(len(book_ids)) if i not in val]
-    return train, sorted(val)
+    return [i for i in range(len(book_ids)) if i not in val], sorted(val)
 
 
 def merge(word, pair, new):

@@ -21,24 +21,6 @@ from extractor import Config, Transformer, check_sampling
 from machinery import COUNT, NATURAL, SEED, fail
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description="Sample text from a run of train.py.")
-    p.error = lambda msg: fail(f"{msg} (see python sample.py --help)")
-    p.add_argument("--out_dir", default="out/me", help="a run or its ckpt.pt (out/me)")
-    p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
-    p.add_argument(
-        "--max_new_tokens", type=NATURAL, default=200, help="per sample (200)"
-    )
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (1.0)")
-    p.add_argument("--top_k", type=int, help="sample from the k most likely tokens")
-    p.add_argument("--top_p", type=float, default=0.6, help="nucleus, 1 is off (0.6)")
-    p.add_argument("--num_samples", type=COUNT, default=1, help="how many samples (1)")
-    p.add_argument("--seed", type=SEED, default=1337, help="same seed, same samples")
-    p.add_argument("--data_dir", help="the run's tokenizer (the run's --data_dir)")
-    p.add_argument("--device", default="auto", help="auto (cuda, else cpu), cpu, mps")
-    return p
-
-
 def load_model(out_dir, device):
     """(model in eval mode, checkpoint) of out_dir/ckpt.pt, or of out_dir if a file."""
     path = out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt")
@@ -69,7 +51,18 @@ def load_run_tokenizer(data_dir, ckpt):
 
 
 def main(argv=None):
-    p = build_parser()
+    p = argparse.ArgumentParser(description="Sample text from a run of train.py.")
+    p.error = lambda msg: fail(f"{msg} (see python sample.py --help)")
+    p.add_argument("--out_dir", default="out/me", help="a run or its ckpt.pt (out/me)")
+    p.add_argument("--prompt", default="Once upon a time", help="the text to continue")
+    p.add_argument("--max_new_tokens", type=NATURAL, default=200, help="each (200)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (1.0)")
+    p.add_argument("--top_k", type=int, help="sample from the k most likely tokens")
+    p.add_argument("--top_p", type=float, default=0.6, help="nucleus, 1 is off (0.6)")
+    p.add_argument("--num_samples", type=COUNT, default=1, help="how many samples (1)")
+    p.add_argument("--seed", type=SEED, default=1337, help="same seed, same samples")
+    p.add_argument("--data_dir", help="the run's tokenizer (the run's --data_dir)")
+    p.add_argument("--device", default="auto", help="auto (cuda, else cpu), cpu, mps")
     args = p.parse_args(argv)
     top_p = None if args.top_p == 1 else args.top_p  # p = 1 keeps every token
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=top_p)

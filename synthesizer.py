@@ -40,6 +40,15 @@ def normal_weight(*shape):
     return nn.Parameter(torch.randn(*shape) * 0.01)
 
 
+def check_heads(cfg):
+    """A ValueError unless the heads divide d: each head has h = d/n features."""
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(
+            f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
+            f"{cfg.mixer!r} (each head has d/n features)"
+        )
+
+
 def _syn_factors(l):
     """Factorized Dense: a * b = l with a the largest divisor of l not above sqrt(l)
     (l = 128: 8 x 16). A prime l (only 1 x l, no factors): a ValueError."""
@@ -89,11 +98,7 @@ class _Synthesizer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(
-                f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd} for mixer "
-                f"{cfg.mixer!r} (each head has d/n features)"
-            )
+        check_heads(cfg)
         self.d, self.n, self.l = cfg.n_embd, cfg.n_head, cfg.block_size
         self.h = self.d // self.n
         self.W_V = nn.Linear(self.d, self.d, bias=False)  # G(X) = X W_j^[V], all heads
@@ -113,9 +118,8 @@ class _Synthesizer(nn.Module):
         return z.view(z.shape[0], z.shape[1], self.n, self.h).transpose(1, 2)
 
     def mix(self, x, v, past, cache):
-        """The input-independent Synthesizers: one (n, t, T) alignment per head for the
-        whole batch, times v (B, n, T, h) as one (t x T) @ (T x B h) GEMM per head
-        instead of B n small ones."""
+        """Input-independent Synthesizers: one (n, t, T) alignment for the whole batch,
+        times v (B, n, T, h) as one (t x T) @ (T x B h) GEMM a head, not B n small."""
         B, n, T, h = v.shape
         p = _syn_softmax(self.logits(past, T), past)  # (n, t, T)
         vv = v.permute(1, 2, 0, 3).reshape(n, T, B * h)  # (n, T, B h)

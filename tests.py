@@ -138,8 +138,7 @@ def dev(obj):
     return obj.to(DEVICE, FLOAT)
 
 
-def cpu64(*tensors):
-    return [t.detach().cpu().double() for t in tensors]
+cpu64 = lambda *tensors: [t.detach().cpu().double() for t in tensors]
 
 
 def assert_close(a, b, what):
@@ -186,9 +185,8 @@ def scrambled(module, std):
 
 
 def make_data(path, vocab=64, n_words=5000, seed=0):
-    """A data folder as prepare_data.py writes it (train.bin, val.bin, meta.json with
-    token counts and sha256), from made-up 'words': fixed random token strings, so that
-    there is something to learn."""
+    """A data folder as prepare_data.py writes it (train.bin, val.bin; meta.json: token
+    counts, sha256) of made-up words, fixed random token strings: something to learn."""
     rng = np.random.default_rng(seed)
     words = [rng.integers(0, vocab - 1, size=rng.integers(2, 6)) for _ in range(40)]
     picks = rng.integers(0, 40, size=n_words)
@@ -468,8 +466,7 @@ def test_initialisation_follows_section6(mixer):
             assert ks_distance_from_normal(p, std) < dkw, name
 
 
-# ---- parameter counts: Tables 3 and 4 (no biases: README's Notes on the paper, 7) and
-# the Synthesizer paper's Table 1
+# ---- parameter counts: Tables 3, 4 (no biases: Notes, 7), the Synthesizers' Table 1
 def paper_params(name, d, l):
     """Tables 3 and 4, without biases (Notes on the paper, 7)."""
     counts = {"sa": 4 * d * d, "she": l * d * d + 2 * d * d, "he": l * d + 3 * d * d}
@@ -478,8 +475,7 @@ def paper_params(name, d, l):
 
 
 def synth_params(name, d, l, n, a, b, k=8):
-    """Table 1 of the Synthesizer paper and its text (a b = l, k = 8), plus W_V and
-    W_out_att (2 d^2)."""
+    """The Synthesizer paper's Table 1 and text (a b = l, k = 8) plus W_V, W_out_att."""
     part = {"dense": d * d + d * l, "dense-fact": d * d + d * (a + b)}  # "adds d x N"
     part["random"] = n * l * l  # "N^2"
     part["random-fixed"] = 0
@@ -530,8 +526,7 @@ def refused(message, fn, *args, **kw):
 
 
 def test_a_mixer_refuses_settings_it_cannot_take_with_one_clear_value_error():
-    """Config is a plain record (the command line checks each value); a mixer refuses
-    what it cannot take."""
+    """A mixer refuses what it cannot take; Config is a plain record (no checks)."""
     for name in ("sa", "dense", "random+sa"):  # the mixers with heads
         why = f"for mixer '{name}' (each head has d/n features)"
         cfg = Config(n_head=3, mixer=name)
@@ -618,8 +613,7 @@ def generated(model, idx, n, **kw):
     return torch.cat([idx, *model.generate(idx, n, **kw)], dim=1)
 
 
-def scrambled_model(name, l=16):
-    return dev(scrambled(tiny_model(name, l=l), 0.3))
+scrambled_model = lambda name, l=16: dev(scrambled(tiny_model(name, l=l), 0.3))
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -729,8 +723,7 @@ def test_generate_refuses_bad_settings_and_samples():
 
 # ---- the Synthesizers: Fixed Random, and the mixed precision of training
 def test_synth_fixed_random_is_a_random_alignment_not_trained_but_saved():
-    """N(0, 1) logits: rows far from the running mean a trained Random starts as (N(0,
-    0.01²))."""
+    """N(0, 1) logits: rows far from the running mean Random starts as (N(0, 0.01²))."""
     torch.manual_seed(0)
     l = 128
     # a running mean's mean row entropy
@@ -880,8 +873,7 @@ def test_fir_full_refuses_wrong_paths_too_few_taps_and_no_positions():
     refused(why, fir.fft_size, 0)
 
 
-# ---- the FFT's length: zero-padded to n >= 2t - 1 nothing wraps around; n 5-smooth, as
-# FFTs are fast then
+# ---- the FFT's length: n >= 2t - 1 (nothing wraps around), 5-smooth (fast FFTs)
 def test_fft_size_is_the_smallest_5_smooth_n_from_2t_minus_1():
     # by hand: t = 127 gives 253 = 11 * 23, 254 = 2 * 127, 255 = 3 * 5 * 17, ...
     t = [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 14, 17, 32, 64, 127, 128, 129]
@@ -985,6 +977,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch,
     matmul = tf32[0]
     bmm = torch.bmm
     ieee = fir.ieee_float32
+    ieee_as_if_cuda = lambda d: ieee(torch.device(d.type.replace("cpu", "cuda")))
     conj = []
 
     def tf32_bmm(a, b):
@@ -992,9 +985,6 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch,
             return bmm(a, b)
         conj.append(a.is_conj() or b.is_conj())
         return bmm(tf32_rounded(a), tf32_rounded(b))
-
-    def ieee_as_if_cuda(device):
-        return ieee(torch.device(device.type.replace("cpu", "cuda")))
 
     monkeypatch.setattr(torch, "bmm", tf32_bmm)
     monkeypatch.setattr(fir, "ieee_float32", ieee_as_if_cuda)
@@ -1086,8 +1076,7 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
     assert parse(out[1].splitlines()[1:])["add"] == adds
 
 
-# ======== tools: the benchmark (bench.py): every section in quick mode, the arithmetic
-# of each row ========
+# ======== tools: the benchmark (bench.py): each section quick, each row's arithmetic
 def test_bench_quick_prints_rows_and_their_arithmetic(tmp_path, monkeypatch, capsys):
     """A row per mixer (CUDA: per path, per step variant), a mixer's model at a time; a
     variant that cannot run (the captured step without CUDA) is a row saying why."""
@@ -1249,8 +1238,7 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
         watching = {k: functools.partial(watch, k, fn) for k, fn in fns.items()}
         return interleaved(watching, *args, **kw)
 
-    # the CUDA paths, run here
-    on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)
+    on_cuda = lambda mod, t, _: sublayer_paths(mod, t, cuda)  # the CUDA paths, run here
     monkeypatch.setattr(bench, "sublayer_paths", on_cuda)
     monkeypatch.setattr(bench, "interleaved", watched)
     argv = ["--quick", "--sections", "sublayer", "--mixers", "me,she"]
@@ -1267,9 +1255,7 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     assert sorted(ran) == sorted(want)
 
 
-def _read_csv(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+_read_csv = lambda path: list(csv.DictReader(open(path, newline="")))
 
 
 def test_bench_length_generate_rows_hold_the_counts_and_arithmetic(tmp_path, capsys):
@@ -1380,8 +1366,7 @@ def test_bench_draw_scales_counts_marks_vs_sa_crossing_1(tmp_path, capsys, monke
         "he, threads 1: vs_sa crosses 1 at l = 91\n"
         "me, threads 1: vs_sa crosses 1 at l = none in range\n"
     )
-    with open(tmp_path / "length.png", "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # measured, then the tables' counts (dashed) and the FLOPs (dotted), each scaled
     # to the first point, then its crossings; ME has no FLOPs column, no dotted line
     cross = 64 * 2**0.5  # log 0.5 to log 2: halfway, in log l too
@@ -1544,8 +1529,7 @@ def test_strip_warns_of_a_file_cut_short_reads_bom_crlf_cp1252_alike(tmp_path, c
     assert prepare_data.strip_gutenberg(text) == (BODY, None)
 
 
-# ---- a run: the outputs, the download's faults, retries and pauses, the raw/ cache,
-# --source
+# ---- a run: outputs, the download's faults, retries, pauses, the raw/ cache, --source
 def fake_book(seed):
     """Made-up prose: 239 lines of syllable words (some not ASCII), paragraphs of 6."""
     rng = random.Random(seed)
@@ -1563,15 +1547,11 @@ BODIES = {i: fake_book(i) for i, _ in BOOKS}
 RAW = {i: gutenberg_file(*f, BODIES[i], t).encode() for f, (i, t) in zip(FORMS, BOOKS)}
 VOCAB = 400
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.tiktoken")
-
-
-def outputs(data_dir):
-    return {name: (data_dir / name).read_bytes() for name in OUTPUTS}
+outputs = lambda data_dir: {name: (data_dir / name).read_bytes() for name in OUTPUTS}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """server.files; faults[path] used up one per request: a status, html, timeout (1
-    s), truncate (half)."""
+    """server.files; faults[path], one a request: a status, html, timeout, truncate."""
 
     def do_GET(self):
         self.server.log.append((self.path, self.headers["User-Agent"]))
@@ -1609,8 +1589,7 @@ def serve(raws):
 
 
 def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
-    """prepare_data.main with a 0.5 s timeout, retries 0.01 s and 0.02 s later, no
-    pause; its exit status."""
+    """prepare_data.main: a 0.5 s timeout, retries 0.01 and 0.02 s later, no pause."""
     with pytest.MonkeyPatch.context() as mp:
         # a user's proxy must not see loopback requests
         mp.setenv("no_proxy", "127.0.0.1")
@@ -1895,11 +1874,10 @@ def test_bad_input_is_one_line_and_writes_nothing(clean, tmp_path, capsys):
 def test_short_empty_binary_books_one_line_a_cut_one_warns(clean, tmp_path, capsys):
     src = tmp_path / "src"
     short = RAW[9006].replace(BODIES[9006].encode(), b"A short error page.")
-    binary = bytes(range(256)) * 9
     cases = [
         (short, "9006 (Tin Fern) has 19 characters"),
         (b"", "9006 (Tin Fern) has 0 chara"),
-        (binary, f"9006: {src}/9006.txt is not a text file (NUL"),
+        (bytes(range(256)) * 9, f"9006: {src}/9006.txt is not a text file (NUL"),
     ]
     fix = f"replace {src}/9006.txt with the book's text (or delete a download"
     for raw, says in cases:
@@ -1940,17 +1918,13 @@ def run(tmp_path, data, *flags, name="run"):
     return train.main(TINY + ["--data_dir", data, "--out_dir", out, *flags])
 
 
-def log_rows(out):
-    return _read_csv(os.path.join(out, "log.csv"))
+log_rows = lambda out: _read_csv(f"{out}/log.csv")
+ckpt_iter = lambda out: torch.load(f"{out}/ckpt.pt", weights_only=True)["iter"]
 
 
 def losses(out):
     """Each row's batch, training cost and validation loss, as strings: bits."""
     return [(r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)]
-
-
-def ckpt_iter(out):
-    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
 
 
 def files(folder):
@@ -1969,8 +1943,7 @@ def test_batch_order_is_a_seeded_permutation_per_epoch():
     assert all(0 <= e.min() and e.max() < n for e in epochs)
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation for the next epoch
     assert torch.equal(train.batch_starts(2, n, b, 3), batches[2])
-    another_seed = train.batch_starts(0, n, b, 4)
-    assert not torch.equal(another_seed, batches[0])
+    assert not torch.equal(train.batch_starts(0, n, b, 4), batches[0])  # another seed
 
 
 def test_every_mixer_sees_the_same_batches_and_val_windows(data, tmp_path, monkeypatch):
@@ -2049,9 +2022,7 @@ BAD_FLAGS = {
 
 
 @pytest.mark.parametrize("flags", BAD_FLAGS)
-def test_bad_flags_are_one_line_and_write_nothing(
-    flags, data, tmp_path, monkeypatch, capsys
-):
+def test_bad_flags_one_line_write_nothing(flags, data, tmp_path, monkeypatch, capsys):
     (tmp_path / "mymod.py").write_text(USER_MIXER)  # mixers of one's own
     monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["--mixer=sa", "--max_iters=3", *flags.split()]
@@ -2106,8 +2077,7 @@ def test_training_step_is_adamw_with_table1_settings_written_out(clip, decay):
         assert torch.allclose(p, q, rtol=0, atol=1e-12), (p - q).abs().max()
 
 
-# ---- resume: bit for bit after Ctrl-C, with the run's own settings, on the same data
-# only; log.csv is written with each checkpoint
+# ---- resume: bit for bit after Ctrl-C, the run's settings, its data; log.csv with ckpt
 def test_ctrl_c_checkpoints_resume_bit_for_bit(data, tmp_path, monkeypatch, capsys):
     """Ctrl-C, then --resume with log.csv deleted and killed at once (ckpt.pt stays),
     then with log.csv's header only: ckpt.pt's rows make the log whole again."""
@@ -2355,8 +2325,7 @@ def test_checkpoints_are_written_whole_or_not_at_all(data, tmp_path, capsys):
     assert said == f"{too_large}; the last checkpoint, {path}, stays"
     assert ckpt_iter(out) == 5 and len(log_rows(out)) == 5
     assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
-    with open(path, "r+b") as f:
-        f.truncate(1000)  # half-written: torch's message is a long paragraph
+    os.truncate(path, 1000)  # half-written: torch's message is a long paragraph
     with pytest.raises(Exception) as e:
         torch.load(path, weights_only=True)
     whole = f"{e.typename}: {e.value}"
@@ -2479,8 +2448,7 @@ def test_a_resumed_run_counts_on_its_time(data, tmp_path, monkeypatch, capsys):
 
 
 def test_a_folder_an_ascii_console_cannot_show(data, tmp_path, monkeypatch):
-    """PYTHONIOENCODING=ascii and a run folder 'tür': train.py, plot.py and taps.py
-    show it as t\\xfcr, no traceback."""
+    """An ASCII console, a folder 'tür': train.py, plot.py and taps.py show t\\xfcr."""
     out, escaped, shown = str(tmp_path / "tür"), f"{tmp_path}/t\\xfcr", []
     train_it = functools.partial(run, tmp_path, data, "--max_iters=2", name="tür")
     for command in (train_it, lambda: plot.main([out]), lambda: taps.main([out])):
@@ -2490,8 +2458,7 @@ def test_a_folder_an_ascii_console_cannot_show(data, tmp_path, monkeypatch):
         sys.stdout.flush()
         shown.append(console.getvalue().decode())
     assert f"done: python experiments/plot.py {escaped} draws its losses" in shown[0]
-    wrote = [f"wrote '{escaped}/{name}.png'\n" for name in ("loss", "taps")]
-    assert shown[1:] == wrote
+    assert shown[1:] == [f"wrote '{escaped}/{name}.png'\n" for name in ("loss", "taps")]
 
 
 # ---- what a run writes: log.csv, run.json, the console
@@ -2782,8 +2749,7 @@ def test_cuda_gets_fused_adamw_the_captured_step_tf32_pinning(monkeypatch, tf32)
     steps.append(make(cuda))
     assert steps[1:] == [step] * 4  # eager: the step itself, nothing around it
     assert [how["step"] for how in hows] == ["CapturedStep"] + ["eager"] * 4
-    captured = (steps[0].step, steps[0].optimizer, steps[0].how)
-    assert captured == (step, "AdamW", hows[0])
+    assert (steps[0].step, steps[0].optimizer, steps[0].how) == (step, "AdamW", hows[0])
     matmul, cudnn = tf32
     matmul.allow_tf32 = cudnn.allow_tf32 = False
     seen = []  # TF32's flags, autocast's cache inside it (CUDA graphs want none)
@@ -3075,9 +3041,7 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     cases = {  # flags: what the line says
         "--top_p=1.5": "top_p must be in (0, 1], got 1.5",
-        "--top_p=0": "top_p must be in (0, 1], got 0.0",
         "--temperature=inf": "finite number >= 0 (0 is greedy), got inf",
-        "--top_k=0": "top_k must be at least 1, got 0",
         "--seed=-1": "argument --seed: must be in [0, 9223372036854775808), got -1",
         "--num_samples=0": "argument --num_samples: must be in [1, inf), got 0",
         "--max_new_tokens=-1": "argument --max_new_tokens: must be in [0, inf), got -1",
@@ -3091,8 +3055,7 @@ def test_sample_refuses_what_it_cannot_use_in_one_line(prepared, tmp_path, capsy
 
 
 def test_a_mixer_of_your_own_trains_and_samples(prepared, tmp_path, monkeypatch):
-    # the find_mixer test's: a module of one's own
-    (tmp_path / "mymixers.py").write_text(USER_MIXER)
+    (tmp_path / "mymixers.py").write_text(USER_MIXER)  # a module of one's own
     monkeypatch.syspath_prepend(str(tmp_path))
     out = str(tmp_path / "mean")
     flags = ["--mixer=mymixers.Mean", "--max_iters=3", f"--out_dir={out}"]
@@ -3138,9 +3101,8 @@ def _run(folder, mixer, losses, n_head=1, val_every=5, seed=1, data_seed=1, **mo
     val = lambda i, x: repr(x - 0.5) if i % val_every == 0 else ""
     row = lambda i, x: f"{i},{x!r},{val(i, x)},0.001,{1000 + i % 3},{i / 10}"
     rows = [row(i, x) for i, x in enumerate(losses, start)]
-    header = "iter,train_loss,val_loss,lr,tokens_per_s,elapsed_s"
     # 7: a row half-written, as it runs
-    open(f"{folder}/log.csv", "w").write("\n".join([header, *rows, "7"]))
+    open(f"{folder}/log.csv", "w").write(machinery.LOG_HEADER + "\n".join([*rows, "7"]))
     return str(folder)
 
 
@@ -3810,11 +3772,9 @@ def test_taps_draws_each_run_from_its_ckpt_and_val_bin(tmp_path, capsys, figures
     assert capsys.readouterr().out.endswith("/me/taps.png\n")
 
 
-# ---- results/: results/README.md's "Redrawing" commands, run here on the committed
-# logs, write every committed CSV they name, byte for byte
+# ---- results/README.md's Redrawing, run on the committed logs: each CSV byte for byte
 def _readme_commands():
-    """The commands of results/README.md's "Redrawing" block, as (the script's main,
-    its argv), the shell's {a,b} and * expanded."""
+    """results/README.md's "Redrawing" commands: (main, argv), {a,b} and * expanded."""
     readme = open(os.path.join(ROOT, "results", "README.md")).read()
     block = readme.split("**Redrawing.**")[1].split("```")[1]
     commands = []

@@ -136,8 +136,7 @@ def new_model(s, args, mixer, batch, device):
 def sublayer_paths(module, t, device):
     """The paths a mixer is timed on: its FIR taps' default path here, then on CUDA
     every other path for them; sdpa for attention, matmul for the rest."""
-    names = ("W_ext", "w_ext")
-    taps = [p for n, p in module.named_parameters() if n.split(".")[-1] in names]
+    taps = [getattr(module, n) for n in ("W_ext", "w_ext") if hasattr(module, n)]
     if not taps:
         return ["sdpa" if isinstance(module, extractor.SelfAttention) else "matmul"]
     dim = taps[0].dim()
@@ -313,8 +312,7 @@ def mixer_steps(m, s, args, device, variants, dtypes, rates, rounds):
             why = machinery.first_line(e)
             rows.append(dict(mixer=m, variant=v, params=params, failed=why[:80]))
             steps.pop(v, None)
-    t = interleaved(steps, rounds, device)
-    for v, sec in t.items():
+    for v, sec in interleaved(steps, rounds, device).items():
         row = dict(mixer=m, variant=v, params=params, step_ms=1e3 * sec)
         row["tokens_per_s"] = s["batch"] * s["l"] / sec
         row["paper_hours"] = PAPER_BATCHES * sec / 3600
@@ -804,7 +802,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # `bench.py | head` ends quietly, as a shell tool does
-    if hasattr(signal, "SIGPIPE"):
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # `bench.py | head` ends quietly, as a shell tool does (Unix: machinery needs fcntl)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

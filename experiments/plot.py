@@ -188,9 +188,8 @@ def plot_run(run, path, window):
     log = run["log"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alpha = 0.35 if window > 1 else 1
-    every = "training cost, every batch"
     x, y = log["iter"], log["train_loss"]
-    ax.plot(x, y, lw=0.5, alpha=alpha, color="C0", label=every)
+    ax.plot(x, y, lw=0.5, alpha=alpha, color="C0", label="training cost, every batch")
     if window > 1:
         ends, med = window_medians(log["train_loss"], window)
         medians = f"median of every {window} batches"
@@ -245,8 +244,7 @@ def setting_title(runs, swept=None):
     def values(key, default="?"):  # "2" or "2, 4", numbers first; "s" for several
         found = {r["settings"].get(key, default) for r in runs}
         found = sorted(found, key=lambda v: (isinstance(v, str), v))
-        plural = "s" if len(found) > 1 else ""
-        return ", ".join(map(str, found)), plural
+        return ", ".join(map(str, found)), "s" if len(found) > 1 else ""
 
     parts = [f"{SYMBOLS[k]} = {values(k)[0]}" for k in SYMBOLS if k != swept]
     lengths = sorted({int(r["log"]["iter"][-1]) for r in runs})
