@@ -138,7 +138,8 @@ def dev(obj):
     return obj.to(DEVICE, FLOAT)
 
 
-cpu64 = lambda *tensors: [t.detach().cpu().double() for t in tensors]
+def cpu64(*tensors):
+    return [t.detach().cpu().double() for t in tensors]
 
 
 def assert_close(a, b, what):
@@ -613,7 +614,8 @@ def generated(model, idx, n, **kw):
     return torch.cat([idx, *model.generate(idx, n, **kw)], dim=1)
 
 
-scrambled_model = lambda name, l=16: dev(scrambled(tiny_model(name, l=l), 0.3))
+def scrambled_model(name, l=16):
+    return dev(scrambled(tiny_model(name, l=l), 0.3))
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -977,7 +979,6 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch,
     matmul = tf32[0]
     bmm = torch.bmm
     ieee = fir.ieee_float32
-    ieee_as_if_cuda = lambda d: ieee(torch.device(d.type.replace("cpu", "cuda")))
     conj = []
 
     def tf32_bmm(a, b):
@@ -985,6 +986,9 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch,
             return bmm(a, b)
         conj.append(a.is_conj() or b.is_conj())
         return bmm(tf32_rounded(a), tf32_rounded(b))
+
+    def ieee_as_if_cuda(device):
+        return ieee(torch.device(device.type.replace("cpu", "cuda")))
 
     monkeypatch.setattr(torch, "bmm", tf32_bmm)
     monkeypatch.setattr(fir, "ieee_float32", ieee_as_if_cuda)
@@ -1255,7 +1259,9 @@ def test_bench_sublayer_times_every_fir_path_on_cuda_each_forced(monkeypatch, ca
     assert sorted(ran) == sorted(want)
 
 
-_read_csv = lambda path: list(csv.DictReader(open(path, newline="")))
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def test_bench_length_generate_rows_hold_the_counts_and_arithmetic(tmp_path, capsys):
@@ -1547,7 +1553,10 @@ BODIES = {i: fake_book(i) for i, _ in BOOKS}
 RAW = {i: gutenberg_file(*f, BODIES[i], t).encode() for f, (i, t) in zip(FORMS, BOOKS)}
 VOCAB = 400
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.tiktoken")
-outputs = lambda data_dir: {name: (data_dir / name).read_bytes() for name in OUTPUTS}
+
+
+def outputs(data_dir):
+    return {name: (data_dir / name).read_bytes() for name in OUTPUTS}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -1918,13 +1927,17 @@ def run(tmp_path, data, *flags, name="run"):
     return train.main(TINY + ["--data_dir", data, "--out_dir", out, *flags])
 
 
-log_rows = lambda out: _read_csv(f"{out}/log.csv")
-ckpt_iter = lambda out: torch.load(f"{out}/ckpt.pt", weights_only=True)["iter"]
+def log_rows(out):
+    return _read_csv(os.path.join(out, "log.csv"))
 
 
 def losses(out):
     """Each row's batch, training cost and validation loss, as strings: bits."""
     return [(r["iter"], r["train_loss"], r["val_loss"]) for r in log_rows(out)]
+
+
+def ckpt_iter(out):
+    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter"]
 
 
 def files(folder):
