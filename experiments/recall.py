@@ -48,11 +48,9 @@ GRID = ("lengths", "mixers", "widths", "lrs", "seeds")  # the sweep's axes, oute
 KEPT = ["train", "test", "batch_size", "ffn", "head"]
 # Zoology's Figure 2, read by eye from the figure (approximate): accuracy by length
 ZOOLOGY = {
-    ("attention", 64): {64: 1.0, 128: 1.0, 256: 1.0, 512: 1.0},
-    ("attention", 128): {64: 1.0, 128: 1.0, 256: 1.0, 512: 1.0},
+    **{("attention", w): dict.fromkeys([64, 128, 256, 512], 1.0) for w in (64, 128)},
     ("BaseConv", 64): {64: 0.7, 512: 0.0},
-    ("BaseConv", 128): {512: 0.0},
-    ("BaseConv", 256): {512: 0.0},
+    **{("BaseConv", w): {512: 0.0} for w in (128, 256)},
 }
 
 
@@ -286,9 +284,8 @@ def main(argv=None):
         info = dict(mixer=mixer, width=width, length=length, lr=lr, seed=seed)
         info["settings"] = {k: getattr(args, k) for k in KEPT}
         run(args, os.path.join(args.out, name), model, adamw, info, data[length], say)
-        runs = sorted(glob.glob("*/run.json", root_dir=args.out))  # summary.csv's rows
-        summary = [json.load(open(os.path.join(args.out, r))) for r in runs]
-        rows = [{k: r[k] for k in SUMMARY} for r in summary]
+        runs = sorted(glob.glob(f"{glob.escape(args.out)}/*/run.json"))  # summary.csv's
+        rows = [{k: r[k] for k in SUMMARY} for r in map(json.load, map(open, runs))]
         plot.write_csv(os.path.join(args.out, "summary.csv"), rows)
     return 0
 
