@@ -122,8 +122,7 @@ def train_epoch(model, adamw, data, epoch, args, lr, say):
     order = epoch_permutation(len(x), 0, epoch)[: batches * args.batch_size]
     total, t0 = 0.0, time.time()
     for j, b in enumerate(order.split(args.batch_size)):
-        steps = epoch * batches + j + 1  # this one included
-        adamw.param_groups[0]["lr"] = lr * min(1.0, steps / WARMUP)
+        adamw.param_groups[0]["lr"] = lr * min(1.0, (epoch * batches + j + 1) / WARMUP)
         loss = scores(query_logits(model, x[b], pos[b], args.head, args.ffn), y[b])[0]
         loss.backward()
         adamw.step()
@@ -203,9 +202,8 @@ def draw(path, image):
     fig, _ = plot.plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5))
     for ax, width in zip(fig.axes, sorted(runs)):
         for mixer, line in runs[width].items():
-            lengths = sorted(line)
-            median = [statistics.median(line[l].values()) for l in lengths]
-            ax.plot(lengths, median, marker="o", label=mixer)
+            points = sorted((l, statistics.median(s.values())) for l, s in line.items())
+            ax.plot(*zip(*points), marker="o", label=mixer)
         for (mixer, w), points in ZOOLOGY.items():
             if w == width:
                 label = f"{mixer}, Zoology Fig. 2 (read from the figure)"
