@@ -218,7 +218,8 @@ def draw(path, image):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    raw = argparse.RawDescriptionHelpFormatter  # the examples as written
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     p.error = lambda msg: machinery.fail(f"{msg} (see experiments/recall.py --help)")
     listed = lambda kind: lambda text: [kind(v) for v in text.split(",")]  # a,b,...
     p.add_argument("--mixers", type=listed(str), default=["sa"], help="sa,he,...")
