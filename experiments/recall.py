@@ -290,4 +290,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # (one line, no trace)
+        sys.exit("stopped: the same command goes on from each run's last epoch")
