@@ -3835,62 +3835,62 @@ def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, cap
         assert [run, "1337", "1337", n, m, val] in committed("seeds.csv")
 
 
-def test_recall_task_keys_queries_values_seed_and_context():
+def test_recall_task_and_its_loss_and_accuracy_at_the_queries_alone():
     x, pos, y = recall.mqar(500, 256, 16, seed=3)
     keys = x[:, 0:32:2]  # (n, N) the pairs k v at the start
     assert (keys.sort(1).values.diff(1) > 0).all() and (keys < 4096).all()
     assert (x[:, 1:32:2] == y).all() and (y >= 4096).all()
-    assert (pos >= 32).all() and (pos < 256).all()
-    assert (x.gather(1, pos) == keys).all()  # key i queried once, its value the target
-    again = recall.mqar(500, 256, 16, seed=3)
-    assert all(torch.equal(a, b) for a, b in zip((x, pos, y), again))
-    other = recall.mqar(500, 256, 16, seed=4)[0]
-    assert (other[:, 32:] != x[:, 32:]).float().mean() > 0.99  # the fillers differ too
-    # without the context: the value seen most with each key in 100k sequences is
-    # right for about 1 in 4096 of another seed's queries
+    # key i once after the pairs (and below 256, or gather raises), its value the target
+    assert (pos >= 32).all() and (x.gather(1, pos) == keys).all()
+    assert all(map(torch.equal, (x, pos, y), recall.mqar(500, 256, 16, seed=3)))
+    assert not torch.equal(recall.mqar(500, 256, 16, seed=4)[0], x)  # another seed's
+    # without the context, each key's most frequent value is right ~1/4096 of the time
     tx, _, ty = recall.mqar(100_000, 64, 4, seed=0)
-    table = torch.zeros(4096, 4096)  # (key, value - 4096) counts
-    seen = (tx[:, 0:8:2].flatten(), ty.flatten() - 4096)
-    table.index_put_(seen, torch.tensor(1.0), accumulate=True)
+    seen = (tx[:, 0:8:2].flatten(), ty.flatten() - 4096)  # (key, value - 4096)
+    table = torch.zeros(4096, 4096).index_put_(seen, torch.tensor(1.0), accumulate=True)
     x, _, y = recall.mqar(3000, 64, 4, seed=1)
     assert (table.argmax(1)[x[:, 0:8:2]] + 4096 == y).float().mean() < 0.01
-
-
-def test_recall_loss_and_accuracy_see_the_queries_alone():
     logits = torch.full((2, 6, 4), -9.0)  # (B, t, u): every position but the queries
     logits[..., 3] = 9.0  # says token 3, which no target is
     pos, y = torch.tensor([[1, 4], [2, 5]]), torch.tensor([[0, 1], [2, 2]])
-    queried = torch.tensor([math.log(2), 0, 0, 0])
-    logits[0, 1] = logits[0, 4] = logits[1, 2] = queried
+    logits[0, 1] = logits[0, 4] = logits[1, 2] = torch.tensor([math.log(2), 0, 0, 0])
     logits[1, 5] = 0.0  # a tie: argmax 0, wrong
-    loss, correct = recall.scores(recall.at(logits, pos), y)
+    loss, correct = recall.scores(logits[[[0], [1]], pos], y)  # (B, N, u) at pos
     # p(target) = 2/5 for the first, 1/5 for the second and third, 1/4 for the last
     want = -(math.log(2 / 5) + 2 * math.log(1 / 5) + math.log(1 / 4)) / 4
     assert loss.item() == pytest.approx(want, rel=1e-6) and correct.item() == 1
-    args = recall.parse(["--widths", "16", "--lengths", "16", "--pairs", "2"])
-    model = recall.build("he", 16, 16, 1e-3, 0, args)[0]
+    model = recall.build("he", 16, 16, 1e-3, 0, recall.parse(["--quick", "--ffn"]))[0]
     x, pos, _ = recall.mqar(3, 16, 2, seed=0)
-    at_queries = recall.query_logits(model, x, pos, "queries", False)
-    at_all = recall.query_logits(model, x, pos, "all", False)
-    torch.testing.assert_close(at_queries, at_all, rtol=0, atol=1e-6)
+    want = model(x)[0][[[0], [1], [2]], pos]  # extractor.py's logits at the queries
+    for head in ("queries", "all"):  # the head at the queries, or at every position
+        torch.testing.assert_close(recall.query_logits(model, x, pos, head, True), want)
 
 
-def test_recall_quick_resumes_bit_for_bit_and_skips_finished_runs(tmp_path, capsys):
+def test_recall_quick_resumes_bit_for_bit_and_draws(tmp_path, capsys, monkeypatch):
     quick = ["--quick", "--mixers", "sa,me", "--lrs", "3e-2"]
     assert recall.main([*quick, "--out", str(tmp_path / "a")]) == 0
     assert recall.main([*quick, "--epochs", "1", "--out", str(tmp_path / "b")]) == 0
-    capsys.readouterr()
     assert recall.main([*quick, "--out", str(tmp_path / "b")]) == 0  # epoch 2 alone
-    assert "epoch 1/2" not in capsys.readouterr().out
     assert recall.main([*quick, "--out", str(tmp_path / "b")]) == 0  # nothing to do
-    assert "epoch" not in capsys.readouterr().out
+    # a's two runs' epochs 1 and 2, b's epoch 1, then their epoch 2 alone, then none
+    assert capsys.readouterr().out.count(" epoch ") == 4 + 2 + 2
+    logged = lambda ckpt: [row.split(",")[:3] for row in ckpt["log"]]  # no seconds
     for run in ("sa-d16-l16-lr0.03-s0", "me-d16-l16-lr0.03-s0"):
-        a, b = (recall.load(tmp_path / r / run / "ckpt.pt") for r in "ab")
+        a, b = (torch.load(tmp_path / r / run / "ckpt.pt") for r in "ab")
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        assert [r.split(",")[:3] for r in a["log"]] == [
-            r.split(",")[:3] for r in b["log"]
-        ]
-    rows = (tmp_path / "b" / "summary.csv").read_text().splitlines()
-    assert rows[0] == recall.SUMMARY and len(rows) == 3 and rows[1].startswith("me,16,")
+        assert logged(a) == logged(b)
+    summary, image = tmp_path / "b" / "summary.csv", str(tmp_path / "recall.png")
+    err = error_line(capsys, recall.main, ["--draw", str(tmp_path / "no.csv"), image])
+    assert f"cannot read {tmp_path / 'no.csv'}:" in err and not os.path.exists(image)
+    runs = "sa,64,64,1,0,0.2 sa,64,64,3,0,0.6 sa,64,64,1,1,0.4 sa,64,64,1,2,1.0"
+    open(summary, "a").write("".join(f"{r},3,False,9\n" for r in runs.split()))
+    figures = []
+    monkeypatch.setattr(plot.plt, "close", figures.append)  # plot.save's last step
+    assert recall.main(["--draw", str(summary), image]) == 0
+    assert os.path.getsize(image) > 1000
+    d16, d64 = (_lines(ax) for ax in figures[0].axes)
+    zoology = ", Zoology Fig. 2 (read from the figure)"
+    assert list(d64) == ["sa", "attention" + zoology, "BaseConv" + zoology]
+    assert d64["sa"] == [[64], [0.6]] and list(d16) == ["me", "sa"]  # median of bests
     assert "--lengths 100" in error_line(capsys, recall.main, ["--lengths", "100"])
     assert "'nope'" in error_line(capsys, recall.main, ["--mixers", "nope"])

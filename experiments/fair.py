@@ -20,6 +20,7 @@ import torch
 
 import bench  # (its folder first on sys.path: a script's own)
 import plot
+from machinery import COUNT  # (the project root on sys.path: bench.py puts it)
 
 POINTS = ["mixer", "batches", "flops", "seconds", "median", "tokens_per_s"]
 AXES = {"flops": "training FLOPs", "seconds": "seconds at the run's median tokens/s"}
@@ -108,13 +109,10 @@ def main(argv=None):
     p.add_argument("what", choices=["lr", "compute"], help="the table or the figure")
     p.add_argument("runs", nargs="+", help="run folders (train.py's or results/logs/)")
     p.add_argument("-o", "--output", required=True, help="lr.csv, or the figure")
-    p.add_argument("--window", type=int, default=500, help="batches per median")
-    p.add_argument("--batches", type=int, default=10000, help="a finished run's")
+    p.add_argument("--window", type=COUNT, default=500, help="batches per median")
+    p.add_argument("--batches", type=COUNT, default=10000, help="a finished run's")
     p.error = lambda msg: plot.fail(f"{msg} (see --help)")
     args = p.parse_args(argv)
-    if min(args.window, args.batches) < 1:
-        got = f"--window {args.window}, --batches {args.batches}"
-        plot.fail(f"{got}: each must be at least 1")
     runs = plot.read_runs(args.runs, args.batches)
     plot.check_corpus(runs)
     table = lambda: [plot.write_csv(args.output, lr_rows(runs, args.batches))]
