@@ -367,10 +367,8 @@ def literal_transformer(model, idx, targets, masks=None):
     u, l, d, p = cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.dropout
     draws = iter(masks or [])
 
-    def dropout(X):  # Eq. (6)
-        if masks is None:
-            return X
-        return torch.where(next(draws), X / (1 - p), 0.0)
+    def dropout(X):  # Eq. (6), in training
+        return X if masks is None else torch.where(next(draws), X / (1 - p), 0.0)
 
     def layernorm(X, ln):  # Eq. (8), over each row (torch's eps 1e-5 inside)
         mu = X.mean(-1, keepdim=True)
@@ -966,8 +964,12 @@ def tf32_rounded(a):
 
 
 # the paths that multiply in bmm, each with an Extractor whose taps it takes
-FIR_GEMMS = [("she", "fft"), ("she", "fft-cuda"), ("we", "toeplitz-strided")]
-FIR_GEMMS.append(("me", "toeplitz-strided"))
+FIR_GEMMS = [
+    ("she", "fft"),
+    ("she", "fft-cuda"),
+    ("we", "toeplitz-strided"),
+    ("me", "toeplitz-strided"),
+]
 
 
 @pytest.mark.parametrize("name,path", FIR_GEMMS)
@@ -3407,13 +3409,13 @@ def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_
     )
     out = tmp_path / "out"
     r = job(str(out), "--dry-run", GPU_CHECK_FAIL="device_tests")
-    table = r.stdout.splitlines()[-6:]  # the last lines: a row a stage
+    table = r.stdout.splitlines()[-7:]  # the last lines: a row a stage
     assert r.returncode == 1 and table[0].split() == ["stage", "status", "seconds"]
     status = {row.split()[0]: " ".join(row.split()[1:-1]) for row in table[1:]}
     assert status.pop("device_tests") == "failed (exit 1)"
-    assert status == dict.fromkeys(["versions", "check", "bench", "length"], "ok")
+    assert status == dict.fromkeys("versions check bench length recall".split(), "ok")
     written = "bench_cpu.json bench_cpu.txt check-cpu.txt device_tests.txt"
-    written += " generate_cpu.csv reproduce.txt summary.txt"  # (the device returns 8)
+    written += " recall.txt reproduce.txt summary.txt"  # (the device returns 8)
     assert sorted(os.listdir(out)) == written.split()
     read = lambda name: (out / name).read_text()
     assert read("summary.txt").endswith("\n".join(table) + "\n")
@@ -3423,6 +3425,7 @@ def test_gpu_check_dry_run_reports_each_stage_one_failed_the_rest_run(data, tmp_
     assert read("check-cpu.txt").startswith("device cpu, torch ")
     assert "computed: {'device': 'cpu'" in read("reproduce.txt")  # (its run's console)
     assert "\n--- length_cpu.csv\nmixer,threads,l,batch," in read("bench_cpu.txt")
+    assert "\nmixer,width,length,lr,seed,best" in read("recall.txt")  # its summary
 
 
 def test_gpu_check_without_its_data_or_cuda_says_what_to_carry_and_why(tmp_path):

@@ -8,8 +8,9 @@
 #
 # OUT gets 7 files: summary.txt (the versions, then the table), device_tests.txt,
 # reproduce.txt (with its train.py consoles), its check file, bench_<card>.txt (the length
-# stage's after the bench's) and .json, and a CSV of the length stage (the other goes into
-# the bench text). PYTHON replaces python3; GPU_CHECK_FAIL=STAGE makes that stage `false`.
+# stage's and its CSVs after the bench's) and .json, and recall.txt (each epoch's test
+# accuracy, then the summary rows of the runs it finished). PYTHON replaces python3;
+# GPU_CHECK_FAIL=STAGE makes that stage `false`.
 # data/ is ignored by git: a copy of the working tree must carry its four files.
 set -u
 shopt -s nullglob  # (a pattern that matches no file: no word)
@@ -56,12 +57,15 @@ fi
 out=$(realpath -m "$out") data=$(realpath -m "$data")
 cd "$(dirname "$0")/.." || exit 1
 dev=cpu card=cpu quick=(--quick) check=(-c "$DRY_CHECK" "$TINY" --device=cpu)
+recall=(--quick)
 if [ -z "$dry" ]; then
   # the card's name, last; or why not, the last line of the error
   name=$(timeout 60 "$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>&1) ||
     die "no CUDA device here ($(tail -1 <<<"$name")): pass --dry-run to try it on the CPU"
   card=$(tail -1 <<<"$name" | tr 'A-Z' 'a-z' | grep -o '[a-z]*[0-9][a-z0-9]*' | head -1)
   dev=cuda card=${card:-gpu} quick=() check=(experiments/reproduce.py)
+  # recall at l = 512 (N = 64) and d = 128, where Zoology's gated convolutions fail
+  recall=(--widths=128 --lengths=512 --epochs=6)
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -90,20 +94,23 @@ stage() {  # NAME BUDGET FILE COMMAND...: COMMAND's output appended to OUT/FILE
 }
 
 export PY VERSIONS PYTHONUNBUFFERED=1  # (each line in its file at once)
-stage versions 45 summary.txt bash -c '"$PY" -c "$VERSIONS" &&
+stage versions 25 summary.txt bash -c '"$PY" -c "$VERSIONS" &&
   if command -v nvidia-smi >/dev/null; then nvidia-smi -L; fi'
 stage device_tests 60 device_tests.txt env TEST_DEVICE="$dev" \
   "$PY" -m pytest tests.py -m device -q -p no:cacheprovider
-stage check 120 reproduce.txt "$PY" "${check[@]}" --check --data_dir="$data" \
+stage check 110 reproduce.txt "$PY" "${check[@]}" --check --data_dir="$data" \
   --work="$tmp/work" --results="$tmp/results"
 cp "$tmp"/results/gpu/check*.txt "$out"/ 2>/dev/null
 for c in "$tmp"/work/check/*/console.txt; do  # how each run computed, or why not
   printf '\n--- %s\n%s\n' "${c#"$tmp"/}" "$(cat "$c")" >>"$out/reproduce.txt"
 done
 bench=("$PY" experiments/bench.py --device="$dev" "${quick[@]}")
-stage bench 110 "bench_$card.txt" "${bench[@]}" --json="$out/bench_$card.json"
-stage length 85 "bench_$card.txt" "${bench[@]}" --sections=length,generate \
+stage bench 100 "bench_$card.txt" "${bench[@]}" --json="$out/bench_$card.json"
+stage length 70 "bench_$card.txt" "${bench[@]}" --sections=length,generate \
   --mixers=sa,she,he,we,me --csv="$tmp/csv"
+stage recall 55 recall.txt "$PY" experiments/recall.py --mixers=sa,he "${recall[@]}" \
+  --device="$dev" --out="$tmp/recall"
+cat "$tmp/recall/summary.csv" >>"$out/recall.txt" 2>/dev/null  # the runs it finished
 # a new stage goes here: stage NAME BUDGET FILE COMMAND..., its budget taken from
 # those above (they sum to TOTAL)
 for f in "$tmp"/csv/*.csv; do  # 7 files at most (the device returns 8)
