@@ -1604,9 +1604,8 @@ def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
     with pytest.MonkeyPatch.context() as mp:
         # a user's proxy must not see loopback requests
         mp.setenv("no_proxy", "127.0.0.1")
-        mp.setattr(prepare_data, "TIMEOUT", timeout)
-        mp.setattr(prepare_data, "RETRIES", 2)
-        mp.setattr(prepare_data, "BACKOFF", 0.01)
+        for name, value in dict(TIMEOUT=timeout, RETRIES=2, BACKOFF=0.01).items():
+            mp.setattr(prepare_data, name, value)
         argv = ["--data_dir", str(data_dir), "--books", tsv, "--mirror", mirror]
         argv += ["--pause", "0", "--vocab_size", str(VOCAB)]
         return prepare_data.main([*argv, *flags])
@@ -3874,14 +3873,15 @@ def test_recall_quick_resumes_bit_for_bit_and_draws(tmp_path, capsys, monkeypatc
     assert recall.main([*quick, "--out", str(tmp_path / "a")]) == 0
     assert recall.main([*quick, "--epochs", "1", "--out", str(tmp_path / "b")]) == 0
     assert recall.main([*quick, "--out", str(tmp_path / "b")]) == 0  # epoch 2 alone
-    assert recall.main([*quick, "--out", str(tmp_path / "b")]) == 0  # nothing to do
-    # a's two runs' epochs 1 and 2, b's epoch 1, then their epoch 2 alone, then none
-    assert capsys.readouterr().out.count(" epoch ") == 4 + 2 + 2
     logged = lambda ckpt: [row.split(",")[:3] for row in ckpt["log"]]  # no seconds
     for run in ("sa-d16-l16-lr0.03-s0", "me-d16-l16-lr0.03-s0"):
         a, b = (torch.load(tmp_path / r / run / "ckpt.pt") for r in "ab")
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
         assert logged(a) == logged(b)
+    os.remove(tmp_path / "b" / run / "ckpt.pt")  # me as committed: run.json, log.csv
+    assert recall.main([*quick, "--out", str(tmp_path / "b")]) == 0  # nothing to do
+    # a's two runs' epochs 1 and 2, b's epoch 1, then their epoch 2 alone, then none
+    assert capsys.readouterr().out.count(" epoch ") == 4 + 2 + 2
     summary, image = tmp_path / "b" / "summary.csv", str(tmp_path / "recall.png")
     err = error_line(capsys, recall.main, ["--draw", str(tmp_path / "no.csv"), image])
     assert f"cannot read {tmp_path / 'no.csv'}:" in err and not os.path.exists(image)

@@ -146,6 +146,11 @@ def run(args, folder, model, adamw, info, data, say):
     """Train to --epochs or to STOP_AT, from the last epoch's checkpoint if any."""
     ckpt = dict(log=[], info=info)
     path = os.path.join(folder, "ckpt.pt")
+    done = os.path.join(folder, "run.json")
+    if not os.path.exists(path) and os.path.exists(done):  # a copy of a committed run
+        was = json.load(open(done))
+        if was["stopped_early"] or was["epochs_run"] >= args.epochs:
+            return say("finished (its run.json), skipped: no ckpt.pt to go on from")
     if os.path.exists(path):
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
