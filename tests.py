@@ -1589,7 +1589,6 @@ def serve(raws):
     srv.log = []
     srv.faults = {}
     srv.handle_error = lambda *a: None
-    srv.daemon_threads = True
     paths = prepare_data.URL_PATTERNS
     srv.files = {p.format(id=i): raw for i, raw in raws.items() for p in paths}
     srv.url = f"http://127.0.0.1:{srv.server_port}"
@@ -1602,8 +1601,7 @@ def serve(raws):
 def prepare(data_dir, *flags, tsv, mirror="http://127.0.0.1:9", timeout=0.5):
     """prepare_data.main: a 0.5 s timeout, retries 0.01 and 0.02 s later, no pause."""
     with pytest.MonkeyPatch.context() as mp:
-        # a user's proxy must not see loopback requests
-        mp.setenv("no_proxy", "127.0.0.1")
+        mp.setenv("no_proxy", "127.0.0.1")  # a user's proxy must not see loopback
         for name, value in dict(TIMEOUT=timeout, RETRIES=2, BACKOFF=0.01).items():
             mp.setattr(prepare_data, name, value)
         argv = ["--data_dir", str(data_dir), "--books", tsv, "--mirror", mirror]
@@ -3861,11 +3859,13 @@ def test_recall_task_and_its_loss_and_accuracy_at_the_queries_alone():
     # p(target) = 2/5 for the first, 1/5 for the second and third, 1/4 for the last
     want = -(math.log(2 / 5) + 2 * math.log(1 / 5) + math.log(1 / 4)) / 4
     assert loss.item() == pytest.approx(want, rel=1e-6) and correct.item() == 1
-    model = recall.build("he", 16, 16, 1e-3, 0, recall.parse(["--quick", "--ffn"]))[0]
+    he = recall.build("he", 16, 16, 1e-3, 0, recall.parse(["--quick", "--ffn"]))[0]
+    torch.manual_seed(0)  # seed 0's draws are the model's alone, as in train.py
+    assert all(map(torch.equal, Transformer(he.cfg).parameters(), he.parameters()))
     x, pos, _ = recall.mqar(3, 16, 2, seed=0)
-    want = model(x)[0][[[0], [1], [2]], pos]  # extractor.py's logits at the queries
+    want = he(x)[0][[[0], [1], [2]], pos]  # extractor.py's logits at the queries
     for head in ("queries", "all"):  # the head at the queries, or at every position
-        torch.testing.assert_close(recall.query_logits(model, x, pos, head, True), want)
+        torch.testing.assert_close(recall.query_logits(he, x, pos, head, True), want)
 
 
 def test_recall_quick_resumes_bit_for_bit_and_draws(tmp_path, capsys, monkeypatch):

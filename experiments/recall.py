@@ -88,9 +88,10 @@ def mqar(n, length, pairs, seed):
 
 
 def build(mixer, width, length, lr, seed, args):
-    torch.manual_seed(seed)
     cfg = Config(VOCAB, length, width, 4 * width, 2, 1, 0.0, mixer)  # sa: 1 head
-    model = Transformer(machinery.check_mixer(cfg)).to(args.device)
+    machinery.check_mixer(cfg)  # before the seed, whose draws are the model's alone
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(args.device)
     for layer in model.layers if not args.ffn else []:  # Zoology's blocks have none
         layer.ffn = layer.ln2 = None
     return model, torch.optim.AdamW(model.parameters(), lr, weight_decay=0.1)
