@@ -1007,8 +1007,7 @@ def test_fir_gemms_run_in_ieee_float32_while_tf32_is_on(name, path, monkeypatch,
 
 
 def per_token_counts(d, t, n):
-    """Tables 5-6 summed for one new token at t (h = d/n): SA adds Table 3's t - 1, SHE
-    d*d (Notes on the paper, 5)."""
+    """Tables 5-6 for one new token at t (h = d/n), with Notes 5's SA t - 1, SHE d*d."""
     h = d // n
     sa_mult = (3 * d * h + t * h + t * h) * n + d * d
     sa_add = (3 * (d - 1) * h + t * (h - 1) + (t - 1) * h + (t - 1)) * n + (d - 1) * d
@@ -1076,8 +1075,7 @@ def test_table7_from_the_closed_forms_and_the_modules(capsys):
     # FLOPs: SA's four d x d maps, QK^T and AV over all t x t (SDPA's way); ME's T x
     sa_flops = 8 * l * d * d + 4 * l * l * d
     assert [rows["flops"][i] for i in (0, 1, 5)] == [sa_flops, sa_flops, 2 * l * l * d]
-    # Tables 5 and 6 at t = l = d = 128: SA 2td + 4d^2 - 5d - n, SHE td^2 + 2d^2 - 3d,
-    # HE td + 3d^2 - 4d, ...
+    # Tables 5-6 at t = l = d = 128: SA 2td + 4d^2 - 5d - n, SHE td^2 + 2d^2 - 3d, ...
     adds = [97663, 97632, 2129536, 65024, 48768, 16256]
     assert parse(out[1].splitlines()[1:])["add"] == adds
 
@@ -1831,9 +1829,8 @@ def test_split_holds_out_whole_books_in_the_order_of_sha256_of_their_ids(tmp_pat
     headless = tmp_path / "headless.tsv"  # the same without its header line
     headless.write_text(open(prepare_data.BOOKS_TSV).read().partition("\n")[2])
     assert prepare_data.read_books_tsv(str(headless)) == books
-    # by sha256: 2726 (00f3ca2e...), 55 (02d20bbd...), 51 (031b4af5...), 1154
-    # (06ec44cc...), 2557 (0844b610...), 146 (0a5b046d...), 520 (0b35b06a...); the real
-    # books' lengths stop after six
+    # by sha256: 2726 (00f3ca2e), 55 (02d20bbd), 51 (031b4af5), 1154 (06ec44cc), 2557
+    # (0844b610), 146 (0a5b046d), 520 (0b35b06a); the real books' lengths stop after six
     first = [2726, 55, 51, 1154, 2557, 146, 520]
     ids = [i for i, _, _ in books]
     # books of equal length: k - 0.5 of 100 books' text takes k
@@ -2311,8 +2308,7 @@ def test_a_folder_holds_one_run_from_its_first_checkpoint(data, tmp_path, capsys
 
 @contextlib.contextmanager
 def full_disk(size=3000):
-    """A file size limit as a full disk: writes past `size` bytes fail (ckpt.pt: ~90 kB,
-    run.json ~1.4 kB)."""
+    """A full disk: writes past `size` bytes fail (run.json: 1.4 kB, ckpt.pt: 90 kB)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
     try:
@@ -3882,6 +3878,10 @@ def test_recall_quick_resumes_bit_for_bit_and_draws(tmp_path, capsys, monkeypatc
     assert recall.main([*quick, "--out", str(tmp_path / "b")]) == 0  # nothing to do
     # a's two runs' epochs 1 and 2, b's epoch 1, then their epoch 2 alone, then none
     assert capsys.readouterr().out.count(" epoch ") == 4 + 2 + 2
+    me = [*quick, "--mixers", "me", "--out", str(tmp_path / "b")]  # run.json alone
+    assert "has settings" in error_line(capsys, recall.main, [*me, "--ffn"])
+    open(tmp_path / "b" / run / "run.json", "w").write("{")  # damaged
+    assert "run.json (JSONDecodeError)" in error_line(capsys, recall.main, me)
     summary, image = tmp_path / "b" / "summary.csv", str(tmp_path / "recall.png")
     err = error_line(capsys, recall.main, ["--draw", str(tmp_path / "no.csv"), image])
     assert f"cannot read {tmp_path / 'no.csv'}:" in err and not os.path.exists(image)

@@ -148,18 +148,21 @@ def run(args, folder, model, adamw, info, data, say):
     ckpt = dict(log=[], info=info)
     path = os.path.join(folder, "ckpt.pt")
     done = os.path.join(folder, "run.json")
-    if not os.path.exists(path) and os.path.exists(done):  # a copy of a committed run
-        was = json.load(open(done))
-        if was["stopped_early"] or was["epochs_run"] >= args.epochs:
-            return say("finished (its run.json), skipped: no ckpt.pt to go on from")
-    if os.path.exists(path):
+    found = path if os.path.exists(path) else done  # done alone: a committed run's copy
+    if os.path.exists(found):
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            if found == path:
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            saved = ckpt["info"] if found == path else json.load(open(done))
+            finished = saved["stopped_early"] or saved["epochs_run"] >= args.epochs
+            was = saved["settings"]  # (an older run's: also settings fixed since)
         except Exception as e:
-            machinery.fail(f"cannot read {path} ({type(e).__name__}): delete it")
-        was = ckpt["info"]["settings"]  # (an older run's: also settings fixed since)
+            machinery.fail(f"cannot read {found} ({type(e).__name__}): delete it")
         if not was.items() >= info["settings"].items():
             machinery.fail(f"{folder} has settings {was}: pass those or another --out")
+        if found == done and finished:
+            return say("finished (its run.json), skipped: no ckpt.pt to go on from")
+    if found == path:
         model.load_state_dict(ckpt["model"])
         adamw.load_state_dict(ckpt["optimizer"])
     rows, info = ckpt["log"], ckpt["info"]
