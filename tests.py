@@ -1413,9 +1413,8 @@ def test_bench_quick_as_users_run_it_every_mixer_and_a_closed_pipe():
 
 # ======== data (prepare_data.py): Gutenberg's wrappers, download, split, BPE, loaders
 
-# A made-up book with what stripping must keep: the first line's indent, a chapter "END
-# OF ...", an ornament of asterisks, a paragraph opening like a credit and a line
-# holding a footer's words, inside the text.
+# A made-up book; stripping keeps its first line's indent, a chapter "END OF ...", an
+# ornament of asterisks, a paragraph opening like a credit, a footer's words in a line.
 BODY = """\
       THE LANTERN
 
@@ -3803,9 +3802,8 @@ def _readme_commands():
 def test_results_csvs_are_the_readmes_output(tmp_path, monkeypatch, figures, capsys):
     monkeypatch.chdir(ROOT)
     commands = _readme_commands()
-    # Figures 7 (two), 8 (two), 9, data order, 10, 11, the Synthesizers, section 1; the
-    # cost against the length and of a generated token (bench.py's); against compute;
-    # each mixer's learning rates (fair.py's lr, no figure); recall against the length
+    # Figures 7 and 8 (two each), 9, data order, 10, 11, the Synthesizers, section 1;
+    # bench.py's two costs; against compute; fair.py's lr (no figure); recall against l
     assert len(commands) == 15
     for main, argv in commands:
         for i, flag in enumerate(argv[:-1]):
@@ -3895,5 +3893,7 @@ def test_recall_quick_resumes_bit_for_bit_and_draws(tmp_path, capsys, monkeypatc
     zoology = ", Zoology Fig. 2 (read from the figure)"
     assert list(d64) == ["sa", "attention" + zoology, "BaseConv" + zoology]
     assert d64["sa"] == [[64], [0.6]] and list(d16) == ["me", "sa"]  # median of bests
+    sa = [ln for ax in figures[0].axes for ln in ax.lines if ln.get_label() == "sa"]
+    assert len(sa) == 2 and sa[0].get_color() == sa[1].get_color()  # in each panel
     assert "--lengths 100" in error_line(capsys, recall.main, ["--lengths", "100"])
     assert "'nope'" in error_line(capsys, recall.main, ["--mixers", "nope"])

@@ -208,11 +208,13 @@ def draw(path, image):
     runs = plot.read(path, read, "pass a summary.csv that recall.py wrote")
     if not runs:
         plot.fail(f"{path} holds no runs: pass a summary.csv that recall.py wrote")
-    fig, _ = plot.plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5))
+    fig, _ = plot.plt.subplots(1, len(runs), figsize=(9 * len(runs), 4.5))
+    mixers = sorted({mixer for lines in runs.values() for mixer in lines})  # colours
     for ax, width in zip(fig.axes, sorted(runs)):
-        for mixer, line in runs[width].items():
+        for mixer, line in sorted(runs[width].items()):
             points = sorted((l, statistics.median(s.values())) for l, s in line.items())
-            ax.plot(*zip(*points), marker="o", label=mixer)
+            colour = f"C{mixers.index(mixer) % 10}"  # a mixer's, in every panel
+            ax.plot(*zip(*points), marker="o", color=colour, label=mixer)
         for (mixer, w), points in ZOOLOGY.items():
             if w == width:
                 label = f"{mixer}, Zoology Fig. 2 (read from the figure)"
@@ -222,6 +224,7 @@ def draw(path, image):
         ax.xaxis.set_major_formatter("{x:g}")  # 64, not 2^6
         ax.set(xlabel="sequence length l", ylabel="test accuracy", ylim=(-0.05, 1.05))
         plot.finish(ax, f"width d = {width}")
+        ax.legend(loc="center left", bbox_to_anchor=(1, 0.5))  # beside: lines fill it
     plot.save(fig, image, "multi-query associative recall")
     return [image]
 
